@@ -1,0 +1,1 @@
+"""kvserve.kernels: paged KV-cache writes and paged attention."""

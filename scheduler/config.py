@@ -1,0 +1,75 @@
+"""Configuration of the control plane: the KV cache and the step scheduler.
+
+Each dataclass is frozen and validated once; derived values are produced with
+``dataclasses.replace``.  Invalid values raise ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache of one replica, as the control plane sees it.
+
+    ``num_blocks`` counts every block including the null block (id 0), so a
+    pool of ``num_blocks`` hands out at most ``num_blocks - 1`` blocks.
+    ``model_id`` is mixed into every block hash so that caches of different
+    models or adapters never match.
+    """
+
+    block_size: int = 16
+    num_blocks: int = 1024
+    enable_prefix_caching: bool = True
+    model_id: str = ""
+
+    def __post_init__(self) -> None:
+        _require_positive_int("block_size", self.block_size)
+        _require_positive_int("num_blocks", self.num_blocks)
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"num_blocks must be at least 2 (block 0 is the null block), got {self.num_blocks}"
+            )
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits of one replica's step scheduler.
+
+    ``max_num_batched_tokens`` is the token budget of one step (prefill chunks
+    plus one token per decode), ``max_num_seqs`` the most requests running at
+    once, and ``max_model_len`` the longest sequence (prompt + output).
+    ``long_prefill_token_threshold`` caps one request's prefill chunk per step
+    so that several long prompts progress together (``None``: no cap).
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+
+    def __post_init__(self) -> None:
+        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        _require_positive_int("max_model_len", self.max_model_len)
+        if self.long_prefill_token_threshold is not None:
+            _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
+            if not self.enable_chunked_prefill:
+                raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                "max_num_batched_tokens must be >= max_model_len when chunked prefill is off "
+                f"(got {self.max_num_batched_tokens} < {self.max_model_len}): "
+                "a long prompt could never be scheduled"
+            )

@@ -1,0 +1,175 @@
+"""Per-request block tables on top of one ``BlockPool``, with prefix caching.
+
+The manager owns each request's list of blocks.  A request first looks up
+the longest run of cached full blocks of its prompt (``get_computed_blocks``),
+then asks for slots for the tokens it will compute (``allocate_slots``).
+Blocks are cached as soon as the tokens scheduled into them fill them, and a
+finished request frees its blocks last-to-first so that its prefix blocks are
+evicted last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.scheduler.block_hash import BlockHasher
+from kvserve.scheduler.block_pool import BlockPool, KVCacheEventObserver
+from kvserve.scheduler.kv_cache_block import KVCacheBlock
+from kvserve.scheduler.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedBlocks:
+    """A prefix-cache hit: cached full blocks and the prompt tokens they cover."""
+
+    blocks: list[KVCacheBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """Cumulative prefix-cache lookups: tokens queried and tokens found cached."""
+
+    num_requests: int = 0
+    num_queried_tokens: int = 0
+    num_hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.num_hit_tokens / self.num_queried_tokens if self.num_queried_tokens else 0.0
+
+
+_NO_HIT = ComputedBlocks()
+
+
+class KVCacheManager:
+    """Allocates and frees the KV-cache blocks of one replica's requests."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_caching: bool = True,
+        model_id: str = "",
+        observer: KVCacheEventObserver | None = None,
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.hasher = BlockHasher(block_size, model_id)
+        self.block_pool = BlockPool(num_blocks, enable_caching, observer)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Leading blocks of each request that are already in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # -- hashing ---------------------------------------------------------------
+
+    def update_block_hashes(self, request: Request) -> None:
+        """Extend ``request.block_hashes`` to every full block of its tokens."""
+        block_hashes = request.block_hashes
+        num_hashed = len(block_hashes)
+        if (num_hashed + 1) * self.block_size > request.num_tokens:
+            return
+        parent = block_hashes[-1] if num_hashed else None
+        block_hashes.extend(
+            self.hasher.hash_token_ids(request.all_token_ids, request.cache_salt, parent, num_hashed)
+        )
+
+    # -- lookups ---------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> ComputedBlocks:
+        """The longest run of cached full blocks at the start of ``request``.
+
+        Never covers the whole sequence: at least its last token is recomputed,
+        because a step must produce the logits to sample from.  Touches nothing.
+        """
+        if not self.enable_caching:
+            return _NO_HIT
+        self.update_block_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        get_cached = self.block_pool.cached_block_hash_to_block.get_one_block
+        blocks: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = get_cached(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        stats = self.prefix_cache_stats
+        stats.num_requests += 1
+        stats.num_queried_tokens += request.num_tokens
+        num_tokens = len(blocks) * self.block_size
+        stats.num_hit_tokens += num_tokens
+        return ComputedBlocks(blocks, num_tokens) if blocks else _NO_HIT
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def get_usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    # -- allocation ------------------------------------------------------------
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: ComputedBlocks | None = None,
+    ) -> list[KVCacheBlock] | None:
+        """Make room for ``num_new_tokens`` more tokens of ``request``.
+
+        ``new_computed_blocks`` is a prefix-cache hit from
+        ``get_computed_blocks`` for a request being scheduled from the waiting
+        queue; its blocks join the request's table.  Returns the newly
+        allocated blocks (possibly none), or ``None`` when the pool cannot
+        serve the request, in which case nothing was touched or allocated.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        block_size = self.block_size
+        req_id = request.req_id
+        req_blocks = self.req_to_blocks.get(req_id)
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[req_id] = []
+            self.num_cached_blocks[req_id] = 0
+        computed = new_computed_blocks.blocks if new_computed_blocks is not None else ()
+        num_computed_tokens = request.num_computed_tokens + len(computed) * block_size
+        num_tokens_needed = num_computed_tokens + num_new_tokens
+        num_new_blocks = -(-num_tokens_needed // block_size) - len(req_blocks) - len(computed)
+        pool = self.block_pool
+        if computed:
+            # Touching a free cached block takes it off the free queue.
+            num_evictable = sum(1 for block in computed if block.ref_cnt == 0)
+            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_evictable:
+                return None
+            pool.touch(computed)
+            req_blocks.extend(computed)
+            self.num_cached_blocks[req_id] += len(computed)
+        elif num_new_blocks > pool.free_block_queue.num_free_blocks:
+            return None
+        if num_new_blocks > 0:
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            req_blocks.extend(new_blocks)
+        else:
+            new_blocks = []
+        if self.enable_caching:
+            num_full_blocks = min(num_tokens_needed, request.num_tokens) // block_size
+            num_cached = self.num_cached_blocks[req_id]
+            if num_full_blocks > num_cached:
+                self.update_block_hashes(request)
+                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
+                self.num_cached_blocks[req_id] = num_full_blocks
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block of ``request``, last block first."""
+        req_blocks = self.req_to_blocks.pop(request.req_id, None)
+        self.num_cached_blocks.pop(request.req_id, None)
+        if req_blocks:
+            self.block_pool.free_blocks(reversed(req_blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,20 @@
+"""What one step produced for one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvserve.scheduler.request import FinishReason
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A token sampled for ``req_id`` in one step; ``finish_reason`` is set when it was the last."""
+
+    req_id: str
+    token_id: int
+    finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

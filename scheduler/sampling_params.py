@@ -1,0 +1,59 @@
+"""Per-request sampling parameters, validated once at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How one request samples its tokens and when it stops.
+
+    ``top_k`` of ``None`` disables top-k; ``-1`` and ``0`` are accepted as the
+    conventional spellings of "disabled" and normalised to ``None``.
+    ``temperature == 0`` means greedy.  A ``seed`` makes the request's samples
+    reproducible and independent of the batch it runs in.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
+            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        temperature = float(self.temperature)
+        if not math.isfinite(temperature) or temperature < 0.0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        top_p = float(self.top_p)
+        if not (0.0 < top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        top_k = self.top_k
+        if top_k is not None:
+            if isinstance(top_k, bool) or not isinstance(top_k, int):
+                raise ValueError(f"top_k must be an integer, got {top_k!r}")
+            if top_k < -1:
+                raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {top_k}")
+            if top_k in (-1, 0):
+                top_k = None
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        stop_token_ids = tuple(self.stop_token_ids)
+        for token_id in stop_token_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "top_k", top_k)
+        object.__setattr__(self, "stop_token_ids", stop_token_ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,310 @@
+"""The step scheduler of one replica (vLLM v1 style).
+
+There are no prefill or decode phases.  Every step has a token budget
+(``max_num_batched_tokens``); running requests are served first (one token for
+a decode, a chunk for an unfinished prefill), then waiting ones in arrival
+order, each taking as many of its uncomputed tokens as the budget allows.
+When the pool runs out of blocks, the most recently admitted running request
+is preempted: its blocks are freed and it goes back to the *front* of the
+waiting queue, to be recomputed later (cheaply, when its blocks are still in
+the prefix cache).  The prefix cache is looked up when a request is scheduled
+from the waiting queue.
+
+One step is ``plan = schedule()``, the workers run ``plan``, then
+``update(plan, sampled_token_ids)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from kvserve.scheduler.block_pool import KVCacheEventObserver
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.kv_cache_manager import KVCacheManager
+from kvserve.scheduler.request import FinishReason, Request, RequestStatus
+from kvserve.scheduler.request_output import RequestOutput
+from kvserve.scheduler.step_plan import NewRequestData, StepPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerStats:
+    """A snapshot of one replica's load and cache, for routing and monitoring."""
+
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_hit_rate: float
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which requests one replica computes."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        observer: KVCacheEventObserver | None = None,
+    ) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+            model_id=cache_config.model_id,
+            observer=observer,
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Requests whose worker state must be dropped with the next plan.
+        self._finished_req_ids: list[str] = []
+        self._next_step_id = 0
+
+    # -- requests --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue ``request``; raises ``ValueError`` if it could never be served."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.req_id!r} was already scheduled once")
+        max_model_len = self.scheduler_config.max_model_len
+        if request.num_prompt_tokens > max_model_len:
+            raise ValueError(
+                f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len={max_model_len}"
+            )
+        # The last sampled token is never fed back, so it needs no slot.
+        max_kv_tokens = min(
+            request.num_prompt_tokens + request.sampling_params.max_tokens - 1, max_model_len
+        )
+        num_blocks_needed = -(-max_kv_tokens // self.cache_config.block_size)
+        if num_blocks_needed > self.cache_config.num_usable_blocks:
+            raise ValueError(
+                f"request needs up to {num_blocks_needed} KV blocks but the pool has only "
+                f"{self.cache_config.num_usable_blocks}"
+            )
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        """Stop these requests now, wherever they are, and free their blocks.
+
+        Unknown or already finished ids are ignored.  Returns the aborted requests.
+        """
+        aborted: list[Request] = []
+        for req_id in req_ids:
+            request = self.requests.pop(req_id, None)
+            if request is None:
+                continue
+            if request.status is RequestStatus.RUNNING:
+                self.kv_cache_manager.free(request)
+                self._finished_req_ids.append(req_id)
+            request.finish(FinishReason.ABORT)
+            aborted.append(request)
+        if aborted:
+            self.running = [r for r in self.running if not r.is_finished]
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # -- one step --------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Choose the work of the next step and reserve its KV slots."""
+        config = self.scheduler_config
+        kv = self.kv_cache_manager
+        budget = config.max_num_batched_tokens
+        req_ids: list[str] = []
+        num_scheduled: list[int] = []
+        num_computed: list[int] = []
+        token_ids: list[int] = []
+        num_new_block_ids: list[int] = []
+        new_block_ids: list[int] = []
+        sample: list[bool] = []
+        new_requests: list[NewRequestData] = []
+        preempted_req_ids: list[str] = []
+
+        # Running requests first: decodes and unfinished prefill chunks.
+        running = self.running
+        max_model_len = config.max_model_len
+        max_chunk = config.long_prefill_token_threshold or max_model_len
+        allocate_slots = kv.allocate_slots
+        req_index = 0
+        while req_index < len(running) and budget > 0:
+            request = running[req_index]
+            start = request.num_computed_tokens
+            num_tokens = request.num_tokens
+            num_new = min(num_tokens - start, budget, max_chunk)
+            if num_new <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim = running.pop()
+                self._preempt(victim)
+                preempted_req_ids.append(victim.req_id)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            req_ids.append(request.req_id)
+            num_scheduled.append(num_new)
+            num_computed.append(start)
+            if num_new == 1:
+                token_ids.append(request.all_token_ids[start])
+            else:
+                token_ids.extend(request.all_token_ids[start : start + num_new])
+            num_new_block_ids.append(len(new_blocks))
+            for block in new_blocks:
+                new_block_ids.append(block.block_id)
+            sample.append(start + num_new == num_tokens)
+            request.num_computed_tokens = start + num_new
+            budget -= num_new
+            req_index += 1
+
+        # Then waiting requests, in order, unless this step had to preempt.
+        waiting = self.waiting
+        while waiting and budget > 0 and not preempted_req_ids and len(running) < config.max_num_seqs:
+            request = waiting[0]
+            computed = kv.get_computed_blocks(request)
+            start = computed.num_tokens
+            num_new = min(request.num_tokens - start, max_chunk)
+            if num_new > budget:
+                if not config.enable_chunked_prefill:
+                    break
+                num_new = budget
+            if allocate_slots(request, num_new, computed) is None:
+                break
+            waiting.popleft()
+            running.append(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = start
+            new_requests.append(
+                NewRequestData(request.req_id, request.sampling_params, request.num_prompt_tokens)
+            )
+            block_ids = kv.get_block_ids(request.req_id)
+            req_ids.append(request.req_id)
+            num_scheduled.append(num_new)
+            num_computed.append(start)
+            token_ids.extend(request.all_token_ids[start : start + num_new])
+            num_new_block_ids.append(len(block_ids))
+            new_block_ids.extend(block_ids)
+            sample.append(start + num_new == request.num_tokens)
+            request.num_computed_tokens = start + num_new
+            budget -= num_new
+
+        finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
+        plan = StepPlan(
+            step_id=self._next_step_id,
+            req_ids=req_ids,
+            num_scheduled_tokens=num_scheduled,
+            num_computed_tokens=num_computed,
+            token_ids=token_ids,
+            num_new_block_ids=num_new_block_ids,
+            new_block_ids=new_block_ids,
+            sample=sample,
+            new_requests=new_requests,
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=preempted_req_ids,
+        )
+        self._next_step_id += 1
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "step %d: %d requests, %d tokens, %d new, %d preempted",
+                plan.step_id, plan.num_reqs, len(token_ids), len(new_requests), len(preempted_req_ids),
+            )
+        return plan
+
+    def update(self, plan: StepPlan, sampled_token_ids: Sequence[int]) -> list[RequestOutput]:
+        """Apply the tokens sampled for ``plan`` (one per ``plan.sample`` row, in order).
+
+        Returns one output per request that received a token; those that
+        finished carry their reason and have already freed their blocks.
+        Requests aborted while the step was in flight are skipped.
+        """
+        if hasattr(sampled_token_ids, "tolist"):
+            sampled_token_ids = sampled_token_ids.tolist()  # type: ignore[union-attr]
+        num_sampled = sum(plan.sample)
+        if len(sampled_token_ids) != num_sampled:
+            raise ValueError(
+                f"step {plan.step_id} sampled {num_sampled} requests but got "
+                f"{len(sampled_token_ids)} token ids"
+            )
+        requests = self.requests
+        max_model_len = self.scheduler_config.max_model_len
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        tokens = iter(sampled_token_ids)
+        running_status = RequestStatus.RUNNING
+        for req_id, sampled in zip(plan.req_ids, plan.sample):
+            if not sampled:
+                continue
+            token_id = next(tokens)
+            request = requests.get(req_id)
+            if request is None or request.status is not running_status:
+                continue
+            request.all_token_ids.append(token_id)
+            request.output_token_ids.append(token_id)
+            if token_id in request.stop_token_ids:
+                reason: FinishReason | None = FinishReason.STOP
+            elif (
+                len(request.output_token_ids) >= request.sampling_params.max_tokens
+                or len(request.all_token_ids) >= max_model_len
+            ):
+                reason = FinishReason.LENGTH
+            else:
+                outputs.append(RequestOutput(req_id, token_id))
+                continue
+            request.finish(reason)
+            self.kv_cache_manager.free(request)
+            del requests[req_id]
+            self._finished_req_ids.append(req_id)
+            any_finished = True
+            outputs.append(RequestOutput(req_id, token_id, reason))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s after %d output tokens", request.req_id, request.num_output_tokens)
+
+    # -- introspection ---------------------------------------------------------
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        queued = sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+        queued += sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in self.running
+            if r.num_computed_tokens < r.num_prompt_tokens
+        )
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_queued_prefill_tokens=queued,
+            kv_cache_usage=kv.get_usage(),
+            num_free_blocks=kv.get_num_free_blocks(),
+            prefix_cache_hit_rate=kv.prefix_cache_stats.hit_rate,
+        )

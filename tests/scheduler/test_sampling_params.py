@@ -1,0 +1,79 @@
+"""SamplingParams and configs reject bad values with a message naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.sampling_params import SamplingParams
+
+
+def test_defaults_are_valid() -> None:
+    params = SamplingParams()
+    assert params.max_tokens == 16 and params.top_k is None and not params.is_greedy
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": "x"}, "seed"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_disabled_top_k_spellings_normalise_to_none(top_k: int) -> None:
+    assert SamplingParams(top_k=top_k).top_k is None
+
+
+def test_zero_temperature_is_greedy_and_params_are_frozen() -> None:
+    params = SamplingParams(temperature=0, stop_token_ids=[3, 4])
+    assert params.is_greedy and params.stop_token_ids == (3, 4)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.max_tokens = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("factory", "field"),
+    [
+        (lambda: CacheConfig(block_size=0), "block_size"),
+        (lambda: CacheConfig(num_blocks=1), "num_blocks"),
+        (lambda: SchedulerConfig(max_num_batched_tokens=0), "max_num_batched_tokens"),
+        (lambda: SchedulerConfig(max_num_seqs=-1), "max_num_seqs"),
+        (lambda: SchedulerConfig(max_model_len=0), "max_model_len"),
+        (
+            lambda: SchedulerConfig(max_num_batched_tokens=64, max_model_len=128, enable_chunked_prefill=False),
+            "max_num_batched_tokens",
+        ),
+        (lambda: SchedulerConfig(long_prefill_token_threshold=0), "long_prefill_token_threshold"),
+        (
+            lambda: SchedulerConfig(
+                max_num_batched_tokens=4096, enable_chunked_prefill=False, long_prefill_token_threshold=8
+            ),
+            "long_prefill_token_threshold",
+        ),
+    ],
+)
+def test_bad_configs_name_the_field(factory, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        factory()
+
+
+def test_derived_config_is_validated_too() -> None:
+    with pytest.raises(ValueError, match="block_size"):
+        dataclasses.replace(CacheConfig(), block_size=-4)
