@@ -5,7 +5,21 @@ The top-level folders of the repository are installed as subpackages:
 ``kvserve.kernels``, ``kvserve.cluster``, ``kvserve.proto`` and ``kvserve.bench``.
 """
 
+from typing import TYPE_CHECKING
+
 from kvserve.scheduler.sampling_params import SamplingParams
 
-__all__ = ["SamplingParams"]
+if TYPE_CHECKING:
+    from kvserve.llm import LLM, GenerationOutput
+
+__all__ = ["LLM", "GenerationOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # The engine pulls in torch and transformers: import it only when asked for.
+    if name in ("LLM", "GenerationOutput"):
+        from kvserve import llm
+
+        return getattr(llm, name)
+    raise AttributeError(f"module 'kvserve' has no attribute {name!r}")
 __version__ = "0.1.0"

@@ -132,24 +132,33 @@ class KVCacheManager:
         block_size = self.block_size
         req_id = request.req_id
         req_blocks = self.req_to_blocks.get(req_id)
-        if req_blocks is None:
-            req_blocks = self.req_to_blocks[req_id] = []
-            self.num_cached_blocks[req_id] = 0
+        if req_blocks is not None and new_computed_blocks is None:
+            # Fast path of a decode step: room left in the last block, and no
+            # block becomes full.
+            num_tokens_needed = request.num_computed_tokens + num_new_tokens
+            if num_tokens_needed <= len(req_blocks) * block_size and (
+                not self.enable_caching
+                or min(num_tokens_needed, len(request.all_token_ids)) // block_size
+                <= self.num_cached_blocks[req_id]
+            ):
+                return []
         computed = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens + len(computed) * block_size
         num_tokens_needed = num_computed_tokens + num_new_tokens
-        num_new_blocks = -(-num_tokens_needed // block_size) - len(req_blocks) - len(computed)
+        num_held = len(req_blocks) if req_blocks is not None else 0
+        num_new_blocks = -(-num_tokens_needed // block_size) - num_held - len(computed)
         pool = self.block_pool
+        # Touching a free cached block takes it off the free queue.
+        num_evictable = sum(1 for block in computed if block.ref_cnt == 0) if computed else 0
+        if num_new_blocks > pool.free_block_queue.num_free_blocks - num_evictable:
+            return None
+        if req_blocks is None:
+            req_blocks = self.req_to_blocks[req_id] = []
+            self.num_cached_blocks[req_id] = 0
         if computed:
-            # Touching a free cached block takes it off the free queue.
-            num_evictable = sum(1 for block in computed if block.ref_cnt == 0)
-            if num_new_blocks > pool.free_block_queue.num_free_blocks - num_evictable:
-                return None
             pool.touch(computed)
             req_blocks.extend(computed)
             self.num_cached_blocks[req_id] += len(computed)
-        elif num_new_blocks > pool.free_block_queue.num_free_blocks:
-            return None
         if num_new_blocks > 0:
             new_blocks = pool.get_new_blocks(num_new_blocks)
             req_blocks.extend(new_blocks)

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 from kvserve.scheduler.request import FinishReason
 
 
-@dataclass(frozen=True, slots=True)
+# NOTE: not frozen: one is built per request per step, and a frozen dataclass's
+# __init__ (object.__setattr__ per field) costs several times more.
+@dataclass(slots=True)
 class RequestOutput:
     """A token sampled for ``req_id`` in one step; ``finish_reason`` is set when it was the last."""
 
     req_id: str
     token_id: int
     finish_reason: FinishReason | None = None
+    logprob: float | None = None
 
     @property
     def finished(self) -> bool:

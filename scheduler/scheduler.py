@@ -147,7 +147,7 @@ class Scheduler:
         while req_index < len(running) and budget > 0:
             request = running[req_index]
             start = request.num_computed_tokens
-            num_tokens = request.num_tokens
+            num_tokens = len(request.all_token_ids)
             num_new = min(num_tokens - start, budget, max_chunk)
             if num_new <= 0:
                 req_index += 1
@@ -232,12 +232,18 @@ class Scheduler:
             )
         return plan
 
-    def update(self, plan: StepPlan, sampled_token_ids: Sequence[int]) -> list[RequestOutput]:
+    def update(
+        self,
+        plan: StepPlan,
+        sampled_token_ids: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the tokens sampled for ``plan`` (one per ``plan.sample`` row, in order).
 
         Returns one output per request that received a token; those that
         finished carry their reason and have already freed their blocks.
         Requests aborted while the step was in flight are skipped.
+        ``logprobs``, when given, parallels ``sampled_token_ids``.
         """
         if hasattr(sampled_token_ids, "tolist"):
             sampled_token_ids = sampled_token_ids.tolist()  # type: ignore[union-attr]
@@ -247,16 +253,22 @@ class Scheduler:
                 f"step {plan.step_id} sampled {num_sampled} requests but got "
                 f"{len(sampled_token_ids)} token ids"
             )
+        if logprobs is not None and len(logprobs) != num_sampled:
+            raise ValueError(f"got {len(logprobs)} logprobs for {num_sampled} sampled tokens")
         requests = self.requests
         max_model_len = self.scheduler_config.max_model_len
         outputs: list[RequestOutput] = []
         any_finished = False
         tokens = iter(sampled_token_ids)
+        token_logprobs = iter(logprobs) if logprobs is not None else None
+        logprob: float | None = None
         running_status = RequestStatus.RUNNING
         for req_id, sampled in zip(plan.req_ids, plan.sample):
             if not sampled:
                 continue
             token_id = next(tokens)
+            if token_logprobs is not None:
+                logprob = next(token_logprobs)
             request = requests.get(req_id)
             if request is None or request.status is not running_status:
                 continue
@@ -270,14 +282,14 @@ class Scheduler:
             ):
                 reason = FinishReason.LENGTH
             else:
-                outputs.append(RequestOutput(req_id, token_id))
+                outputs.append(RequestOutput(req_id, token_id, None, logprob))
                 continue
             request.finish(reason)
             self.kv_cache_manager.free(request)
             del requests[req_id]
             self._finished_req_ids.append(req_id)
             any_finished = True
-            outputs.append(RequestOutput(req_id, token_id, reason))
+            outputs.append(RequestOutput(req_id, token_id, reason, logprob))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs

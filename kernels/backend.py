@@ -1,0 +1,144 @@
+"""The attention backend seam: one interface, a torch reference and (later) CUDA kernels.
+
+Selection, first match wins:
+
+1. the ``name`` argument of :func:`get_attention_backend`;
+2. the ``KVSERVE_ATTENTION_BACKEND`` environment variable;
+3. automatic: ``"cuda"`` on a CUDA device when the CUDA kernels import, else ``"torch"``.
+
+The CUDA kernels plug in as module ``kvserve.kernels.cuda_backend`` exposing a
+class ``CudaAttentionBackend`` (constructed without arguments) that satisfies
+:class:`AttentionBackend`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kvserve.kernels import reference
+from kvserve.kernels.attention_metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
+BACKEND_NAMES = ("torch", "cuda")
+_CUDA_MODULE = "kvserve.kernels.cuda_backend"
+_CUDA_CLASS = "CudaAttentionBackend"
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Writes new K/V into the paged cache and attends over it.
+
+    Both operations follow the contracts of :mod:`kvserve.kernels.reference`,
+    which every backend must match numerically (within its dtype's tolerance).
+    """
+
+    name: str
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
+
+
+class TorchReferenceBackend:
+    """The pure-torch reference kernels; runs on any device."""
+
+    __slots__ = ()
+    name = "torch"
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
+
+    def __repr__(self) -> str:
+        return "TorchReferenceBackend()"
+
+
+def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
+    """The attention backend for tensors on ``device``.
+
+    Raises ``ValueError`` for a name other than ``"torch"`` or ``"cuda"``, and
+    ``RuntimeError`` when ``"cuda"`` is asked for explicitly (argument or
+    environment) but the device is not a CUDA device or the kernels do not import.
+    """
+    device = torch.device(device)
+    requested = name if name is not None else os.environ.get(BACKEND_ENV_VAR) or None
+    if requested is None:
+        backend = _automatic_backend(device)
+    elif requested == "torch":
+        backend = TorchReferenceBackend()
+    elif requested == "cuda":
+        backend = _cuda_backend(device)
+    else:
+        source = "name" if name is not None else BACKEND_ENV_VAR
+        raise ValueError(
+            f"unknown attention backend {requested!r} (from {source}); valid names: {', '.join(BACKEND_NAMES)}"
+        )
+    logger.debug("attention backend %r for device %s (requested: %r)", backend.name, device, requested)
+    return backend
+
+
+def _automatic_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        try:
+            return _load_cuda_backend()
+        except ImportError as exc:
+            logger.info("CUDA attention kernels unavailable (%s); using the torch reference", exc)
+    return TorchReferenceBackend()
+
+
+def _cuda_backend(device: torch.device) -> AttentionBackend:
+    if device.type != "cuda":
+        raise RuntimeError(f"attention backend 'cuda' needs a CUDA device, got {device}")
+    try:
+        return _load_cuda_backend()
+    except ImportError as exc:
+        raise RuntimeError(
+            f"attention backend 'cuda' is unavailable: cannot import {_CUDA_MODULE} ({exc}); "
+            f"use 'torch' or unset {BACKEND_ENV_VAR}"
+        ) from exc
+
+
+def _load_cuda_backend() -> AttentionBackend:
+    module = importlib.import_module(_CUDA_MODULE)
+    try:
+        backend_class = getattr(module, _CUDA_CLASS)
+    except AttributeError as exc:
+        raise ImportError(f"{_CUDA_MODULE} defines no {_CUDA_CLASS}") from exc
+    return backend_class()

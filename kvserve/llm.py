@@ -1,0 +1,192 @@
+"""The in-process engine for one replica: ``LLM(model).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvserve.engine import EngineCore
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.model_config import ModelConfig
+from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES, WorkerConfig
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationOutput:
+    """The result of one prompt.
+
+    ``num_cached_tokens`` counts the prompt tokens served from the prefix
+    cache; ``text`` is ``None`` when the model directory has no tokenizer.
+    """
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    num_cached_tokens: int
+    logprobs: list[float]
+
+
+class LLM:
+    """One model replica in this process (or, with tensor parallelism, in child processes)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        tensor_parallel_size: int = 1,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int | None = None,
+        dtype: str = "auto",
+        device: str | None = None,
+        kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
+        gpu_memory_utilization: float = 0.9,
+        attention_backend: str | None = None,
+        seed: int | None = 0,
+    ) -> None:
+        self.model_config = ModelConfig.from_pretrained(model, max_model_len)
+        self.tokenizer = _load_tokenizer(model)
+        worker_config = WorkerConfig(
+            model_dir=str(model),
+            tp_size=tensor_parallel_size,
+            device=device,
+            dtype=dtype,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            cpu_kv_cache_bytes=kv_cache_memory_bytes,
+            attention_backend=attention_backend,
+            sampler_seed=seed,
+        )
+        if tensor_parallel_size == 1:
+            from kvserve.worker.uniproc_executor import UniprocExecutor
+
+            executor = UniprocExecutor(worker_config)
+        else:
+            from kvserve.worker.multiproc_executor import MultiprocExecutor
+
+            executor = MultiprocExecutor(worker_config)
+        scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=self.model_config.max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                long_prefill_token_threshold=long_prefill_token_threshold,
+            ),
+            CacheConfig(
+                block_size=block_size,
+                num_blocks=executor.num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+                model_id=self.model_config.model_id,
+            ),
+        )
+        self.engine = EngineCore(scheduler, executor)
+        self._request_counter = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate for every prompt (text or token ids); results in prompt order."""
+        prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(
+                    f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts"
+                )
+        requests: dict[str, Request] = {}
+        try:
+            for prompt, params in zip(prompt_list, params_list):
+                request = Request(
+                    f"llm-{next(self._request_counter)}",
+                    self._tokenize(prompt),
+                    params,
+                    eos_token_ids=self.model_config.eos_token_ids,
+                    cache_salt=cache_salt,
+                )
+                self.engine.add_request(request)
+                requests[request.req_id] = request
+            logprobs: dict[str, list[float]] = {req_id: [] for req_id in requests}
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.logprob is not None and output.req_id in logprobs:
+                        logprobs[output.req_id].append(output.logprob)
+        except BaseException:
+            self.engine.abort_requests(requests)
+            raise
+        return [self._result(request, logprobs[request.req_id]) for request in requests.values()]
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token ids")
+            token_ids = self.tokenizer(prompt)["input_ids"]
+        else:
+            token_ids = [int(t) for t in prompt]
+        vocab_size = self.model_config.vocab_size
+        for token_id in token_ids:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"prompt token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        return token_ids
+
+    def _result(self, request: Request, logprobs: list[float]) -> GenerationOutput:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        return GenerationOutput(
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=text,
+            finish_reason=request.finish_reason.value if request.finish_reason else "abort",
+            num_cached_tokens=request.num_cached_tokens or 0,
+            logprobs=logprobs,
+        )
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompt_list = list(prompts)
+    if prompt_list and all(isinstance(t, int) for t in prompt_list):
+        return [prompt_list]  # a single prompt given as token ids
+    return prompt_list
+
+
+def _load_tokenizer(model: str | Path):
+    path = Path(model)
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,30 @@
+"""The seam between a replica's scheduler and whatever runs its steps.
+
+The real executors send plans to GPU (or CPU) workers, in process, in
+sibling processes, or over gRPC; the simulated one answers after a modelled
+step time.  The scheduler, block pool and router are the same in every case.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_result import StepResult
+
+
+class Executor(Protocol):
+    """Runs the steps of one replica."""
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the workers' paged KV cache, null block included (the pool's size)."""
+        ...
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one forward pass of ``plan`` on every rank; rank 0's samples come back."""
+        ...
+
+    def shutdown(self) -> None:
+        """Release the workers; the executor cannot be used afterwards."""
+        ...

@@ -1,0 +1,27 @@
+"""Every Python package folder is installed, and package data ships with it."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_every_package_folder_is_listed_in_pyproject() -> None:
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = {Path(folder) for folder in setuptools["package-dir"].values()}
+    folders = {
+        init.parent.relative_to(ROOT)
+        for init in ROOT.glob("*/**/__init__.py")
+        if init.parts[len(ROOT.parts)] not in {"tests", "build", ".venv"}
+    }
+    assert folders - mapped == set()
+    assert set(setuptools["packages"]) == set(setuptools["package-dir"])
+
+
+def test_tiny_model_corpus_is_package_data() -> None:
+    from importlib import resources
+
+    corpus = resources.files("kvserve.worker").joinpath("data/tiny_corpus.txt")
+    assert len(corpus.read_text(encoding="utf-8")) > 10_000

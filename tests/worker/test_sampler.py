@@ -1,0 +1,255 @@
+"""The sampler: greedy, temperature, top-k, top-p, and batch-independent seeded draws."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.worker.sampler import Sampler, SamplerOutput
+
+GREEDY = SamplingParams(temperature=0.0)
+RANDOM = SamplingParams(temperature=1.0)
+PROBS = [0.4, 0.25, 0.2, 0.1, 0.05]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+def log_probs(probs: list[float], device: str = "cpu") -> torch.Tensor:
+    return torch.tensor(probs, device=device).log()
+
+
+def frequencies(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return torch.bincount(token_ids.cpu(), minlength=vocab_size).double() / token_ids.numel()
+
+
+def assert_frequencies(token_ids: torch.Tensor, expected: list[float] | torch.Tensor, atol: float) -> None:
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(frequencies(token_ids, len(expected)), expected, atol=atol, rtol=0)
+
+
+def sample_many(
+    sampler: Sampler, row: torch.Tensor, params: SamplingParams, num_draws: int
+) -> torch.Tensor:
+    """Draw ``num_draws`` tokens for one row of logits, as one batch."""
+    out = sampler(row.expand(num_draws, -1), [params] * num_draws, [0] * num_draws)
+    return out.token_ids
+
+
+def test_greedy_batch_takes_argmax() -> None:
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0))
+    out = Sampler(seed=0)(logits, [GREEDY] * 8, range(8))
+    assert isinstance(out, SamplerOutput)
+    assert out.token_ids.dtype == torch.int64
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+
+
+def test_all_greedy_batch_neither_sorts_nor_draws(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the all-greedy fast path must not sort or draw noise")
+
+    monkeypatch.setattr(torch.Tensor, "sort", forbidden)
+    monkeypatch.setattr(torch.Tensor, "exponential_", forbidden)
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, -1.0, 0.5]])
+    out = Sampler()(logits, [GREEDY, SamplingParams(temperature=0.0, top_k=2, seed=3)], [0, 4])
+    assert out.token_ids.tolist() == [1, 0]
+
+
+def test_greedy_rows_of_a_mixed_batch_take_argmax() -> None:
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
+    params = [GREEDY, RANDOM, GREEDY, SamplingParams(top_k=5, seed=9), GREEDY, RANDOM]
+    out = Sampler(seed=0)(logits, params, [0] * 6)
+    greedy_rows = [0, 2, 4]
+    assert torch.equal(out.token_ids[greedy_rows], logits[greedy_rows].argmax(dim=-1))
+
+
+def test_logprobs_are_the_raw_log_softmax_at_the_sampled_ids() -> None:
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2)) * 3
+    params = [
+        GREEDY,
+        SamplingParams(temperature=0.5),
+        SamplingParams(temperature=2.0, top_k=3),
+        SamplingParams(top_p=0.5, seed=1),
+    ]
+    out = Sampler(seed=0)(logits, params, [0, 1, 2, 3])
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, out.token_ids[:, None]).squeeze(-1)
+    assert out.logprobs.dtype == torch.float32
+    torch.testing.assert_close(out.logprobs, expected)
+
+
+def test_half_precision_logits_are_sampled_in_float32() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    out = Sampler(seed=0)(logits, [GREEDY, RANDOM, SamplingParams(top_k=4)], [0, 0, 0])
+    assert out.token_ids.dtype == torch.int64
+    assert out.logprobs.dtype == torch.float32
+    assert out.token_ids[0] == logits[0].float().argmax()
+    expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, out.token_ids[:, None]).squeeze(-1)
+    torch.testing.assert_close(out.logprobs, expected)
+
+
+def test_top_k_of_one_equals_greedy() -> None:
+    logits = torch.randn(16, 200, generator=torch.Generator().manual_seed(4))
+    params = [SamplingParams(temperature=1.5, top_k=1, seed=i if i % 2 else None) for i in range(16)]
+    out = Sampler(seed=0)(logits, params, range(16))
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_samples_only_the_k_best_tokens(device: str) -> None:
+    row = torch.randn(100, generator=torch.Generator().manual_seed(5)).to(device)
+    token_ids = sample_many(Sampler(seed=0), row, SamplingParams(temperature=5.0, top_k=3), 5000)
+    assert set(token_ids.tolist()) == set(row.topk(3).indices.tolist())
+
+
+def test_top_p_samples_only_the_nucleus() -> None:
+    row = log_probs([0.3, 0.05, 0.5, 0.15])
+    # Smallest set reaching 0.75: tokens 2 (0.5) and 0 (0.3).
+    token_ids = sample_many(Sampler(seed=0), row, SamplingParams(top_p=0.75), 10000)
+    freq = frequencies(token_ids, 4)
+    assert freq[1] == 0 and freq[3] == 0
+    assert_frequencies(token_ids, [0.375, 0.0, 0.625, 0.0], atol=0.02)
+
+
+def test_tiny_top_p_keeps_the_best_token() -> None:
+    row = log_probs([0.3, 0.05, 0.5, 0.15])
+    token_ids = sample_many(Sampler(seed=0), row, SamplingParams(top_p=0.01), 1000)
+    assert set(token_ids.tolist()) == {2}
+
+
+def test_top_p_applies_to_the_top_k_distribution() -> None:
+    # top_k=3 renormalises to [0.44, 0.33, 0.22]; then 0.75 is reached by the
+    # first two.  (On the unfiltered distribution token 2 would be kept.)
+    row = log_probs([0.4, 0.3, 0.2, 0.1])
+    token_ids = sample_many(Sampler(seed=0), row, SamplingParams(top_k=3, top_p=0.75), 5000)
+    assert set(token_ids.tolist()) == {0, 1}
+
+
+def test_zero_probability_tokens_are_never_sampled() -> None:
+    row = torch.tensor([0.0, float("-inf"), 0.0, float("-inf"), -50.0])
+    token_ids = sample_many(Sampler(seed=0), row, RANDOM, 20000)
+    assert set(token_ids.tolist()) <= {0, 2, 4}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empirical_frequencies_match_the_probabilities(device: str) -> None:
+    token_ids = sample_many(Sampler(seed=0), log_probs(PROBS, device), RANDOM, 20000)
+    # Standard deviation of each frequency is at most sqrt(0.25 / 20000) = 0.0035.
+    assert_frequencies(token_ids, PROBS, atol=0.015)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_reshapes_the_distribution(temperature: float) -> None:
+    token_ids = sample_many(Sampler(seed=0), log_probs(PROBS), SamplingParams(temperature=temperature), 20000)
+    # Dividing log-probabilities by T gives probabilities proportional to p ** (1 / T).
+    powered = torch.tensor([p ** (1 / temperature) for p in PROBS], dtype=torch.float64)
+    expected = powered / powered.sum()
+    assert_frequencies(token_ids, expected, atol=0.015)
+    freq = frequencies(token_ids, 5)
+    if temperature < 1:
+        assert freq[0] > PROBS[0] + 0.1
+    else:
+        assert freq[4] > PROBS[4] + 0.03
+
+
+def test_seeded_requests_follow_the_distribution() -> None:
+    num_draws = 10000
+    logits = log_probs(PROBS).expand(num_draws, -1)
+    params = [SamplingParams(seed=seed) for seed in range(num_draws)]
+    token_ids = Sampler()(logits, params, [0] * num_draws).token_ids
+    assert_frequencies(token_ids, PROBS, atol=0.02)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_request_ignores_the_rest_of_the_batch(device: str) -> None:
+    vocab_size = 1000
+    generator = torch.Generator().manual_seed(6)
+    target_logits = torch.randn(vocab_size, generator=generator).to(device)
+    target = SamplingParams(temperature=0.8, top_p=0.95, top_k=200, seed=1234)
+    others = [
+        RANDOM,
+        GREEDY,
+        SamplingParams(seed=1),
+        SamplingParams(temperature=0.3, top_k=5, seed=1234 + 1),
+        SamplingParams(top_p=0.5),
+        SamplingParams(seed=1234),  # same seed, different logits
+    ]
+
+    def sample_in_batch(output_index: int, num_others: int, position: int, sampler_seed: int | None) -> int:
+        other_logits = torch.randn(num_others, vocab_size, generator=generator).to(device)
+        logits = torch.cat([other_logits[:position], target_logits[None], other_logits[position:]])
+        params = [others[i % len(others)] for i in range(num_others)]
+        params.insert(position, target)
+        indices = [(7 * i) % 11 for i in range(num_others)]
+        indices.insert(position, output_index)
+        return int(Sampler(seed=sampler_seed)(logits, params, indices).token_ids[position])
+
+    for output_index in range(10):
+        alone = sample_in_batch(output_index, num_others=0, position=0, sampler_seed=0)
+        assert sample_in_batch(output_index, num_others=3, position=0, sampler_seed=1) == alone
+        assert sample_in_batch(output_index, num_others=7, position=5, sampler_seed=None) == alone
+        assert sample_in_batch(output_index, num_others=12, position=12, sampler_seed=2) == alone
+
+
+def test_output_index_changes_a_seeded_draw() -> None:
+    num_steps = 20
+    flat = torch.zeros(num_steps, 1000)
+    out = Sampler()(flat, [SamplingParams(seed=42)] * num_steps, range(num_steps))
+    assert len(set(out.token_ids.tolist())) >= num_steps - 2
+    # The same (seed, output_index) twice in one batch gives the same token.
+    again = Sampler()(flat[:2], [SamplingParams(seed=42)] * 2, [5, 5])
+    assert again.token_ids.tolist() == [out.token_ids[5].item()] * 2
+
+
+def test_different_seeds_give_different_draws() -> None:
+    flat = torch.zeros(20, 1000)
+    out = Sampler()(flat, [SamplingParams(seed=seed) for seed in range(20)], [0] * 20)
+    assert len(set(out.token_ids.tolist())) >= 18
+
+
+def test_unseeded_rows_are_reproducible_from_the_sampler_seed() -> None:
+    flat = torch.zeros(32, 1000)
+    params = [RANDOM] * 32
+
+    def draws(sampler_seed: int) -> list[int]:
+        sampler = Sampler(seed=sampler_seed)
+        return [t for _ in range(3) for t in sampler(flat, params, [0] * 32).token_ids.tolist()]
+
+    assert draws(5) == draws(5)
+    assert draws(5) != draws(6)
+    first_step = draws(5)[:32]
+    assert first_step != draws(5)[32:64]  # the generator advances between steps
+
+
+def test_empty_batch() -> None:
+    out = Sampler()(torch.empty(0, 10), [], [])
+    assert out.token_ids.shape == out.logprobs.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("logits", "num_params", "output_indices", "message"),
+    [
+        (torch.zeros(10), 1, [0], "logits must be 2-D"),
+        (torch.zeros(2, 10, dtype=torch.int64), 2, [0, 0], "logits must be a float tensor"),
+        (torch.zeros(2, 10), 1, [0, 0], "params must have one entry per logits row"),
+        (torch.zeros(2, 10), 2, [0], "output_indices must have one entry per logits row"),
+        (torch.zeros(2, 10), 2, [0, -1], "output_indices must be non-negative integers"),
+        (torch.zeros(2, 10), 2, [0, 1.0], "output_indices must be non-negative integers"),
+    ],
+)
+def test_rejects_bad_inputs(
+    logits: torch.Tensor, num_params: int, output_indices: list, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        Sampler()(logits, [RANDOM] * num_params, output_indices)
+
+
+def test_rejects_a_non_integer_sampler_seed() -> None:
+    with pytest.raises(ValueError, match="seed must be an integer or None"):
+        Sampler(seed=math.pi)  # type: ignore[arg-type]

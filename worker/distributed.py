@@ -1,0 +1,93 @@
+"""The tensor-parallel group of one replica.
+
+Every layer that shards its weights across the ranks of a replica talks to the other
+ranks through one :class:`TensorParallelGroup`. With ``world_size == 1`` every collective
+is a no-op, so the same model code runs on one device without torch.distributed.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelGroup:
+    """The ranks that hold shards of one model copy.
+
+    ``rank`` is this process's index in ``[0, world_size)``. ``group`` is the
+    torch.distributed process group (``None`` means the default group); it is never
+    touched when ``world_size == 1``.
+    """
+
+    def __init__(
+        self, rank: int = 0, world_size: int = 1, group: dist.ProcessGroup | None = None
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+
+    def __repr__(self) -> str:
+        return f"TensorParallelGroup(rank={self.rank}, world_size={self.world_size})"
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all ranks, in place; returns it."""
+        if self.world_size == 1:
+            return tensor
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``,
+        in rank order; returns a new tensor (or ``tensor`` itself when alone)."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        # NOTE: list-based all_gather, because gloo lacks all_gather_into_tensor.
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.cat(parts, dim=dim)
+
+
+def init_distributed(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: str | None = None,
+    timeout_s: float = 300.0,
+) -> TensorParallelGroup:
+    """Join the default torch.distributed group and return it as a TensorParallelGroup.
+
+    ``backend`` defaults to NCCL when CUDA is available and gloo otherwise.
+    ``init_method`` is a ``tcp://host:port`` or ``file://path`` rendezvous shared by all
+    ranks. With ``world_size == 1`` no process group is created.
+    """
+    if world_size == 1:
+        return TensorParallelGroup(rank, world_size)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        logger.info("joined %s group as rank %d of %d", backend, rank, world_size)
+    elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+        raise ValueError(
+            f"torch.distributed is already initialized as rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+        )
+    return TensorParallelGroup(rank, world_size)

@@ -1,0 +1,40 @@
+"""RMSNorm, with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvserve.worker.layers.linear import new_parameter
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, computed in float32 like Hugging Face's.
+
+    ``forward(x)`` returns the normalized ``x``. ``forward(x, residual)`` first adds:
+    it returns ``(norm(x + residual), x + residual)``, so a decoder layer carries the
+    residual stream without a separate add.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = new_parameter(hidden_size)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

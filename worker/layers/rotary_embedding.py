@@ -1,0 +1,100 @@
+"""Rotary position embedding (RoPE), rotate-half layout as in Hugging Face Llama.
+
+Supported ``rope_type``: ``default``, ``linear`` and ``llama3``. Others (``dynamic``,
+``yarn``, ``longrope``, ...) raise ValueError rather than run silently wrong.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def rope_parameters(config: Any) -> dict[str, Any]:
+    """The RoPE parameters of a Hugging Face config as one flat dict with ``rope_type``
+    and ``rope_theta``.
+
+    transformers >= 5 keeps them in ``config.rope_parameters``; older versions in
+    ``config.rope_scaling`` (``type`` or ``rope_type``) plus ``config.rope_theta``.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types & set(params):
+        raise ValueError(f"per-layer-type RoPE parameters are not supported: {sorted(params)}")
+    params.setdefault("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict[str, Any], max_positions: int) -> torch.Tensor:
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params.get("original_max_position_embeddings") or max_positions
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are scaled by 1/factor, short ones kept, the middle band smoothed.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(head_dim: int, params: dict[str, Any], max_positions: int) -> torch.Tensor:
+    """float32 inverse frequencies ``[head_dim // 2]`` for ``params`` (see :func:`rope_parameters`)."""
+    rope_type = params["rope_type"]
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {params['partial_rotary_factor']} is not supported")
+    if head_dim % 2 != 0:
+        raise ValueError(f"RoPE needs an even head_dim, got {head_dim}")
+    base = float(params["rope_theta"])
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim
+    inv_freq = 1.0 / (base**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / params["factor"]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, params, max_positions)
+    return inv_freq
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates query and key heads by their token's position.
+
+    NOTE: ``inv_freq`` is a float32 buffer; build the model in its final dtype rather
+    than casting it with ``.to(dtype)``, which would round the frequencies.
+    """
+
+    def __init__(self, head_dim: int, inv_freq: torch.Tensor) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions [n]``, ``query [n, heads, head_dim]``, ``key [n, kv_heads, head_dim]``."""
+        freqs = positions.unsqueeze(-1).float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
+        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
+        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+
+
+def get_rope(head_dim: int, config: Any) -> RotaryEmbedding:
+    """The RotaryEmbedding a Hugging Face config asks for; ValueError if unsupported."""
+    params = rope_parameters(config)
+    inv_freq = compute_inv_freq(head_dim, params, config.max_position_embeddings)
+    return RotaryEmbedding(head_dim, inv_freq)

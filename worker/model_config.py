@@ -1,0 +1,62 @@
+"""What the control plane and the front end need to know about a model directory."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import AutoConfig
+
+
+def _as_ids(value: object) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A Hugging Face model directory, as seen by the scheduler and the front end.
+
+    ``model_id`` names the model in block hashes: two directories with the
+    same config and weights file names hash alike, different models never.
+    """
+
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    model_id: str
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, max_model_len: int | None = None) -> ModelConfig:
+        path = Path(model_dir)
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{model_dir} is not a model directory: config.json is missing")
+        hf = AutoConfig.from_pretrained(path)
+        limit = int(getattr(hf, "max_position_embeddings", 0) or 0)
+        if max_model_len is None:
+            if limit <= 0:
+                raise ValueError(f"{model_dir}: config has no max_position_embeddings; pass max_model_len")
+            max_model_len = limit
+        elif max_model_len < 1 or (limit and max_model_len > limit):
+            raise ValueError(f"max_model_len must be in [1, {limit}], got {max_model_len}")
+        eos = set(_as_ids(getattr(hf, "eos_token_id", None)))
+        generation_config = path / "generation_config.json"
+        if generation_config.is_file():
+            eos.update(_as_ids(json.loads(generation_config.read_text()).get("eos_token_id")))
+        architectures = getattr(hf, "architectures", None) or ["unknown"]
+        digest = hashlib.sha256((path / "config.json").read_bytes()).hexdigest()[:16]
+        return cls(
+            model_dir=str(path),
+            architecture=architectures[0],
+            vocab_size=int(hf.vocab_size),
+            max_model_len=int(max_model_len),
+            eos_token_ids=tuple(sorted(eos)),
+            model_id=f"{architectures[0]}:{digest}",
+        )

@@ -1,0 +1,180 @@
+"""Turn one step's logits into one sampled token per request.
+
+Sampling uses the exponential race: with ``E_v ~ Exp(1)`` independent per
+token, ``argmax_v p_v / E_v`` is distributed exactly as ``Categorical(p)``.  The
+randomness is thus a tensor of noise drawn *before* looking at the logits,
+which makes reproducible seeded sampling simple: a seeded request draws its
+noise from a generator seeded by ``(seed, output_index)`` alone, so its tokens
+do not depend on the batch it shares a step with, its row in that batch, or
+whether it was preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from numbers import Integral
+
+import torch
+
+from kvserve.scheduler.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """The sampled token of each request in a step.
+
+    ``token_ids`` is int64 ``[num_reqs]``.  ``logprobs`` is float32
+    ``[num_reqs]``: each sampled token's log-probability under the model's raw
+    distribution (``log_softmax`` of the unmodified logits, before temperature,
+    top-k or top-p).
+    """
+
+    token_ids: torch.Tensor
+    logprobs: torch.Tensor
+
+
+class Sampler:
+    """Samples one token per row of a ``[num_reqs, vocab]`` logits tensor.
+
+    Greedy requests (temperature 0) take the argmax.  The others divide their
+    logits by the temperature, keep the ``top_k`` best tokens, then keep the
+    smallest set of most probable tokens whose probability reaches ``top_p``
+    (always at least the best one), and sample from what is left.
+
+    Requests with a ``seed`` draw their randomness from ``(seed,
+    output_index)`` only.  Requests without one share a generator owned by the
+    sampler, seeded with ``seed`` (or nondeterministically when ``None``).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_indices: Sequence[int],
+    ) -> SamplerOutput:
+        """Sample row ``i`` of ``logits`` with ``params[i]``.
+
+        ``output_indices[i]`` is the position, within request ``i``'s output,
+        of the token being sampled (0 for its first generated token).  Logits
+        of any float dtype are accepted; the work is done in float32 on their
+        device.
+        """
+        _check_inputs(logits, params, output_indices)
+        logits = logits.float()
+        greedy_ids = logits.argmax(dim=-1)
+        if all(p.is_greedy for p in params):
+            token_ids = greedy_ids
+        else:
+            token_ids = self._sample(logits, params, output_indices, greedy_ids)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, token_ids[:, None]).squeeze(-1)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        output_indices: Sequence[int],
+        greedy_ids: torch.Tensor,
+    ) -> torch.Tensor:
+        device = logits.device
+        # Greedy rows are sampled at temperature 1 and then replaced by their argmax.
+        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        probs = _filtered_probs(logits / temperatures[:, None], params)
+        noise = self._exponential_noise(probs.shape, params, output_indices, device)
+        sampled_ids = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        return torch.where(is_greedy, greedy_ids, sampled_ids)
+
+    def _exponential_noise(
+        self,
+        shape: torch.Size,
+        params: Sequence[SamplingParams],
+        output_indices: Sequence[int],
+        device: torch.device,
+    ) -> torch.Tensor:
+        noise = torch.empty(shape, device=device).exponential_(generator=self._generator(device))
+        for row, (request_params, output_index) in enumerate(zip(params, output_indices)):
+            if request_params.seed is not None:
+                generator = torch.Generator(device=device)
+                generator.manual_seed(_mix_seed(request_params.seed, output_index))
+                # NOTE: drawn into a fresh 1-D tensor, so the values cannot depend
+                # on the row's place in the batch.
+                noise[row] = torch.empty(shape[-1], device=device).exponential_(generator=generator)
+        # exponential_ may return exactly 0; a zero-probability token must never win.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            if self._seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(self._seed & _MASK64)
+            self._generators[device] = generator
+        return generator
+
+
+def _filtered_probs(scaled_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Softmax of each row after its top-k and top-p filters (one sort for the batch)."""
+    num_reqs, vocab_size = scaled_logits.shape
+    top_ks = [min(p.top_k, vocab_size) if p.top_k is not None else vocab_size for p in params]
+    if all(k == vocab_size for k in top_ks) and all(p.top_p == 1.0 for p in params):
+        return torch.softmax(scaled_logits, dim=-1)
+
+    device = scaled_logits.device
+    sorted_logits, sorted_ids = scaled_logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab_size, device=device)
+    top_k = torch.tensor(top_ks, device=device)
+    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+
+    # NOTE: rows without top-p get an infinite threshold: rounding can bring the
+    # cumulative mass to 1.0 before the last token, which would drop the tail.
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    # The mass of the tokens ranked above each token; 0 for the best one, which is always kept.
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_logits = sorted_logits.masked_fill(mass_above >= top_p[:, None], float("-inf"))
+
+    filtered_logits = torch.full_like(scaled_logits, float("-inf")).scatter_(-1, sorted_ids, sorted_logits)
+    return torch.softmax(filtered_logits, dim=-1)
+
+
+def _mix_seed(seed: int, output_index: int) -> int:
+    """A 64-bit generator seed that depends only on ``(seed, output_index)``."""
+    return _splitmix64(_splitmix64(int(seed) & _MASK64) ^ int(output_index))
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _check_inputs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], output_indices: Sequence[int]
+) -> None:
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be 2-D [num_reqs, vocab], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor, got {logits.dtype}")
+    num_reqs = logits.shape[0]
+    if len(params) != num_reqs:
+        raise ValueError(f"params must have one entry per logits row ({num_reqs}), got {len(params)}")
+    if len(output_indices) != num_reqs:
+        raise ValueError(
+            f"output_indices must have one entry per logits row ({num_reqs}), got {len(output_indices)}"
+        )
+    for output_index in output_indices:
+        if isinstance(output_index, bool) or not isinstance(output_index, Integral) or output_index < 0:
+            raise ValueError(f"output_indices must be non-negative integers, got {output_index!r}")
