@@ -1,0 +1,66 @@
+"""Dataclasses crossing the front end ↔ scheduler actor boundary (over Ray).
+
+The front end tokenizes and validates; the scheduler actor routes, schedules
+and streams back ``RequestDelta`` batches, one ``poll_outputs`` call per batch
+of steps (never one remote call per token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.scheduler.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """A validated, tokenized request, ready to be routed."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    cache_salt: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """New tokens of one request since its previous delta.
+
+    The last delta of a request has ``finish_reason`` set ("stop", "length",
+    "abort") or ``error`` set (its replica failed: the front end answers
+    ``UNAVAILABLE``).
+    """
+
+    req_id: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    replica: int = -1
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the front end needs to know of the served model."""
+
+    model_dir: str
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    num_replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStatsInfo:
+    replica: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_kv_blocks: int
+    healthy: bool

@@ -1,0 +1,79 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Empty(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NumBlocks(_message.Message):
+    __slots__ = ("num_blocks",)
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
+
+class WireSamplingParams(_message.Message):
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("req_id", "sampling_params", "num_prompt_tokens")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    sampling_params: WireSamplingParams
+    num_prompt_tokens: int
+    def __init__(self, req_id: _Optional[str] = ..., sampling_params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "req_ids", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "num_new_block_ids", "new_block_ids", "sample", "new_requests", "finished_req_ids", "preempted_req_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_scheduled_tokens: bytes
+    num_computed_tokens: bytes
+    token_ids: bytes
+    num_new_block_ids: bytes
+    new_block_ids: bytes
+    sample: bytes
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., num_new_block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "has_samples")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sampled_token_ids: bytes
+    logprobs: bytes
+    has_samples: bool
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., has_samples: _Optional[bool] = ...) -> None: ...
