@@ -28,3 +28,24 @@ class Executor(Protocol):
     def shutdown(self) -> None:
         """Release the workers; the executor cannot be used afterwards."""
         ...
+
+
+class ReplicaFailedError(RuntimeError):
+    """A replica's worker failed or died; its requests cannot continue there."""
+
+
+class AsyncExecutor(Protocol):
+    """Runs the steps of one replica from an asyncio event loop (the cluster's scheduler actor).
+
+    ``execute`` raises ``ReplicaFailedError`` when any rank fails, dies or
+    does not answer in time; the replica is then unusable.
+    """
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks in the workers' paged KV cache, null block included."""
+        ...
+
+    async def execute(self, plan: StepPlan) -> StepResult: ...
+
+    async def shutdown(self) -> None: ...
