@@ -69,52 +69,85 @@ def build_attention_metadata(
     at least ``ceil(seq_lens[r] / block_size)`` of them.  Raises ``ValueError``
     naming the offending request when any of this does not hold.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
     num_reqs = len(query_lens)
     if len(seq_lens) != num_reqs or len(block_tables) != num_reqs:
         raise ValueError(
             "query_lens, seq_lens and block_tables must have one entry per request, got "
             f"{num_reqs}, {len(seq_lens)} and {len(block_tables)}"
         )
-    query_lens_np = np.asarray(query_lens, dtype=np.int64).reshape(num_reqs)
-    seq_lens_np = np.asarray(seq_lens, dtype=np.int64).reshape(num_reqs)
-    max_blocks_per_req = max((len(row) for row in block_tables), default=0)
-    block_tables_np = np.zeros((num_reqs, max_blocks_per_req), dtype=np.int64)
-    for req_idx, (query_len, seq_len, row) in enumerate(zip(query_lens_np, seq_lens_np, block_tables)):
-        if query_len < 1:
-            raise ValueError(f"query_lens[{req_idx}] must be at least 1, got {query_len}")
-        if query_len > seq_len:
-            raise ValueError(
-                f"query_lens[{req_idx}] ({query_len}) exceeds seq_lens[{req_idx}] ({seq_len})"
-            )
-        num_blocks_needed = -(-int(seq_len) // block_size)
-        if len(row) < num_blocks_needed:
-            raise ValueError(
-                f"block_tables[{req_idx}] has {len(row)} blocks, but seq_lens[{req_idx}] = {seq_len} "
-                f"needs {num_blocks_needed} blocks of {block_size}"
-            )
-        block_tables_np[req_idx, : len(row)] = row
-    if (block_tables_np < 0).any():
+    num_blocks = np.fromiter((len(row) for row in block_tables), dtype=np.int64, count=num_reqs)
+    padded = np.zeros((num_reqs, int(num_blocks.max(initial=0))), dtype=np.int64)
+    padded[np.arange(padded.shape[1])[None, :] < num_blocks[:, None]] = np.fromiter(
+        (block_id for row in block_tables for block_id in row), dtype=np.int64, count=int(num_blocks.sum())
+    )
+    return attention_metadata_from_arrays(
+        np.asarray(query_lens, dtype=np.int64), np.asarray(seq_lens, dtype=np.int64), padded, block_size, device,
+        num_blocks=num_blocks,
+    )
+
+
+def attention_metadata_from_arrays(
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_tables: np.ndarray,
+    block_size: int,
+    device: torch.device | str,
+    *,
+    num_blocks: np.ndarray | None = None,
+) -> AttentionMetadata:
+    """``build_attention_metadata`` for callers that keep padded numpy block tables.
+
+    ``block_tables`` is ``[num_reqs, max_blocks]``, padded with 0;
+    ``num_blocks[r]`` (default: every column) is how many entries of row ``r``
+    are real.  Validation is vectorised: no Python loop over requests.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    num_reqs = len(query_lens)
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_reqs or len(seq_lens) != num_reqs:
+        raise ValueError(
+            f"expected {num_reqs} seq_lens and block table rows, got {len(seq_lens)} and "
+            f"{block_tables.shape[0] if block_tables.ndim == 2 else block_tables.shape}"
+        )
+    if num_blocks is None:
+        num_blocks = np.full(num_reqs, block_tables.shape[1], dtype=np.int64)
+    _raise_for_first(query_lens < 1, lambda r: f"query_lens[{r}] must be at least 1, got {query_lens[r]}")
+    _raise_for_first(
+        query_lens > seq_lens,
+        lambda r: f"query_lens[{r}] ({query_lens[r]}) exceeds seq_lens[{r}] ({seq_lens[r]})",
+    )
+    num_blocks_needed = -(-seq_lens // block_size)
+    _raise_for_first(
+        num_blocks < num_blocks_needed,
+        lambda r: f"block_tables[{r}] has {num_blocks[r]} blocks, but seq_lens[{r}] = {seq_lens[r]} "
+        f"needs {num_blocks_needed[r]} blocks of {block_size}",
+    )
+    if block_tables.size and block_tables.min() < 0:
         raise ValueError("block ids must be non-negative")
 
     query_start_loc_np = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(query_lens_np, out=query_start_loc_np[1:])
+    np.cumsum(query_lens, out=query_start_loc_np[1:])
     num_tokens = int(query_start_loc_np[-1])
     # Request index and absolute position of every new token, without a loop over tokens.
-    token_req_idx = np.repeat(np.arange(num_reqs), query_lens_np)
-    offset_in_query = np.arange(num_tokens) - np.repeat(query_start_loc_np[:-1], query_lens_np)
-    positions = np.repeat(seq_lens_np - query_lens_np, query_lens_np) + offset_in_query
-    block_ids = block_tables_np[token_req_idx, positions // block_size]
+    token_req_idx = np.repeat(np.arange(num_reqs), query_lens)
+    offset_in_query = np.arange(num_tokens) - np.repeat(query_start_loc_np[:-1], query_lens)
+    positions = np.repeat(seq_lens - query_lens, query_lens) + offset_in_query
+    block_ids = block_tables[token_req_idx, positions // block_size].astype(np.int64)
     slot_mapping_np = block_ids * block_size + positions % block_size
 
     return AttentionMetadata(
-        query_start_loc=torch.tensor(query_start_loc_np, dtype=torch.int32, device=device),
-        seq_lens=torch.tensor(seq_lens_np, dtype=torch.int32, device=device),
-        block_tables=torch.tensor(block_tables_np, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slot_mapping_np, dtype=torch.int64, device=device),
-        query_start_loc_cpu=tuple(int(x) for x in query_start_loc_np),
-        seq_lens_cpu=tuple(int(x) for x in seq_lens_np),
-        max_query_len=int(query_lens_np.max(initial=0)),
-        max_seq_len=int(seq_lens_np.max(initial=0)),
+        query_start_loc=torch.from_numpy(query_start_loc_np.astype(np.int32)).to(device),
+        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)).to(device),
+        slot_mapping=torch.from_numpy(slot_mapping_np).to(device),
+        query_start_loc_cpu=tuple(query_start_loc_np.tolist()),
+        seq_lens_cpu=tuple(seq_lens.tolist()),
+        max_query_len=int(query_lens.max(initial=0)),
+        max_seq_len=int(seq_lens.max(initial=0)),
     )
+
+
+def _raise_for_first(bad: np.ndarray, message) -> None:
+    """Raise ``ValueError(message(r))`` for the first request ``r`` where ``bad`` holds."""
+    if bad.any():
+        raise ValueError(message(int(np.flatnonzero(bad)[0])))

@@ -156,6 +156,8 @@ class BlockPool:
         Cached blocks among them are evicted (their hashes cleared, a removed
         event sent).  Raises ``ValueError`` when fewer blocks are free.
         """
+        if num_blocks < 0:
+            raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > self.free_block_queue.num_free_blocks:
             raise ValueError(
                 f"cannot allocate {num_blocks} blocks: only "
@@ -193,13 +195,18 @@ class BlockPool:
         request passes its blocks in reverse: its prefix is evicted last).
         """
         to_free: list[KVCacheBlock] = []
+        released: list[KVCacheBlock] = []
         for block in ordered_blocks:
             if block.is_null:
                 continue
             ref_cnt = block.ref_cnt - 1
             if ref_cnt < 0:
+                # Undo this call's releases so that a rejected free changes nothing.
+                for done in released:
+                    done.ref_cnt += 1
                 raise ValueError(f"block {block.block_id} freed more often than it was referenced")
             block.ref_cnt = ref_cnt
+            released.append(block)
             if ref_cnt == 0:
                 to_free.append(block)
         self.free_block_queue.append_n(to_free)

@@ -43,6 +43,30 @@ class SchedulerStats:
     prefix_cache_hit_rate: float
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerLoad:
+    """One replica's load in O(1), from counters the scheduler keeps as it goes.
+
+    ``num_queued_prefill_tokens`` has ``get_stats``'s meaning: tokens not yet
+    computed of waiting requests and of running requests still in their
+    prompt.  ``num_queued_cached_tokens`` is the part of it the prefix cache
+    held when the waiting requests were queued (an estimate of what they will
+    not compute: they are looked up again when scheduled; requests queued
+    without block hashes count 0).  ``num_running_tokens`` is the KV context
+    of the running requests (their computed tokens): what a step's attention
+    reads.  ``num_total_blocks`` counts the usable blocks (the null block
+    excluded).
+    """
+
+    num_running: int
+    num_waiting: int
+    num_queued_prefill_tokens: int
+    num_running_tokens: int
+    num_free_blocks: int
+    num_total_blocks: int
+    num_queued_cached_tokens: int = 0
+
+
 class Scheduler:
     """Decides, step by step, which tokens of which requests one replica computes."""
 
@@ -67,6 +91,13 @@ class Scheduler:
         # Requests whose worker state must be dropped with the next plan.
         self._finished_req_ids: list[str] = []
         self._next_step_id = 0
+        # NOTE: kept incrementally so that get_load() is O(1) for a router
+        # that reads the load of every replica on every request.
+        self._num_queued_prefill_tokens = 0
+        self._num_running_tokens = 0
+        # Cached prompt tokens of each waiting request, as found when it was queued.
+        self._waiting_cached_tokens: dict[str, int] = {}
+        self._num_queued_cached_tokens = 0
 
     # -- requests --------------------------------------------------------------
 
@@ -81,9 +112,11 @@ class Scheduler:
             raise ValueError(
                 f"prompt has {request.num_prompt_tokens} tokens, more than max_model_len={max_model_len}"
             )
-        # The last sampled token is never fed back, so it needs no slot.
+        # The last sampled token is never fed back, so it needs no slot; a
+        # request stops once it holds max_model_len tokens.
         max_kv_tokens = min(
-            request.num_prompt_tokens + request.sampling_params.max_tokens - 1, max_model_len
+            request.num_prompt_tokens + request.sampling_params.max_tokens - 1,
+            max(request.num_prompt_tokens, max_model_len - 1),
         )
         num_blocks_needed = -(-max_kv_tokens // self.cache_config.block_size)
         if num_blocks_needed > self.cache_config.num_usable_blocks:
@@ -93,6 +126,8 @@ class Scheduler:
             )
         self.requests[request.req_id] = request
         self.waiting.append(request)
+        self._num_queued_prefill_tokens += request.num_tokens
+        self._note_waiting(request)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Stop these requests now, wherever they are, and free their blocks.
@@ -104,7 +139,10 @@ class Scheduler:
             request = self.requests.pop(req_id, None)
             if request is None:
                 continue
+            self._num_queued_prefill_tokens -= _queued_prefill_tokens(request)
+            self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(req_id, 0)
             if request.status is RequestStatus.RUNNING:
+                self._num_running_tokens -= request.num_computed_tokens
                 self.kv_cache_manager.free(request)
                 self._finished_req_ids.append(req_id)
             request.finish(FinishReason.ABORT)
@@ -177,6 +215,8 @@ class Scheduler:
             request.num_computed_tokens = start + num_new
             budget -= num_new
             req_index += 1
+            if start < request.num_prompt_tokens:
+                self._num_queued_prefill_tokens -= _running_prefill_progress(request, start)
 
         # Then waiting requests, in order, unless this step had to preempt.
         waiting = self.waiting
@@ -209,7 +249,12 @@ class Scheduler:
             sample.append(start + num_new == request.num_tokens)
             request.num_computed_tokens = start + num_new
             budget -= num_new
+            # From waiting (all its tokens queued) to running (its prompt's rest queued).
+            self._num_queued_prefill_tokens -= request.num_tokens - _queued_prefill_tokens(request)
+            self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(request.req_id, 0)
+            self._num_running_tokens += start
 
+        self._num_running_tokens += len(token_ids)
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         plan = StepPlan(
             step_id=self._next_step_id,
@@ -285,6 +330,7 @@ class Scheduler:
                 outputs.append(RequestOutput(req_id, token_id, None, logprob))
                 continue
             request.finish(reason)
+            self._num_running_tokens -= request.num_computed_tokens
             self.kv_cache_manager.free(request)
             del requests[req_id]
             self._finished_req_ids.append(req_id)
@@ -295,11 +341,14 @@ class Scheduler:
         return outputs
 
     def _preempt(self, request: Request) -> None:
+        self._num_queued_prefill_tokens += request.num_tokens - _queued_prefill_tokens(request)
+        self._num_running_tokens -= request.num_computed_tokens
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.waiting.appendleft(request)
+        self._note_waiting(request)
         logger.debug("preempted %s after %d output tokens", request.req_id, request.num_output_tokens)
 
     # -- introspection ---------------------------------------------------------
@@ -320,3 +369,51 @@ class Scheduler:
             num_free_blocks=kv.get_num_free_blocks(),
             prefix_cache_hit_rate=kv.prefix_cache_stats.hit_rate,
         )
+
+    def get_load(self) -> SchedulerLoad:
+        """The load snapshot a router needs, in O(1) (``get_stats`` walks the queues)."""
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerLoad(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_queued_prefill_tokens=self._num_queued_prefill_tokens,
+            num_running_tokens=self._num_running_tokens,
+            num_free_blocks=pool.free_block_queue.num_free_blocks,
+            num_total_blocks=pool.num_blocks - 1,
+            num_queued_cached_tokens=self._num_queued_cached_tokens,
+        )
+
+    def _note_waiting(self, request: Request) -> None:
+        """Record how much of a newly waiting request the prefix cache holds now.
+
+        Only requests that arrive with block hashes (a router filled them) are
+        looked up, so that queueing never hashes a prompt.
+        """
+        kv = self.kv_cache_manager
+        if not kv.enable_caching or not request.block_hashes:
+            return
+        get_cached = kv.block_pool.cached_block_hash_to_block.get_one_block
+        num_blocks = 0
+        for block_hash in request.block_hashes[: (request.num_tokens - 1) // kv.block_size]:
+            if get_cached(block_hash) is None:
+                break
+            num_blocks += 1
+        if num_blocks:
+            num_cached = num_blocks * kv.block_size
+            self._waiting_cached_tokens[request.req_id] = num_cached
+            self._num_queued_cached_tokens += num_cached
+
+
+def _queued_prefill_tokens(request: Request) -> int:
+    """``request``'s share of ``num_queued_prefill_tokens`` as ``get_stats`` counts it."""
+    if request.status is RequestStatus.RUNNING:
+        if request.num_computed_tokens < request.num_prompt_tokens:
+            return request.num_tokens - request.num_computed_tokens
+        return 0
+    return request.num_tokens - request.num_computed_tokens
+
+
+def _running_prefill_progress(request: Request, start: int) -> int:
+    """How much a running request's queued prefill shrank when it advanced from ``start``."""
+    before = request.num_tokens - start
+    return before - _queued_prefill_tokens(request)

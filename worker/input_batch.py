@@ -1,28 +1,35 @@
 """Turning a ``StepPlan`` into the tensors of one forward pass.
 
 The worker keeps, per request, what the plan sent once (sampling
-parameters, prompt length) and its block table, which each plan extends.
+parameters, prompt length) and its block table.  Block tables live in one
+persistent numpy array, a row per request, so a step costs O(what changed)
+rather than O(context)::
+
+    block_table  row 0: [ 7  8  9  0  0 ]   num_blocks[0] = 3
+                 row 1: [ 4  0  0  0  0 ]   num_blocks[1] = 1
+                 row 2: (free)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kvserve.kernels import AttentionMetadata, build_attention_metadata
+from kvserve.kernels import AttentionMetadata
+from kvserve.kernels.attention_metadata import attention_metadata_from_arrays
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.step_plan import StepPlan
 
 
 @dataclass(slots=True)
 class CachedRequestState:
-    """A worker's memory of one running request."""
+    """A worker's memory of one running request: its parameters and its block-table row."""
 
     sampling_params: SamplingParams
     num_prompt_tokens: int
-    block_ids: list[int] = field(default_factory=list)
+    row: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,29 +49,51 @@ class ModelInputs:
 class InputBatch:
     """The per-request state of one worker, updated by every plan."""
 
-    def __init__(self, block_size: int, device: torch.device) -> None:
+    def __init__(self, block_size: int, device: torch.device, initial_rows: int = 64, initial_blocks: int = 64) -> None:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
+        self.block_table = np.zeros((initial_rows, initial_blocks), dtype=np.int32)
+        self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
+        self._free_rows = list(range(initial_rows - 1, -1, -1))
+
+    def block_ids(self, req_id: str) -> list[int]:
+        row = self.requests[req_id].row
+        return self.block_table[row, : self.num_blocks[row]].tolist()
 
     def apply(self, plan: StepPlan) -> None:
         """Drop finished/preempted requests, start new ones, extend block tables."""
         requests = self.requests
-        for req_id in plan.finished_req_ids:
-            requests.pop(req_id, None)
-        for req_id in plan.preempted_req_ids:
-            requests.pop(req_id, None)
+        for req_id in (*plan.finished_req_ids, *plan.preempted_req_ids):
+            state = requests.pop(req_id, None)
+            if state is not None:
+                self._release_row(state.row)
         for new in plan.new_requests:
-            requests[new.req_id] = CachedRequestState(new.sampling_params, new.num_prompt_tokens)
-        offset = 0
-        new_block_ids = plan.new_block_ids
-        for req_id, count in zip(plan.req_ids, plan.num_new_block_ids):
-            if count:
-                state = requests.get(req_id)
-                if state is None:
-                    raise ValueError(f"step {plan.step_id} extends unknown request {req_id!r}")
-                state.block_ids.extend(new_block_ids[offset : offset + count])
-                offset += count
+            old = requests.pop(new.req_id, None)
+            if old is not None:  # restarted without a preemption notice: start afresh
+                self._release_row(old.row)
+            requests[new.req_id] = CachedRequestState(new.sampling_params, new.num_prompt_tokens, self._take_row())
+        counts = np.asarray(plan.num_new_block_ids, dtype=np.int64)
+        extended = np.flatnonzero(counts)
+        if extended.size == 0:
+            return
+        try:
+            rows = np.fromiter(
+                (requests[plan.req_ids[i]].row for i in extended.tolist()), dtype=np.int64, count=extended.size
+            )
+        except KeyError as exc:
+            raise ValueError(f"step {plan.step_id} extends unknown request {exc.args[0]!r}") from None
+        # One scatter for every request's new blocks: row r gets its ids at
+        # columns num_blocks[r] onward.
+        counts = counts[extended]
+        starts = self.num_blocks[rows]
+        ends = starts + counts
+        if int(ends.max()) > self.block_table.shape[1]:
+            self._grow_columns(int(ends.max()))
+        first_flat = np.cumsum(counts) - counts
+        columns = np.arange(int(counts.sum())) + np.repeat(starts - first_flat, counts)
+        self.block_table[np.repeat(rows, counts), columns] = np.asarray(plan.new_block_ids, dtype=np.int32)
+        self.num_blocks[rows] = ends
 
     def prepare(self, plan: StepPlan) -> ModelInputs:
         """Tensors for ``plan``; call ``apply(plan)`` first."""
@@ -73,20 +102,19 @@ class InputBatch:
             states = [requests[req_id] for req_id in plan.req_ids]
         except KeyError as exc:
             raise ValueError(f"step {plan.step_id} schedules unknown request {exc.args[0]!r}") from None
+        rows = np.fromiter((state.row for state in states), dtype=np.int64, count=len(states))
         query_lens = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         seq_lens = starts + query_lens
-        query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
-        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_blocks = self.num_blocks[rows]
+        width = int(num_blocks.max(initial=0))
+        attn_metadata = attention_metadata_from_arrays(
+            query_lens, seq_lens, self.block_table[rows, :width], self.block_size, self.device,
+            num_blocks=num_blocks,
+        )
+        query_start_loc = np.asarray(attn_metadata.query_start_loc_cpu, dtype=np.int64)
         total = int(query_start_loc[-1])
         positions = np.arange(total, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], query_lens)
-        attn_metadata = build_attention_metadata(
-            query_lens.tolist(),
-            seq_lens.tolist(),
-            [state.block_ids for state in states],
-            self.block_size,
-            self.device,
-        )
         sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
         logits_indices = query_start_loc[1:][sample_rows] - 1
         device = self.device
@@ -98,3 +126,23 @@ class InputBatch:
             sampling_params=[states[i].sampling_params for i in sample_rows],
             output_indices=[int(seq_lens[i]) - states[i].num_prompt_tokens for i in sample_rows],
         )
+
+    def _release_row(self, row: int) -> None:
+        self.num_blocks[row] = 0
+        self._free_rows.append(row)
+
+    def _take_row(self) -> int:
+        if not self._free_rows:
+            num_rows = self.block_table.shape[0]
+            self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+            self.num_blocks = np.concatenate([self.num_blocks, np.zeros_like(self.num_blocks)])
+            self._free_rows = list(range(2 * num_rows - 1, num_rows - 1, -1))
+        return self._free_rows.pop()
+
+    def _grow_columns(self, min_columns: int) -> None:
+        columns = self.block_table.shape[1]
+        while columns < min_columns:
+            columns *= 2
+        grown = np.zeros((self.block_table.shape[0], columns), dtype=np.int32)
+        grown[:, : self.block_table.shape[1]] = self.block_table
+        self.block_table = grown

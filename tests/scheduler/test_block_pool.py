@@ -155,3 +155,8 @@ def test_reset_prefix_cache_refuses_while_blocks_are_in_use() -> None:
     assert pool.reset_prefix_cache() is True
     assert pool.get_cached_block(H1) is None and blocks[0].block_hash is None
     assert observer.events[-1][0] == "cleared"
+
+
+def test_negative_allocation_is_rejected() -> None:
+    with pytest.raises(ValueError, match="negative"):
+        BlockPool(3).get_new_blocks(-1)
