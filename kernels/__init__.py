@@ -1,8 +1,8 @@
 """kvserve.kernels: paged KV-cache writes and paged attention.
 
-A pure-torch reference for every kernel (``reference``) and, on GPUs, CUDA
-kernels behind the same :class:`AttentionBackend` interface; pick one with
-:func:`get_attention_backend`.
+A pure-torch reference for every kernel (``reference``), a C++ decode kernel
+for CPUs (``cpu_backend``) and, on GPUs, CUDA kernels behind the same
+:class:`AttentionBackend` interface; pick one with :func:`get_attention_backend`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,13 @@
-"""The attention backend seam: one interface, a torch reference and (later) CUDA kernels.
+"""The attention backend seam: one interface, a torch reference, C++ CPU and (later) CUDA kernels.
 
 Selection, first match wins:
 
 1. the ``name`` argument of :func:`get_attention_backend`;
 2. the ``KVSERVE_ATTENTION_BACKEND`` environment variable;
-3. automatic: ``"cuda"`` on a CUDA device when the CUDA kernels import, else ``"torch"``.
+3. automatic: ``"cuda"`` on a CUDA device when the CUDA kernels import, ``"cpu"``
+   on a CPU device when its C++ extension builds (else a warning), else ``"torch"``.
+
+``"torch"`` forces the pure-torch reference on any device.
 
 The CUDA kernels plug in as module ``kvserve.kernels.cuda_backend`` exposing a
 class ``CudaAttentionBackend`` (constructed without arguments) that satisfies
@@ -22,11 +25,13 @@ import torch
 
 from kvserve.kernels import reference
 from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.cpu_backend import CpuAttentionBackend
+from kvserve.kernels.cpu_build import CpuExtensionBuildError
 
 logger = logging.getLogger(__name__)
 
 BACKEND_ENV_VAR = "KVSERVE_ATTENTION_BACKEND"
-BACKEND_NAMES = ("torch", "cuda")
+BACKEND_NAMES = ("torch", "cpu", "cuda")
 _CUDA_MODULE = "kvserve.kernels.cuda_backend"
 _CUDA_CLASS = "CudaAttentionBackend"
 
@@ -93,9 +98,11 @@ class TorchReferenceBackend:
 def get_attention_backend(device: torch.device | str, name: str | None = None) -> AttentionBackend:
     """The attention backend for tensors on ``device``.
 
-    Raises ``ValueError`` for a name other than ``"torch"`` or ``"cuda"``, and
-    ``RuntimeError`` when ``"cuda"`` is asked for explicitly (argument or
-    environment) but the device is not a CUDA device or the kernels do not import.
+    Raises ``ValueError`` for a name not in :data:`BACKEND_NAMES`, and
+    ``RuntimeError`` when ``"cpu"`` or ``"cuda"`` is asked for explicitly
+    (argument or environment) but the device is not of that type or the kernels
+    do not build or import.  The first ``"cpu"`` backend on a machine takes
+    10-30 s: it compiles the C++ kernels, which later processes reuse.
     """
     device = torch.device(device)
     requested = name if name is not None else os.environ.get(BACKEND_ENV_VAR) or None
@@ -103,6 +110,8 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
         backend = _automatic_backend(device)
     elif requested == "torch":
         backend = TorchReferenceBackend()
+    elif requested == "cpu":
+        backend = _cpu_backend(device)
     elif requested == "cuda":
         backend = _cuda_backend(device)
     else:
@@ -120,7 +129,23 @@ def _automatic_backend(device: torch.device) -> AttentionBackend:
             return _load_cuda_backend()
         except ImportError as exc:
             logger.info("CUDA attention kernels unavailable (%s); using the torch reference", exc)
+    elif device.type == "cpu":
+        try:
+            return CpuAttentionBackend()
+        except CpuExtensionBuildError as exc:
+            logger.warning("C++ CPU attention kernels unavailable; using the slower torch reference: %s", exc)
     return TorchReferenceBackend()
+
+
+def _cpu_backend(device: torch.device) -> AttentionBackend:
+    if device.type != "cpu":
+        raise RuntimeError(f"attention backend 'cpu' needs a CPU device, got {device}")
+    try:
+        return CpuAttentionBackend()
+    except CpuExtensionBuildError as exc:
+        raise RuntimeError(
+            f"attention backend 'cpu' is unavailable: {exc}; use 'torch' or unset {BACKEND_ENV_VAR}"
+        ) from exc
 
 
 def _cuda_backend(device: torch.device) -> AttentionBackend:

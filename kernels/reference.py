@@ -69,24 +69,27 @@ def paged_attention(
     through ``block_tables[r]``.  Returns ``[num_tokens, num_heads, head_dim]``
     in ``query``'s dtype; half-precision inputs are computed in float32.
     """
-    _check_shapes(query, key_cache, value_cache, metadata)
+    check_shapes(query, key_cache, value_cache, metadata)
     output = torch.empty_like(query)
-    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    decode_reqs = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
-    prefill_reqs = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] > 1]
+    decode_reqs, prefill_reqs = split_decode_and_prefill(metadata)
     if decode_reqs:
-        _decode_attention(query, key_cache, value_cache, metadata, scale, decode_reqs, output)
-    for req_idx in prefill_reqs:
-        token_slice = slice(starts[req_idx], starts[req_idx + 1])
-        output[token_slice] = _prefill_attention(
-            query[token_slice], key_cache, value_cache, metadata.block_tables[req_idx], seq_lens[req_idx], scale
-        )
+        decode_attention(query, key_cache, value_cache, metadata, scale, decode_reqs, output)
+    prefill_attention(query, key_cache, value_cache, metadata, scale, prefill_reqs, output)
     return output
 
 
-def _check_shapes(
+def split_decode_and_prefill(metadata: AttentionMetadata) -> tuple[list[int], list[int]]:
+    """Indices of the requests with one new token (decodes) and of those with more (prefills)."""
+    starts = metadata.query_start_loc_cpu
+    decode_reqs = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] == 1]
+    prefill_reqs = [r for r in range(metadata.num_reqs) if starts[r + 1] - starts[r] > 1]
+    return decode_reqs, prefill_reqs
+
+
+def check_shapes(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata
 ) -> None:
+    """Raise ``ValueError`` unless the inputs fit :func:`paged_attention`'s contract."""
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
             f"query {tuple(query.shape)} must be [num_tokens, num_heads, head_dim] and both caches "
@@ -108,14 +111,22 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF_DTYPES else dtype
 
 
-def _rows(tensor: torch.Tensor, indices: list[int]) -> torch.Tensor:
+def select_rows(tensor: torch.Tensor, indices: list[int]) -> torch.Tensor:
     """``tensor[indices]``, as a view when the indices are one contiguous run."""
     if indices == list(range(indices[0], indices[0] + len(indices))):
         return tensor[indices[0] : indices[0] + len(indices)]
     return tensor.index_select(0, torch.tensor(indices, device=tensor.device))
 
 
-def _decode_attention(
+def write_rows(tensor: torch.Tensor, indices: list[int], rows: torch.Tensor) -> None:
+    """``tensor[indices] = rows``, through a slice when the indices are one contiguous run."""
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        tensor[indices[0] : indices[0] + len(indices)] = rows
+    else:
+        tensor.index_copy_(0, torch.tensor(indices, device=tensor.device), rows)
+
+
+def decode_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -124,7 +135,8 @@ def _decode_attention(
     decode_reqs: list[int],
     output: torch.Tensor,
 ) -> None:
-    """All single-token requests at once, their contexts gathered and padded to the longest."""
+    """Attention of the single-token requests ``decode_reqs`` (non-empty), written into
+    their rows of ``output``: all at once, their contexts gathered and padded to the longest."""
     _, block_size, num_kv_heads, head_dim = key_cache.shape
     num_heads = query.shape[1]
     num_decodes = len(decode_reqs)
@@ -132,10 +144,10 @@ def _decode_attention(
     compute_dtype = _compute_dtype(query.dtype)
 
     num_blocks = -(-max_context // block_size)
-    block_ids = _rows(metadata.block_tables, decode_reqs)[:, :num_blocks].to(torch.int64)
+    block_ids = select_rows(metadata.block_tables, decode_reqs)[:, :num_blocks].to(torch.int64)
     offsets = torch.arange(block_size, device=query.device)
     slots = (block_ids[:, :, None] * block_size + offsets).view(num_decodes, -1)[:, :max_context]
-    seq_lens = _rows(metadata.seq_lens, decode_reqs).to(torch.int64)
+    seq_lens = select_rows(metadata.seq_lens, decode_reqs).to(torch.int64)
     is_valid = torch.arange(max_context, device=query.device)[None, :] < seq_lens[:, None]
     # NOTE: padding positions re-read the request's last token rather than
     # slots that may never have been written (NaN in an uninitialized cache
@@ -148,7 +160,7 @@ def _decode_attention(
 
     # q: [n, kv_heads, group, head_dim]; k, v: [n, kv_heads, max_context, head_dim]
     token_indices = [metadata.query_start_loc_cpu[r] for r in decode_reqs]
-    queries = _rows(query, token_indices).to(compute_dtype)
+    queries = select_rows(query, token_indices).to(compute_dtype)
     queries = queries.reshape(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)
     attended = F.scaled_dot_product_attention(
         queries,
@@ -157,14 +169,29 @@ def _decode_attention(
         attn_mask=is_valid[:, None, None, :],
         scale=scale,
     )
-    attended = attended.reshape(num_decodes, num_heads, head_dim).to(output.dtype)
-    if token_indices == list(range(token_indices[0], token_indices[0] + num_decodes)):
-        output[token_indices[0] : token_indices[0] + num_decodes] = attended
-    else:
-        output.index_copy_(0, torch.tensor(token_indices, device=output.device), attended)
+    write_rows(output, token_indices, attended.reshape(num_decodes, num_heads, head_dim).to(output.dtype))
 
 
-def _prefill_attention(
+def prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    prefill_reqs: list[int],
+    output: torch.Tensor,
+) -> None:
+    """Attention of the multi-token requests ``prefill_reqs``, one request at a time,
+    written into their rows of ``output``."""
+    starts, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    for req_idx in prefill_reqs:
+        token_slice = slice(starts[req_idx], starts[req_idx + 1])
+        output[token_slice] = _prefill_one_request(
+            query[token_slice], key_cache, value_cache, metadata.block_tables[req_idx], seq_lens[req_idx], scale
+        )
+
+
+def _prefill_one_request(
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,

@@ -3,70 +3,16 @@
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import pytest
 import torch
 
-from kvserve.kernels import AttentionMetadata, build_attention_metadata, get_attention_backend
+from kvserve.kernels import build_attention_metadata, get_attention_backend
 from kvserve.kernels.backend import BACKEND_ENV_VAR, AttentionBackend, TorchReferenceBackend
 from kvserve.kernels.reference import paged_attention, write_kv_cache
+from tests.kernels.paged_batch import HEAD_DIM, MIXED_BATCH, NUM_KV_HEADS, PagedBatch, make_batch
 
-NUM_KV_HEADS = 2
-HEAD_DIM = 16
-# (cached tokens, new tokens) per request: chunks with and without cached context,
-# decodes that are not contiguous in the batch, contexts ending mid-block and on a boundary.
-MIXED_BATCH = [(0, 7), (37, 1), (20, 13), (63, 1), (0, 1), (5, 1), (16, 16)]
 TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
-
-
-@dataclass(frozen=True, slots=True)
-class PagedBatch:
-    query: torch.Tensor
-    key_cache: torch.Tensor
-    value_cache: torch.Tensor
-    metadata: AttentionMetadata
-    keys: list[torch.Tensor]  # dense [seq_len, num_kv_heads, head_dim] per request
-    values: list[torch.Tensor]
-    scale: float
-
-
-def make_batch(
-    requests: list[tuple[int, int]],
-    *,
-    block_size: int,
-    group: int,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    write_new_tokens: bool = True,
-) -> PagedBatch:
-    """Random K/V placed in shuffled, non-contiguous blocks of a NaN-filled cache."""
-    generator = torch.Generator().manual_seed(seed)
-    query_lens = [new for _, new in requests]
-    seq_lens = [cached + new for cached, new in requests]
-    # Every other table carries one unused trailing block.
-    blocks_per_req = [-(-seq_len // block_size) + r % 2 for r, seq_len in enumerate(seq_lens)]
-    num_blocks = sum(blocks_per_req) + 4
-    free_block_ids = (torch.randperm(num_blocks - 1, generator=generator) + 1).tolist()
-    block_tables = []
-    for count in blocks_per_req:
-        block_tables.append(free_block_ids[:count])
-        del free_block_ids[:count]
-
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
-    key_cache = torch.full(shape, float("nan"), dtype=dtype)
-    value_cache = torch.full(shape, float("nan"), dtype=dtype)
-    keys, values = [], []
-    for (cached, new), seq_len, table in zip(requests, seq_lens, block_tables):
-        keys.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype))
-        values.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype))
-        for position in range(cached + new if write_new_tokens else cached):
-            block_id, offset = table[position // block_size], position % block_size
-            key_cache[block_id, offset] = keys[-1][position]
-            value_cache[block_id, offset] = values[-1][position]
-    query = torch.randn(sum(query_lens), NUM_KV_HEADS * group, HEAD_DIM, generator=generator).to(dtype)
-    metadata = build_attention_metadata(query_lens, seq_lens, block_tables, block_size, "cpu")
-    return PagedBatch(query, key_cache, value_cache, metadata, keys, values, scale=0.7 * HEAD_DIM**-0.5)
 
 
 def dense_attention(batch: PagedBatch) -> torch.Tensor:
@@ -194,8 +140,7 @@ def no_cuda_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.usefixtures("no_cuda_kernels")
-def test_automatic_selection_is_torch_on_cpu_and_without_cuda_kernels() -> None:
-    assert get_attention_backend("cpu").name == "torch"
+def test_automatic_selection_is_torch_on_a_cuda_device_without_cuda_kernels() -> None:
     assert get_attention_backend(torch.device("cuda")).name == "torch"
 
 
@@ -218,7 +163,7 @@ def test_explicit_cuda_without_kernels_raises_runtime_error(device: str) -> None
 
 @pytest.mark.usefixtures("no_cuda_kernels")
 def test_unknown_backend_name_lists_the_valid_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(ValueError, match="valid names: torch, cuda"):
+    with pytest.raises(ValueError, match="valid names: torch, cpu, cuda"):
         get_attention_backend("cpu", name="triton")
     monkeypatch.setenv(BACKEND_ENV_VAR, "flash")
     with pytest.raises(ValueError, match=BACKEND_ENV_VAR):
