@@ -1,17 +1,20 @@
-"""The attention backend seam: one interface, a torch reference, C++ CPU and (later) CUDA kernels.
+"""The attention backend seam: one interface, a torch reference, C++ CPU and CUDA kernels.
 
 Selection, first match wins:
 
 1. the ``name`` argument of :func:`get_attention_backend`;
 2. the ``KVSERVE_ATTENTION_BACKEND`` environment variable;
-3. automatic: ``"cuda"`` on a CUDA device when the CUDA kernels import, ``"cpu"``
-   on a CPU device when its C++ extension builds (else a warning), else ``"torch"``.
+3. automatic: ``"cuda"`` on a CUDA device when the CUDA kernels build (else a
+   warning), ``"cpu"`` on a CPU device when its C++ extension builds (else a
+   warning), else ``"torch"``.
 
 ``"torch"`` forces the pure-torch reference on any device.
 
 The CUDA kernels plug in as module ``kvserve.kernels.cuda_backend`` exposing a
 class ``CudaAttentionBackend`` (constructed without arguments) that satisfies
-:class:`AttentionBackend`.
+:class:`AttentionBackend`; its constructor raises
+:class:`~kvserve.kernels.cuda_build.CudaExtensionBuildError` when the kernels
+cannot be built here.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from kvserve.kernels import reference
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.cpu_backend import CpuAttentionBackend
 from kvserve.kernels.cpu_build import CpuExtensionBuildError
+from kvserve.kernels.cuda_build import CudaExtensionBuildError
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +106,8 @@ def get_attention_backend(device: torch.device | str, name: str | None = None) -
     ``RuntimeError`` when ``"cpu"`` or ``"cuda"`` is asked for explicitly
     (argument or environment) but the device is not of that type or the kernels
     do not build or import.  The first ``"cpu"`` backend on a machine takes
-    10-30 s: it compiles the C++ kernels, which later processes reuse.
+    10-30 s, and the first ``"cuda"`` one 15-60 s: they compile their kernels,
+    which later processes reuse.
     """
     device = torch.device(device)
     requested = name if name is not None else os.environ.get(BACKEND_ENV_VAR) or None
@@ -129,6 +134,8 @@ def _automatic_backend(device: torch.device) -> AttentionBackend:
             return _load_cuda_backend()
         except ImportError as exc:
             logger.info("CUDA attention kernels unavailable (%s); using the torch reference", exc)
+        except CudaExtensionBuildError as exc:
+            logger.warning("CUDA attention kernels unavailable; using the slower torch reference: %s", exc)
     elif device.type == "cpu":
         try:
             return CpuAttentionBackend()
@@ -157,6 +164,10 @@ def _cuda_backend(device: torch.device) -> AttentionBackend:
         raise RuntimeError(
             f"attention backend 'cuda' is unavailable: cannot import {_CUDA_MODULE} ({exc}); "
             f"use 'torch' or unset {BACKEND_ENV_VAR}"
+        ) from exc
+    except CudaExtensionBuildError as exc:
+        raise RuntimeError(
+            f"attention backend 'cuda' is unavailable: {exc}; use 'torch' or unset {BACKEND_ENV_VAR}"
         ) from exc
 
 

@@ -1,4 +1,5 @@
-"""Ground truth for the engine: transformers' own ``generate()`` in float32 on CPU."""
+"""Ground truth for the engine: transformers' own ``generate()`` in float32 (on CPU, or on the
+model's device)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def hf_greedy(
     eos = config.eos_token_id
     pad = 0
     width = max(len(p) for p in prompts)
-    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
-    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=model.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     saved = config.eos_token_id
     config.eos_token_id = eos if stop_at_eos else None
     try:

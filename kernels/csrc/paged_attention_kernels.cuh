@@ -1,0 +1,498 @@
+// CUDA paged attention over a sharded KV cache: device code only, plain CUDA headers.
+//
+// Cache layout, per layer, keys and values alike (contiguous):
+//
+//   key_cache[num_blocks][block_size][num_kv_heads][head_dim]     one slot = num_kv_heads rows
+//
+//   context position t of request r  ->  block block_tables[r][t / BS], offset t % BS
+//   the row of kv head h: 16-byte vectors, head_dim * sizeof(T) / 16 of them, contiguous
+//
+// Work decomposition (flash-decoding): one CTA = (query rows, kv head, context split).
+//
+//   query rows   (token, head) pairs that read the same kv head: the GQA group of one
+//                decode token, or 8 consecutive pairs of a prefill chunk.  Every K/V row a
+//                CTA loads serves all of them.
+//   split        context positions [z * S, (z + 1) * S), S = split_tokens.  A row whose
+//                context fits in one split (position < S) writes its output directly; the
+//                others write an unnormalised partial (acc, max, sum) per split that
+//                combine_splits_kernel merges.
+//
+// Inside a CTA (4 warps), a "thread group" of head_dim * sizeof(T) / 16 lanes owns one key
+// row at a time: lane c loads the 16 bytes at dims [c*E, c*E + E) of K and V (E = 16 /
+// sizeof(T)), so one warp load instruction reads kKeysPerLoad = 32 / group size whole
+// rows.  Each warp streams its own keys with an online softmax per query row (scores in
+// log2 units, q pre-scaled by scale * log2(e)); at the end the thread groups of a warp
+// merge through shuffles and the warps through shared memory.
+//
+//   warp w, step s:  keys  kv_begin + (s * 4 + w) * kKeysPerWarpStep + u * kKeysPerLoad + g
+//                    for unroll slot u < kUnroll and thread group g < kKeysPerLoad: all K
+//                    and V loads of a step are issued before the first is used.
+//
+// Everything accumulates in float32.  Positions at or beyond seq_len (and, for prefill
+// rows, beyond the row's own position) are never read, so NaN in unwritten slots of the
+// cache cannot leak into the output.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "paged_attention_cuda.h"
+
+namespace kvserve {
+
+constexpr int kWarpSize = 32;
+constexpr int kNumWarps = kNumThreads / kWarpSize;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// ---------------------------------------------------------------------------------------
+// 16-byte vectors of T <-> float
+
+template <typename T>
+struct VecTraits;
+template <>
+struct VecTraits<float> {
+  static constexpr int kElems = 4;
+};
+template <>
+struct VecTraits<__half> {
+  static constexpr int kElems = 8;
+};
+template <>
+struct VecTraits<__nv_bfloat16> {
+  static constexpr int kElems = 8;
+};
+
+__device__ __forceinline__ void unpack(const uint4& raw, float (&out)[4]) {
+  out[0] = __uint_as_float(raw.x);
+  out[1] = __uint_as_float(raw.y);
+  out[2] = __uint_as_float(raw.z);
+  out[3] = __uint_as_float(raw.w);
+}
+
+__device__ __forceinline__ float2 half2_bits_to_float2(uint32_t bits) {
+  __half2 pair;
+  memcpy(&pair, &bits, sizeof(pair));
+  return __half22float2(pair);
+}
+
+// bfloat16 -> float is exact: the 16 bits become the high half of a float.
+__device__ __forceinline__ float2 bf162_bits_to_float2(uint32_t bits) {
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack(const uint4& raw, float (&out)[8]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 pair = std::is_same<T, __half>::value ? half2_bits_to_float2(words[i])
+                                                       : bf162_bits_to_float2(words[i]);
+    out[2 * i] = pair.x;
+    out[2 * i + 1] = pair.y;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void unpack_vec(const uint4& raw, float (&out)[VecTraits<T>::kElems]) {
+  if constexpr (std::is_same<T, float>::value) {
+    unpack(raw, out);
+  } else {
+    unpack<T>(raw, out);
+  }
+}
+
+// Two floats as two T, stored at dst (aligned to 2 * sizeof(T)).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* dst, float a, float b) {
+  if constexpr (std::is_same<T, float>::value) {
+    *reinterpret_cast<float2*>(dst) = make_float2(a, b);
+  } else if constexpr (std::is_same<T, __half>::value) {
+    *reinterpret_cast<__half2*>(dst) = __floats2half2_rn(a, b);
+  } else {
+    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(a, b);
+  }
+}
+
+__device__ __forceinline__ uint4 load_vec(const void* ptr) {
+  return __ldg(reinterpret_cast<const uint4*>(ptr));
+}
+
+// exp2(x - max) for a running max that may still be -inf (no key seen yet): the max is
+// then replaced by 0, so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
+__device__ __forceinline__ float finite_or_zero(float running_max) {
+  return running_max == -INFINITY ? 0.f : running_max;
+}
+
+// ---------------------------------------------------------------------------------------
+// Which request, query rows and context range a CTA owns
+
+// The request r whose [starts[r], starts[r + 1]) holds token, for tokens < starts[num_reqs].
+__device__ __forceinline__ int find_request_of_token(const int32_t* starts, int num_reqs, int token) {
+  int lo = 0, hi = num_reqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (__ldg(starts + mid) <= token) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+// Prefill tiles: request r owns tiles [first_tile(r), first_tile(r + 1)), which is at least
+// ceil(query_len * group / kRows) of them; the grid has first_tile(num_reqs) tiles.
+__device__ __forceinline__ int64_t first_prefill_tile(const int32_t* starts, int req, int group, int rows) {
+  return static_cast<int64_t>(__ldg(starts + req)) * group / rows + req;
+}
+
+__device__ __forceinline__ int find_request_of_tile(const int32_t* starts, int num_reqs, int group, int rows,
+                                                    int64_t tile) {
+  int lo = 0, hi = num_reqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (first_prefill_tile(starts, mid, group, rows) <= tile) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+struct RowInfo {
+  int token;     // index into the batch, -1 for an unused row
+  int head;      // query head
+  int position;  // absolute context position of the token; -1 for an unused row
+};
+
+// ---------------------------------------------------------------------------------------
+// Attention: one CTA = kRows query rows of one kv head over one context split
+
+// Register budget: at most 128 registers (4 CTAs, 16 warps per SM) up to 4 rows; 8 rows
+// hold twice the query and accumulator registers and get 2 CTAs per SM.
+template <int kRows>
+constexpr int min_ctas_per_sm() {
+  return kRows <= 4 ? 4 : 2;
+}
+
+// decode: grid (num_kv_heads * head_tiles, num_reqs, splits), the requests with one new
+// token; else grid (prefill tiles, num_kv_heads, splits), the requests with several.
+template <typename T, int kHeadDim, int kBlockSize, int kRows>
+__global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
+    paged_attention_kernel(const AttentionParams p, const bool decode) {
+  constexpr int kElems = VecTraits<T>::kElems;
+  constexpr int kThreadsPerKey = kHeadDim / kElems;  // 8, 16 or 32 lanes per key row
+  constexpr int kKeysPerLoad = kWarpSize / kThreadsPerKey;
+  constexpr int kUnroll = kRows >= 8 ? 2 : 4;
+  constexpr int kKeysPerWarpStep = kKeysPerLoad * kUnroll;
+  constexpr int kKeysPerStep = kKeysPerWarpStep * kNumWarps;
+  constexpr int kMaxBlocksPerSplit = kMaxSplitTokens / kBlockSize;
+  static_assert(kHeadDim % kElems == 0 && kWarpSize % kThreadsPerKey == 0, "head_dim must tile a warp");
+  static_assert(kSplitTokensMultiple % kBlockSize == 0, "splits must start on a block boundary");
+
+  __shared__ int32_t s_block_ids[kMaxBlocksPerSplit];
+  __shared__ RowInfo s_rows[kRows];
+  __shared__ float s_acc[kNumWarps][kRows][kHeadDim];
+  __shared__ float s_max[kNumWarps][kRows];
+  __shared__ float s_sum[kNumWarps][kRows];
+
+  const int group = p.num_heads / p.num_kv_heads;
+  const int split = blockIdx.z;
+
+  // Which request and rows: the same answer in every thread, so exits are CTA-uniform.
+  int req, kv_head, first_pair, num_rows;
+  if (decode) {
+    const int head_tiles = (group + kRows - 1) / kRows;
+    req = blockIdx.y;
+    kv_head = blockIdx.x / head_tiles;
+    first_pair = (blockIdx.x % head_tiles) * kRows;
+    if (__ldg(p.query_start_loc + req + 1) - __ldg(p.query_start_loc + req) != 1) return;
+    num_rows = min(kRows, group - first_pair);
+  } else {
+    kv_head = blockIdx.y;
+    req = find_request_of_tile(p.query_start_loc, p.num_reqs, group, kRows, blockIdx.x);
+    const int query_len = __ldg(p.query_start_loc + req + 1) - __ldg(p.query_start_loc + req);
+    if (query_len == 1) return;  // a decode: the decode launch owns it
+    first_pair = static_cast<int>((blockIdx.x - first_prefill_tile(p.query_start_loc, req, group, kRows)) * kRows);
+    if (first_pair >= query_len * group) return;
+    num_rows = min(kRows, query_len * group - first_pair);
+  }
+  const int query_start = __ldg(p.query_start_loc + req);
+  const int query_len = __ldg(p.query_start_loc + req + 1) - query_start;
+  const int seq_len = __ldg(p.seq_lens + req);
+  // (token, head-in-group) pairs are ordered token-major, so the last row is the latest token.
+  const int last_position = seq_len - query_len + (first_pair + num_rows - 1) / group;
+  const int kv_begin = split * p.split_tokens;
+  const int kv_end = min(kv_begin + p.split_tokens, last_position + 1);
+  if (kv_begin >= kv_end) return;
+
+  const int tid = threadIdx.x;
+  if (tid < kRows) {
+    RowInfo row{-1, 0, -1};
+    if (tid < num_rows) {
+      const int pair = first_pair + tid;
+      row.token = query_start + pair / group;
+      row.head = kv_head * group + pair % group;
+      row.position = seq_len - query_len + pair / group;
+    }
+    s_rows[tid] = row;
+  }
+  const int32_t* block_table = p.block_tables + static_cast<int64_t>(req) * p.max_blocks_per_req;
+  const int num_split_blocks = (kv_end - kv_begin + kBlockSize - 1) / kBlockSize;
+  for (int i = tid; i < num_split_blocks; i += kNumThreads) {
+    s_block_ids[i] = __ldg(block_table + kv_begin / kBlockSize + i);
+  }
+  __syncthreads();
+
+  const int warp = tid / kWarpSize;
+  const int lane = tid % kWarpSize;
+  const int key_in_load = lane / kThreadsPerKey;  // which of the warp's keys this lane reads
+  const int chunk = lane % kThreadsPerKey;        // which 16 bytes of the row
+  const int dim0 = chunk * kElems;
+
+  // Query rows in registers, pre-scaled so that scores come out in log2 units.
+  const float q_scale = p.scale * kLog2e;
+  float q[kRows][kElems];
+  int row_position[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const RowInfo row = s_rows[r];
+    row_position[r] = row.position;
+    if (row.token >= 0) {
+      const T* src = static_cast<const T*>(p.query) + row.token * p.query_token_stride +
+                     row.head * p.query_head_stride + dim0;
+      float values[kElems];
+      unpack_vec<T>(load_vec(src), values);
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) q[r][e] = values[e] * q_scale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) q[r][e] = 0.f;
+    }
+  }
+
+  float row_max[kRows], row_sum[kRows], acc[kRows][kElems];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = -INFINITY;
+    row_sum[r] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) acc[r][e] = 0.f;
+  }
+
+  const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
+  const T* key_base = static_cast<const T*>(p.key_cache) + kv_head * kHeadDim + dim0;
+  const T* value_base = static_cast<const T*>(p.value_cache) + kv_head * kHeadDim + dim0;
+
+  for (int step = kv_begin + warp * kKeysPerWarpStep; step < kv_end; step += kKeysPerStep) {
+    // Issue every load of the step first.
+    uint4 key_raw[kUnroll], value_raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int t = step + u * kKeysPerLoad + key_in_load;
+      if (t < kv_end) {
+        // NOTE: unsigned, so that the division and modulo by the block size are shifts.
+        const unsigned in_split = static_cast<unsigned>(t - kv_begin);
+        const int64_t block_id = s_block_ids[in_split / kBlockSize];
+        const int64_t offset = (block_id * kBlockSize + in_split % kBlockSize) * slot_stride;
+        key_raw[u] = load_vec(key_base + offset);
+        value_raw[u] = load_vec(value_base + offset);
+      } else {
+        key_raw[u] = make_uint4(0, 0, 0, 0);
+        value_raw[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+
+    // Scores: partial dot products, summed over the lanes of each thread group.
+    float score[kUnroll][kRows];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float k[kElems];
+      unpack_vec<T>(key_raw[u], k);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) dot = fmaf(q[r][e], k[e], dot);
+        score[u][r] = dot;
+      }
+    }
+#pragma unroll
+    for (int offset = kThreadsPerKey / 2; offset >= 1; offset /= 2) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) score[u][r] += __shfl_xor_sync(0xffffffffu, score[u][r], offset);
+      }
+    }
+
+    // Online softmax: one rescale of the running state per step.
+    float weight[kUnroll][kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float step_max = row_max[r];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int t = step + u * kKeysPerLoad + key_in_load;
+        if (t >= kv_end || t > row_position[r]) score[u][r] = -INFINITY;
+        step_max = fmaxf(step_max, score[u][r]);
+      }
+      const float reference = finite_or_zero(step_max);
+      const float rescale = exp2f(row_max[r] - reference);
+      row_max[r] = step_max;
+      row_sum[r] *= rescale;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[r][e] *= rescale;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        weight[u][r] = exp2f(score[u][r] - reference);
+        row_sum[r] += weight[u][r];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float v[kElems];
+      unpack_vec<T>(value_raw[u], v);
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[r][e] = fmaf(weight[u][r], v[e], acc[r][e]);
+      }
+    }
+  }
+
+  // Merge the thread groups of each warp (they hold the same dims of different keys).
+#pragma unroll
+  for (int offset = kThreadsPerKey; offset < kWarpSize; offset *= 2) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float other_max = __shfl_xor_sync(0xffffffffu, row_max[r], offset);
+      const float other_sum = __shfl_xor_sync(0xffffffffu, row_sum[r], offset);
+      const float merged_max = fmaxf(row_max[r], other_max);
+      const float reference = finite_or_zero(merged_max);
+      const float mine = exp2f(row_max[r] - reference);
+      const float theirs = exp2f(other_max - reference);
+      row_max[r] = merged_max;
+      row_sum[r] = row_sum[r] * mine + other_sum * theirs;
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) {
+        const float other_acc = __shfl_xor_sync(0xffffffffu, acc[r][e], offset);
+        acc[r][e] = acc[r][e] * mine + other_acc * theirs;
+      }
+    }
+  }
+  if (lane < kThreadsPerKey) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) s_acc[warp][r][dim0 + e] = acc[r][e];
+      if (chunk == 0) {
+        s_max[warp][r] = row_max[r];
+        s_sum[warp][r] = row_sum[r];
+      }
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps and write: pairs of dims, consecutive threads on consecutive pairs.
+  for (int i = tid; i < num_rows * (kHeadDim / 2); i += kNumThreads) {
+    const int r = i / (kHeadDim / 2);
+    const int d = (i % (kHeadDim / 2)) * 2;
+    const RowInfo row = s_rows[r];
+    if (row.position < kv_begin) continue;  // no key of this split is in the row's context
+    float merged_max = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kNumWarps; ++w) merged_max = fmaxf(merged_max, s_max[w][r]);
+    const float reference = finite_or_zero(merged_max);
+    float sum = 0.f, out0 = 0.f, out1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < kNumWarps; ++w) {
+      const float factor = exp2f(s_max[w][r] - reference);
+      sum = fmaf(s_sum[w][r], factor, sum);
+      out0 = fmaf(s_acc[w][r][d], factor, out0);
+      out1 = fmaf(s_acc[w][r][d + 1], factor, out1);
+    }
+    const int64_t row_index = static_cast<int64_t>(row.token) * p.num_heads + row.head;
+    if (row.position < p.split_tokens) {  // the row's whole context is in this split
+      const float inv_sum = 1.f / sum;
+      store_pair(static_cast<T*>(p.out) + row_index * kHeadDim + d, out0 * inv_sum, out1 * inv_sum);
+    } else {
+      const int64_t partial = row_index * p.max_splits + split;
+      *reinterpret_cast<float2*>(p.partial_out + partial * kHeadDim + d) = make_float2(out0, out1);
+      if (d == 0) {
+        p.partial_max[partial] = merged_max;
+        p.partial_sum[partial] = sum;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Split combine: one thread per 4 dims of one (token, head) whose context spans splits
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kNumThreads) combine_splits_kernel(const AttentionParams p) {
+  constexpr int kThreadsPerHead = kHeadDim / 4;
+  static_assert(kNumThreads % kThreadsPerHead == 0, "heads must tile the CTA");
+  const int token = blockIdx.x;
+  const int head = blockIdx.y * (kNumThreads / kThreadsPerHead) + threadIdx.x / kThreadsPerHead;
+  if (head >= p.num_heads) return;
+  const int req = find_request_of_token(p.query_start_loc, p.num_reqs, token);
+  const int query_start = __ldg(p.query_start_loc + req);
+  const int query_len = __ldg(p.query_start_loc + req + 1) - query_start;
+  const int position = __ldg(p.seq_lens + req) - query_len + (token - query_start);
+  const int num_splits = position / p.split_tokens + 1;
+  if (num_splits == 1) return;  // written by the attention kernel
+
+  const int64_t first = (static_cast<int64_t>(token) * p.num_heads + head) * p.max_splits;
+  float merged_max = -INFINITY;
+  for (int s = 0; s < num_splits; ++s) merged_max = fmaxf(merged_max, p.partial_max[first + s]);
+  float sum = 0.f;
+  float4 out = make_float4(0.f, 0.f, 0.f, 0.f);
+  const int d = (threadIdx.x % kThreadsPerHead) * 4;
+  for (int s = 0; s < num_splits; ++s) {
+    const float factor = exp2f(p.partial_max[first + s] - merged_max);
+    sum = fmaf(p.partial_sum[first + s], factor, sum);
+    const float4 part = *reinterpret_cast<const float4*>(p.partial_out + (first + s) * kHeadDim + d);
+    out.x = fmaf(part.x, factor, out.x);
+    out.y = fmaf(part.y, factor, out.y);
+    out.z = fmaf(part.z, factor, out.z);
+    out.w = fmaf(part.w, factor, out.w);
+  }
+  const float inv_sum = 1.f / sum;
+  T* dst = static_cast<T*>(p.out) + (static_cast<int64_t>(token) * p.num_heads + head) * kHeadDim + d;
+  store_pair(dst, out.x * inv_sum, out.y * inv_sum);
+  store_pair(dst + 2, out.z * inv_sum, out.w * inv_sum);
+}
+
+// ---------------------------------------------------------------------------------------
+// Cache write (reshape_and_cache): one CTA per new token, one thread per 16 bytes
+
+__global__ void write_kv_cache_kernel(const CacheWriteParams p) {
+  const int token = blockIdx.x;
+  const int64_t slot = __ldg(p.slot_mapping + token);
+  if (slot < 0) return;
+  const int vecs_per_head = p.head_dim * p.element_size / 16;
+  const int vecs_per_slot = p.num_kv_heads * vecs_per_head;
+  const int elems_per_vec = 16 / p.element_size;
+  const char* key = static_cast<const char*>(p.key);
+  const char* value = static_cast<const char*>(p.value);
+  uint4* key_dst = static_cast<uint4*>(p.key_cache) + slot * vecs_per_slot;
+  uint4* value_dst = static_cast<uint4*>(p.value_cache) + slot * vecs_per_slot;
+  for (int i = threadIdx.x; i < vecs_per_slot; i += blockDim.x) {
+    const int head = i / vecs_per_head;
+    const int64_t elem = (i % vecs_per_head) * static_cast<int64_t>(elems_per_vec);
+    const int64_t key_elem = token * p.key_token_stride + head * p.key_head_stride + elem;
+    const int64_t value_elem = token * p.value_token_stride + head * p.value_head_stride + elem;
+    key_dst[i] = *reinterpret_cast<const uint4*>(key + key_elem * p.element_size);
+    value_dst[i] = *reinterpret_cast<const uint4*>(value + value_elem * p.element_size);
+  }
+}
+
+}  // namespace kvserve

@@ -1,0 +1,173 @@
+"""The CUDA attention backend: cache writes and mixed-batch paged attention in CUDA kernels.
+
+One call of :meth:`CudaAttentionBackend.paged_attention` runs up to three kernels
+(``csrc/paged_attention_kernels.cuh``), all reading K/V in place through the block tables:
+
+* decode rows (requests with one new token): split-K over the context, one CTA per
+  (request, kv head, split); the query heads of a GQA group share every K/V load;
+* prefill rows (chunks, with or without cached context): the same CTA code on tiles of 8
+  (token, head) pairs of one kv head, causal within the chunk;
+* a combine of the split partials, for rows whose context spans several splits.
+
+Shapes the kernels lack (another head_dim or block size, float64) fall back to the torch
+reference, with one warning per shape.  ``KVSERVE_ATTENTION_BACKEND=torch`` forces the
+reference everywhere (see :mod:`kvserve.kernels.backend`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.kernels import reference
+from kvserve.kernels.attention_metadata import AttentionMetadata
+from kvserve.kernels.cuda_build import load_cuda_extension
+from kvserve.kernels.cuda_plan import SplitPlan, check_split_tokens, plan_splits
+
+logger = logging.getLogger(__name__)
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+KERNEL_HEAD_DIMS = (64, 128)
+KERNEL_BLOCK_SIZES = (16, 32)
+
+
+class CudaAttentionBackend:
+    """CUDA kernels for the cache write and for paged attention over mixed batches.
+
+    Construction builds the extension for the current CUDA device on first use on a
+    machine (see :mod:`kvserve.kernels.cuda_build`) and raises
+    :class:`~kvserve.kernels.cuda_build.CudaExtensionBuildError` when it cannot.
+    ``split_tokens`` fixes the context split size (a multiple of 64 up to 8192) instead
+    of choosing it per batch; tests and benchmarks use it.
+    """
+
+    __slots__ = ("_extension", "_num_sms", "_split_tokens", "_plan_metadata", "_plans", "_warned")
+    name = "cuda"
+
+    def __init__(self, *, split_tokens: int | None = None) -> None:
+        if split_tokens is not None:
+            check_split_tokens(split_tokens)
+        self._extension = load_cuda_extension()
+        self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        self._split_tokens = split_tokens
+        # The plan depends only on the batch: computed at the first layer of a step, reused by the others.
+        self._plan_metadata: AttentionMetadata | None = None
+        self._plans: dict[tuple[int, int], SplitPlan] = {}
+        self._warned: set[str] = set()
+
+    def write_kv_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if not _kernel_can_write(key, value, key_cache, value_cache):
+            reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+            return
+        self._extension.write_kv_cache(
+            _vector_ready(key), _vector_ready(value), key_cache, value_cache, slot_mapping
+        )
+
+    def paged_attention(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        reference.check_shapes(query, key_cache, value_cache, metadata)
+        unsupported = _unsupported(query, key_cache, value_cache)
+        if unsupported is not None:
+            self._warn_once(unsupported)
+            return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if metadata.num_tokens == 0:
+            return output
+        num_kv_heads = key_cache.shape[2]
+        plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads)
+        self._extension.paged_attention(
+            output,
+            _vector_ready(query),
+            key_cache,
+            value_cache,
+            metadata.block_tables,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            float(scale),
+            plan.split_tokens,
+            plan.num_decode_splits,
+            plan.num_prefill_splits,
+        )
+        return output
+
+    def split_plan(self, metadata: AttentionMetadata, num_kv_heads: int, group: int) -> SplitPlan:
+        """The split plan of ``metadata``'s batch (see :mod:`kvserve.kernels.cuda_plan`), cached per batch."""
+        if metadata is not self._plan_metadata:
+            self._plan_metadata = metadata
+            self._plans.clear()
+        key = (num_kv_heads, group)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = plan_splits(
+                metadata.query_start_loc_cpu, metadata.seq_lens_cpu, num_kv_heads, group, self._num_sms,
+                self._split_tokens,
+            )
+            self._plans[key] = plan
+        return plan
+
+    def _warn_once(self, reason: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("CUDA attention kernels: %s; using the slower torch reference for these calls", reason)
+
+    def __repr__(self) -> str:
+        return f"CudaAttentionBackend(split_tokens={self._split_tokens})"
+
+
+def _unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
+    """Why the kernels cannot run these inputs, or ``None`` when they can."""
+    _, block_size, _, head_dim = key_cache.shape
+    if not (query.is_cuda and key_cache.is_cuda and value_cache.is_cuda):
+        return "tensors are not on a CUDA device"
+    if query.dtype not in KERNEL_DTYPES or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        return f"no kernel for dtype {query.dtype} with a {key_cache.dtype} cache"
+    if head_dim not in KERNEL_HEAD_DIMS:
+        return f"no kernel for head_dim {head_dim} (supported: {KERNEL_HEAD_DIMS})"
+    if block_size not in KERNEL_BLOCK_SIZES:
+        return f"no kernel for block_size {block_size} (supported: {KERNEL_BLOCK_SIZES})"
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        return "the KV cache is not contiguous"
+    return None
+
+
+def _kernel_can_write(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> bool:
+    dtype = key_cache.dtype
+    return (
+        key_cache.is_cuda
+        and dtype in KERNEL_DTYPES
+        and key.dtype == value.dtype == value_cache.dtype == dtype
+        and key_cache.is_contiguous()
+        and value_cache.is_contiguous()
+        and key_cache.shape[-1] * key_cache.element_size() % 16 == 0
+    )
+
+
+def _vector_ready(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when the kernels can read it 16 bytes at a time, else a contiguous copy.
+
+    Views of a fused QKV projection (row stride (H + 2 * KVH) * head_dim) qualify as they are.
+    """
+    elems_per_vector = 16 // tensor.element_size()
+    if (
+        tensor.stride(-1) == 1
+        and all(stride % elems_per_vector == 0 for stride in tensor.stride()[:-1])
+        and tensor.data_ptr() % 16 == 0
+    ):
+        return tensor
+    return tensor.contiguous()

@@ -1,0 +1,138 @@
+"""Just-in-time build of the CUDA kernels in ``kernels/csrc/``.
+
+Two translation units: ``paged_attention_cuda.cu`` (the kernels and their launchers, nvcc,
+CUDA headers only) and ``paged_attention_cuda_binding.cpp`` (the torch binding, host
+compiler).  The extension is compiled once per build directory with
+``torch.utils.cpp_extension.load`` (about 15-30 s for one architecture on a few cores);
+later processes reuse it, and a second load in the same process returns the module
+already imported.
+
+Architectures: ``TORCH_CUDA_ARCH_LIST`` when set (torch reads it, e.g. ``"8.0;9.0"``),
+else the current device's compute capability (``sm_90`` on an H100).  The build
+directory is ``<root>/<python>_torch<version>/kvserve_paged_attention_cuda_<arch tag>``
+(see :mod:`kvserve.kernels.extension_build` for ``<root>``, and for why concurrent builds
+from the worker processes of one node are safe): machines with different GPUs that share
+a cache directory never load each other's libraries.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from kvserve.kernels.extension_build import build_root, needs_compiling, warn_if_stale_lock
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_NAME = "kvserve_paged_attention_cuda"
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC_DIR / "paged_attention_cuda.cu", CSRC_DIR / "paged_attention_cuda_binding.cpp")
+HEADERS = (CSRC_DIR / "paged_attention_cuda.h", CSRC_DIR / "paged_attention_kernels.cuh")
+# -lineinfo maps profiler samples (ncu) to source lines at no run-time cost.
+EXTRA_CUDA_CFLAGS = ("-O3", "-lineinfo")
+EXTRA_CFLAGS = ("-O3",)
+ARCH_LIST_ENV = "TORCH_CUDA_ARCH_LIST"
+
+_lock = threading.Lock()
+_outcomes: dict[str, ModuleType | CudaExtensionBuildError] = {}
+
+
+class CudaExtensionBuildError(RuntimeError):
+    """The CUDA kernels could not be compiled or loaded on this machine."""
+
+
+def load_cuda_extension() -> ModuleType:
+    """The compiled extension for the current CUDA device, building it first if needed.
+
+    The outcome, module or failure, is kept for the life of the process (per
+    architecture), so only the first call can be slow.  Raises
+    :class:`CudaExtensionBuildError` when torch has no CUDA, no device is visible, the
+    toolchain (nvcc, a C++ compiler, ninja) is missing, or the build fails.
+    """
+    check_cuda_runtime()
+    arch_flags, arch_tag = cuda_arch_flags()
+    with _lock:
+        if arch_tag not in _outcomes:
+            try:
+                _outcomes[arch_tag] = _build_and_load(arch_flags, arch_tag)
+            except CudaExtensionBuildError as exc:
+                _outcomes[arch_tag] = exc
+        outcome = _outcomes[arch_tag]
+    if isinstance(outcome, CudaExtensionBuildError):
+        raise outcome
+    return outcome
+
+
+def check_cuda_runtime() -> None:
+    """Raise :class:`CudaExtensionBuildError` unless torch has CUDA and sees a device."""
+    if torch.version.cuda is None:
+        raise CudaExtensionBuildError(f"this torch ({torch.__version__}) was built without CUDA")
+    if not torch.cuda.is_available():
+        raise CudaExtensionBuildError("no CUDA device is visible")
+
+
+def check_toolchain() -> None:
+    """Raise :class:`CudaExtensionBuildError` naming what is missing to build the kernels."""
+    from torch.utils import cpp_extension
+
+    nvcc = Path(cpp_extension.CUDA_HOME or "") / "bin" / "nvcc"
+    if cpp_extension.CUDA_HOME is None or not nvcc.is_file():
+        raise CudaExtensionBuildError(
+            f"nvcc not found (CUDA_HOME={cpp_extension.CUDA_HOME!r}); install the CUDA toolkit or set CUDA_HOME"
+        )
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise CudaExtensionBuildError(f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
+    if shutil.which("ninja") is None:
+        raise CudaExtensionBuildError("ninja is not on PATH (pip install ninja)")
+
+
+def cuda_arch_flags() -> tuple[list[str], str]:
+    """The nvcc architecture flags of the build, and the tag that names its directory.
+
+    With ``TORCH_CUDA_ARCH_LIST`` set (and not ``native``) the flags are empty: torch
+    reads the variable itself.  Otherwise the build targets the current device only.
+    """
+    arch_list = os.environ.get(ARCH_LIST_ENV, "").strip()
+    if arch_list and arch_list != "native":
+        return [], "arch_" + re.sub(r"[^0-9A-Za-z]+", "_", arch_list).strip("_").lower()
+    major, minor = torch.cuda.get_device_capability()
+    return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"], f"sm{major}{minor}"
+
+
+def build_directory(arch_tag: str) -> Path:
+    """Where the extension for ``arch_tag`` is built (see the module docstring)."""
+    return build_root() / f"{EXTENSION_NAME}_{arch_tag}"
+
+
+def _build_and_load(arch_flags: list[str], arch_tag: str) -> ModuleType:
+    check_toolchain()
+    from torch.utils import cpp_extension
+
+    name = f"{EXTENSION_NAME}_{arch_tag}"
+    directory = build_directory(arch_tag)
+    directory.mkdir(parents=True, exist_ok=True)
+    warn_if_stale_lock(directory / "lock")
+    if needs_compiling(directory, name, SOURCES + HEADERS):
+        logger.info("building the CUDA attention kernels for %s in %s (once per build directory)", arch_tag, directory)
+    try:
+        return cpp_extension.load(
+            name=name,
+            sources=[str(source) for source in SOURCES],
+            extra_cflags=list(EXTRA_CFLAGS),
+            extra_cuda_cflags=list(EXTRA_CUDA_CFLAGS) + arch_flags,
+            extra_include_paths=[str(CSRC_DIR)],
+            build_directory=str(directory),
+            with_cuda=True,
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError, ValueError, subprocess.CalledProcessError) as exc:
+        raise CudaExtensionBuildError(f"building the CUDA attention kernels in {directory} failed: {exc}") from exc
