@@ -11,10 +11,20 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvserve.cluster.replica_routing import ROUTING_POLICIES
+
+if TYPE_CHECKING:
+    from kvserve.cluster.config import ClusterConfig, ServerConfig
+    from kvserve.cluster.launcher import ClusterHandle
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# NOTE: kvserve.cluster.worker_actor.WORKER_CPU_RESOURCE, spelled out so that
+# `kvserve serve --help` need not import torch (a test keeps the two equal).
+_WORKER_CPU_RESOURCE = "kvserve_worker_slot"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_create_tiny_model_parser(subparsers)
+    add_serve_parser(subparsers)
+    add_generate_parser(subparsers)
     return parser
 
 
@@ -74,6 +86,302 @@ def run_create_tiny_model(args: argparse.Namespace) -> int:
         print(f"kvserve create-tiny-model: error: {exc}", file=sys.stderr)
         return 2
     print(f"created tiny {args.family} model (seed {args.seed}) in {path}")
+    return 0
+
+
+# -- serve -----------------------------------------------------------------------
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="start a cluster and serve the kvserve.v1.Generation gRPC API",
+        description=(
+            "Start the scheduler actor and the model replicas on Ray, then serve "
+            "kvserve.v1.Generation, grpc.health.v1 and server reflection over gRPC until "
+            "interrupted (Ctrl-C or SIGTERM), and shut everything down.  Without --address, "
+            "a local Ray instance bound to 127.0.0.1 is started (and stopped at the end); "
+            "with --address, the cluster runs on an existing Ray cluster (e.g. after "
+            "`ray up`), whose nodes need GPUs, or on CPU the custom resource "
+            f"{{'{_WORKER_CPU_RESOURCE}': N}} for N ranks."
+        ),
+    )
+    parser.add_argument(
+        "--model", metavar="DIR", type=Path, default=None,
+        help="Hugging Face model directory (default: the embedded tiny model, created on first use)",
+    )
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N",
+        help="tensor-parallel ranks per replica (default: 1)",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, metavar="M",
+        help="data-parallel replicas (default: 1)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="address the gRPC server listens on (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=50051, metavar="P",
+        help="port to listen on; 0 picks a free one (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--address", default=None, metavar="ADDR",
+        help="join an existing Ray cluster: 'auto' or HOST:PORT (default: start a local Ray instance)",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None,
+        help="worker device (default: GPUs if the Ray cluster has any, else CPU)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16,
+        help="tokens per KV-cache block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-blocks", type=int, default=None,
+        help="KV-cache blocks per replica (default: as many as fit)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256,
+        help="most requests running at once per replica (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="token budget of one step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="longest prompt + output (default: the model's limit)",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests", type=int, default=1024,
+        help="streams in flight before RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stream-interval", type=float, default=0.0, metavar="S",
+        help="fetch outputs at most every S seconds, so that the tokens of several steps travel in one "
+        "message: fewer messages, more latency (default: 0, every step)",
+    )
+    parser.add_argument(
+        "--routing", default="round_robin", choices=sorted(ROUTING_POLICIES),
+        help="how new requests pick a replica (default: %(default)s)",
+    )
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+
+    def progress(line: str) -> None:
+        print(f"kvserve serve: {line}", flush=True)
+
+    try:
+        server_config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            max_concurrent_requests=args.max_concurrent_requests,
+            stream_interval_s=args.stream_interval,
+        )
+        parallel = ParallelConfig(tensor_parallel_size=args.tp, num_replicas=args.replicas)
+        model_dir = args.model
+        if model_dir is None:
+            from kvserve.worker.tiny_model import default_tiny_model_path, ensure_default_tiny_model
+
+            if not (default_tiny_model_path() / "config.json").is_file():
+                progress(f"creating the default tiny model in {default_tiny_model_path()}")
+            model_dir = ensure_default_tiny_model()
+        config = ClusterConfig(
+            model_dir=str(model_dir),
+            parallel=parallel,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            device=args.device,
+            routing=args.routing,
+        )
+        from kvserve.worker.model_config import ModelConfig
+
+        # Fail on a wrong model directory before starting anything.
+        ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+    except ValueError as exc:
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    from kvserve.cluster.launcher import start_cluster
+
+    try:
+        _init_ray(args.address, config, progress)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        print(f"kvserve serve: error: cannot start or join Ray: {exc}", file=sys.stderr)
+        return 1
+    handle = None
+    status = 0
+    try:
+        progress(f"serving model {config.model_dir}")
+        handle = start_cluster(config, progress=progress)
+        asyncio.run(_serve_until_signalled(handle, server_config, progress))
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        status = 1
+    except KeyboardInterrupt:
+        progress("interrupted")
+    try:
+        if handle is not None:
+            progress("shutting down the replicas")
+            handle.shutdown()
+        ray.shutdown()
+    except KeyboardInterrupt:
+        progress("interrupted again: exiting without a clean shutdown")
+        return 130
+    progress("stopped")
+    return status
+
+
+def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str], None]) -> None:
+    import ray
+
+    from kvserve.cluster.worker_actor import RAY_NAMESPACE
+
+    if address is not None:
+        ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+        progress(f"joined the Ray cluster at {address}")
+        return
+    from kvserve.cluster.ray_loopback import keep_ray_on_loopback
+
+    keep_ray_on_loopback()
+    resources = {}
+    if config.device != "cuda":
+        import torch
+
+        if config.device == "cpu" or not torch.cuda.is_available():
+            from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
+
+            resources[WORKER_CPU_RESOURCE] = config.parallel.num_workers
+    # NOTE: address="local" always starts a new instance: without it, ray.init
+    # joins whatever cluster this machine last started.
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        namespace=RAY_NAMESPACE,
+        resources=resources,
+        logging_level=logging.WARNING,
+    )
+    progress("started a local Ray instance on 127.0.0.1")
+
+
+async def _serve_until_signalled(
+    handle: ClusterHandle, server_config: ServerConfig, progress: Callable[[str], None]
+) -> None:
+    import asyncio
+    import signal
+
+    from kvserve.cluster.server import start_server
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = await start_server(handle.scheduler, handle.model_info, server_config)
+    progress(f"listening on {server_config.host}:{server.port} (Ctrl-C to stop)")
+    try:
+        await stop.wait()
+        progress("stopping: finishing the streams in flight")
+    finally:
+        await server.stop(grace_s=5.0)
+
+
+# -- generate --------------------------------------------------------------------
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="stream one completion from a running server",
+        description=(
+            "Send PROMPT to a kvserve server and print the completion as it streams in; the "
+            "finish reason and the token usage follow on stderr."
+        ),
+    )
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    parser.add_argument(
+        "--target", default="127.0.0.1:50051", metavar="HOST:PORT",
+        help="server address (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N",
+        help="tokens to generate at most (server default: 16)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=None, metavar="T",
+        help="0 is greedy (server default: 1.0)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="nucleus sampling mass in (0, 1] (server default: 1.0)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=None, metavar="K",
+        help="sample among the K likeliest tokens; -1 disables (server default)",
+    )
+    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument(
+        "--ignore-eos", action="store_true",
+        help="keep generating past the end-of-sequence token",
+    )
+    parser.add_argument(
+        "--cache-salt", default="",
+        help="share cached prefixes only with requests of the same salt",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=60.0, metavar="S",
+        help="deadline of the call in seconds (default: %(default)s)",
+    )
+    parser.set_defaults(handler=run_generate)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from kvserve.proto import generate_pb2, generate_pb2_grpc
+
+    params = generate_pb2.SamplingParams(ignore_eos=args.ignore_eos)
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(params, name, value)
+    request = generate_pb2.GenerateRequest(text=args.prompt, sampling_params=params, cache_salt=args.cache_salt)
+    with grpc.insecure_channel(args.target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        last = None
+        try:
+            for response in stub.Generate(request, timeout=args.timeout):
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+        except grpc.RpcError as exc:
+            print(file=sys.stdout if last is not None else sys.stderr)
+            print(f"kvserve generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print()
+            return 130
+    print()
+    if last is not None:
+        usage = last.usage
+        reason = generate_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(
+            f"[{reason}] prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
+            f"completion {usage.completion_tokens} tokens, replica {last.replica}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -28,7 +28,8 @@ class RequestDelta:
 
     The last delta of a request has ``finish_reason`` set ("stop", "length",
     "abort") or ``error`` set (its replica failed: the front end answers
-    ``UNAVAILABLE``).
+    ``UNAVAILABLE``); only the last one carries the usage counts
+    (``num_prompt_tokens``, ``num_cached_tokens``, ``num_output_tokens``).
     """
 
     req_id: str
@@ -37,11 +38,30 @@ class RequestDelta:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_output_tokens: int = 0
     replica: int = -1
 
     @property
     def is_last(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+    def __reduce__(self) -> tuple[type[RequestDelta], tuple[object, ...]]:
+        # NOTE: one delta per request per poll crosses Ray: pickling the fields
+        # as a tuple is several times faster than a slotted dataclass's
+        # default __getstate__/__setstate__.
+        return (
+            RequestDelta,
+            (
+                self.req_id,
+                self.token_ids,
+                self.finish_reason,
+                self.error,
+                self.num_prompt_tokens,
+                self.num_cached_tokens,
+                self.num_output_tokens,
+                self.replica,
+            ),
+        )
 
 
 @dataclass(frozen=True, slots=True)

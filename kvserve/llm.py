@@ -14,6 +14,7 @@ from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
+from kvserve.worker.tokenizer import load_tokenizer
 from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES, WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ class LLM:
         seed: int | None = 0,
     ) -> None:
         self.model_config = ModelConfig.from_pretrained(model, max_model_len)
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model)
         worker_config = WorkerConfig(
             model_dir=str(model),
             tp_size=tensor_parallel_size,
@@ -181,12 +182,3 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompt_list and all(isinstance(t, int) for t in prompt_list):
         return [prompt_list]  # a single prompt given as token ids
     return prompt_list
-
-
-def _load_tokenizer(model: str | Path):
-    path = Path(model)
-    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)

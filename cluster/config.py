@@ -1,0 +1,192 @@
+"""Configuration of a running cluster: parallelism, the gRPC server, and the whole.
+
+Each dataclass is frozen and validated once, at construction; an invalid value
+raises ``ValueError`` naming the field.  Values that depend on the model
+(``max_model_len`` when unset) are derived by the scheduler actor with
+``dataclasses.replace``-style construction, never by mutation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from kvserve.cluster.replica_routing import ROUTING_POLICIES
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvserve.worker.worker import WorkerConfig
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How many copies of the model (replicas) and how many ranks each (tensor parallel)."""
+
+    tensor_parallel_size: int = 1
+    num_replicas: int = 1
+
+    def __post_init__(self) -> None:
+        _require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _require_positive_int("num_replicas", self.num_replicas)
+
+    @property
+    def num_workers(self) -> int:
+        return self.tensor_parallel_size * self.num_replicas
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """The public gRPC endpoint.
+
+    ``port`` 0 binds a free port (the server reports which).  Message sizes are
+    explicit limits in both directions; a request larger than
+    ``max_message_bytes`` is refused by gRPC itself with ``RESOURCE_EXHAUSTED``.
+    More than ``max_concurrent_requests`` streams in flight are refused with
+    ``RESOURCE_EXHAUSTED`` too.  ``stream_interval_s`` is the shortest time
+    between two fetches of outputs from the scheduler: the tokens of the steps
+    in between reach the client in one message (0: one message per step).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_concurrent_requests: int = 1024
+    stream_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        _require_positive_int("max_message_bytes", self.max_message_bytes)
+        _require_positive_int("max_concurrent_requests", self.max_concurrent_requests)
+        interval = self.stream_interval_s
+        if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1:
+            raise ValueError(f"stream_interval_s must be in [0, 1] seconds, got {interval!r}")
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """Everything the scheduler actor needs to start and drive the replicas.
+
+    The scheduler fields mirror ``SchedulerConfig`` (``max_model_len`` ``None``:
+    the model's own limit); the cache fields mirror ``CacheConfig`` and
+    ``WorkerConfig`` (``num_blocks`` ``None``: as many as fit in
+    ``gpu_memory_utilization`` on a GPU or ``cpu_kv_cache_bytes`` on a CPU,
+    ``None``: the worker's default).
+    ``device`` ``None`` uses GPUs when the Ray cluster has any, else CPUs.
+    ``cpu_threads``: torch threads of each CPU rank (``None``: the node's
+    cores divided among a replica's ranks; 1 thread for a single rank under Ray).
+    ``undelivered_output_timeout_s``: when the front end stops fetching outputs
+    for this long, the scheduler aborts the requests whose outputs wait.
+    """
+
+    model_dir: str
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    block_size: int = 16
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: str = "auto"
+    device: str | None = None
+    cpu_kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_threads: int | None = None
+    seed: int | None = 0
+    routing: str = "round_robin"
+    undelivered_output_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model_dir, str) or not self.model_dir:
+            raise ValueError(f"model_dir must be a non-empty path string, got {self.model_dir!r}")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise ValueError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}")
+        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _require_positive_int("max_model_len", self.max_model_len)
+        if self.long_prefill_token_threshold is not None:
+            _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
+        _require_positive_int("block_size", self.block_size)
+        if self.num_blocks is not None:
+            _require_positive_int("num_blocks", self.num_blocks)
+            if self.num_blocks < 2:
+                raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), got {self.num_blocks}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        if self.device is not None and self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
+        if self.cpu_kv_cache_bytes is not None:
+            _require_positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.cpu_threads is not None:
+            _require_positive_int("cpu_threads", self.cpu_threads)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {sorted(ROUTING_POLICIES)}, got {self.routing!r}")
+        timeout = self.undelivered_output_timeout_s
+        if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"undelivered_output_timeout_s must be a positive number, got {timeout!r}")
+        # Fail now, not in the actor, on combinations SchedulerConfig rejects.
+        self.scheduler_config(self.max_model_len or self.max_num_batched_tokens)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The step scheduler's limits, given the model's (resolved) ``max_model_len``."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+        )
+
+    def cache_config(self, num_blocks: int, model_id: str) -> CacheConfig:
+        """One replica's block pool, once its workers have reported ``num_blocks``."""
+        return CacheConfig(
+            block_size=self.block_size,
+            num_blocks=num_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            model_id=model_id,
+        )
+
+    def worker_config(self) -> WorkerConfig:
+        """The rank-0 template of every replica's workers (the launcher sets rank and init method)."""
+        # NOTE: imported here: the worker module pulls in torch, which the
+        # front end and `kvserve --help` do not need.
+        from kvserve.worker.worker import WorkerConfig
+
+        config = WorkerConfig(
+            model_dir=self.model_dir,
+            tp_size=self.parallel.tensor_parallel_size,
+            device=self.device,
+            dtype=self.dtype,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            cpu_threads=self.cpu_threads,
+            sampler_seed=self.seed,
+        )
+        if self.cpu_kv_cache_bytes is not None:
+            config = dataclasses.replace(config, cpu_kv_cache_bytes=self.cpu_kv_cache_bytes)
+        return config

@@ -1,0 +1,130 @@
+"""Starting and stopping a cluster on an already initialised Ray.
+
+The launcher creates the scheduler actor; the scheduler actor launches its
+own replicas (placement group and worker actors per replica, then the gRPC
+channels of its executor).  NOTE: replicas are launched *inside* the actor,
+not here, because a replica's executor holds grpc.aio channels bound to the
+event loop that uses them (the actor's), and because the worker actors are
+then owned by the scheduler actor: they fate-share with it, so killing the
+scheduler can never leave orphaned workers holding GPUs.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from kvserve.cluster.config import ClusterConfig
+from kvserve.cluster.messages import ModelInfo
+from kvserve.cluster.ray_errors import remote_error_message
+from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME, SchedulerActor
+from kvserve.cluster.worker_actor import RAY_NAMESPACE
+from kvserve.worker.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN_TIMEOUT_S = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterHandle:
+    """A running cluster: its scheduler actor and what the front end needs of the model."""
+
+    scheduler: Any
+    model_info: ModelInfo
+    config: ClusterConfig
+    device_kind: str
+    placement_groups: tuple[PlacementGroup, ...]
+
+    def shutdown(self, timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the replicas (worker actors, placement groups), then the scheduler actor."""
+        _stop(self.scheduler, self.placement_groups, timeout_s)
+
+
+def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | None = None) -> ClusterHandle:
+    """Start the scheduler actor and every replica; returns once all replicas serve.
+
+    The caller has called ``ray.init``.  ``progress`` receives one line per
+    stage (for a command line to show).  ``ValueError`` for a model directory
+    that cannot be served; ``RuntimeError`` when a cluster already runs in the
+    ``kvserve`` namespace or a replica fails to start (nothing is left behind).
+    """
+    report = progress or (lambda line: logger.info("%s", line))
+    model_config = ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+    device_kind = resolve_device_kind(config)
+    if _scheduler_exists():
+        raise RuntimeError(f"a {SCHEDULER_ACTOR_NAME!r} actor already runs in Ray namespace {RAY_NAMESPACE!r}")
+    parallel = config.parallel
+    report(
+        f"starting {parallel.num_replicas} replica(s) x TP {parallel.tensor_parallel_size} "
+        f"on {device_kind.upper()} ({model_config.architecture}, max_model_len {model_config.max_model_len})"
+    )
+    scheduler = (
+        ray.remote(SchedulerActor)
+        .options(
+            name=SCHEDULER_ACTOR_NAME,
+            namespace=RAY_NAMESPACE,
+            # It waits on the network and the workers; it needs no core of its own.
+            num_cpus=0,
+            max_restarts=0,
+            # Next to the front end (this process), whose every poll it answers.
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+        )
+        .remote(config, model_config)
+    )
+    try:
+        pending = {
+            scheduler.start_replica.remote(replica_id, device_kind): replica_id
+            for replica_id in range(parallel.num_replicas)
+        }
+        while pending:
+            [done], _ = ray.wait(list(pending), num_returns=1)
+            replica_id = pending.pop(done)
+            stats = ray.get(done)
+            report(f"replica {replica_id} ready ({stats.num_kv_blocks} KV blocks)")
+        model_info = ray.get(scheduler.ready.remote())
+        placement_groups = tuple(ray.get(scheduler.placement_groups.remote()))
+    except BaseException as exc:
+        # NOTE: a replica that failed to start removed its own placement group;
+        # the scheduler's shutdown releases those of the replicas that did start.
+        _stop(scheduler, (), _SHUTDOWN_TIMEOUT_S)
+        if isinstance(exc, Exception):
+            raise RuntimeError(f"the cluster failed to start: {remote_error_message(exc)}") from exc
+        raise
+    return ClusterHandle(scheduler, model_info, config, device_kind, placement_groups)
+
+
+def resolve_device_kind(config: ClusterConfig) -> str:
+    """``"gpu"`` or ``"cpu"``: the configured device, else GPUs when the Ray cluster has any."""
+    if config.device is not None:
+        return "gpu" if config.device == "cuda" else "cpu"
+    return "gpu" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
+
+
+def _stop(scheduler: Any, placement_groups: tuple[PlacementGroup, ...], timeout_s: float) -> None:
+    try:
+        ray.get(scheduler.shutdown.remote(), timeout=timeout_s)
+    except Exception as exc:  # noqa: BLE001 - the actor may already be dead; kill it regardless
+        logger.warning("the scheduler did not shut down cleanly: %s", remote_error_message(exc))
+    # The worker actors are owned by the scheduler actor and die with it;
+    # placement groups would outlive it (until this driver exits).
+    ray.kill(scheduler, no_restart=True)
+    for group in placement_groups:
+        try:
+            remove_placement_group(group)
+        except Exception as exc:  # noqa: BLE001 - already removed by the scheduler's own shutdown
+            logger.debug("placement group %s: %s", group.id, exc)
+
+
+def _scheduler_exists() -> bool:
+    try:
+        ray.get_actor(SCHEDULER_ACTOR_NAME, namespace=RAY_NAMESPACE)
+    except ValueError:
+        return False
+    return True

@@ -1,0 +1,84 @@
+"""Placement of one replica's ranks: a ``STRICT_PACK`` placement group, one bundle per rank.
+
+All ranks of a replica share one node (tensor parallelism needs the fast
+intra-node link).  A GPU rank takes ``{"GPU": 1}``; a CPU rank takes one
+``WORKER_CPU_RESOURCE`` slot, so that tests and CPU-only deployments decide
+how many ranks a node hosts.  Bundles ask for no CPU: a rank's threads are
+sized by the worker itself, and a 2-core test machine must fit two replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+
+from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
+
+
+class DeviceKind(enum.Enum):
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class PlacementError(RuntimeError):
+    """The cluster has no node with room for every rank of a replica."""
+
+
+def rank_bundle(device_kind: DeviceKind) -> dict[str, float]:
+    """The resources of one rank."""
+    if device_kind is DeviceKind.GPU:
+        return {"GPU": 1.0}
+    return {WORKER_CPU_RESOURCE: 1.0}
+
+
+async def place_replica(
+    replica_id: int,
+    tp_size: int,
+    device_kind: DeviceKind,
+    timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+) -> PlacementGroup:
+    """Reserve one node's resources for ``tp_size`` ranks; ``PlacementError`` after ``timeout_s``."""
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    bundles = [rank_bundle(device_kind) for _ in range(tp_size)]
+    group = placement_group(bundles, strategy="STRICT_PACK", name=f"kvserve-replica-{replica_id}")
+    try:
+        await asyncio.wait_for(group.ready(), timeout_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(group)
+        raise PlacementError(
+            f"replica {replica_id} could not be placed within {timeout_s:.0f} s: "
+            f"{_describe_shortfall(bundles)}"
+        ) from None
+    except BaseException:
+        remove_placement_group(group)
+        raise
+    return group
+
+
+def _describe_shortfall(bundles: list[dict[str, float]]) -> str:
+    needed: dict[str, float] = {}
+    for bundle in bundles:
+        for name, amount in bundle.items():
+            needed[name] = needed.get(name, 0.0) + amount
+    wanted = ", ".join(f"{amount:g} {name}" for name, amount in sorted(needed.items()))
+    nodes = [node for node in ray.nodes() if node.get("Alive")]
+    best = {
+        name: max((node["Resources"].get(name, 0.0) for node in nodes), default=0.0) for name in needed
+    }
+    largest = ", ".join(f"{best[name]:g} {name}" for name in sorted(needed))
+    available = ray.available_resources()
+    free = ", ".join(f"{available.get(name, 0.0):g} {name}" for name in sorted(needed))
+    return (
+        f"it needs {wanted} on one node (STRICT_PACK); the largest node has {largest} in all, "
+        f"and {free} are free cluster-wide"
+        + (f" (start CPU nodes with resources={{'{WORKER_CPU_RESOURCE}': N}})" if WORKER_CPU_RESOURCE in needed else "")
+    )

@@ -1,0 +1,367 @@
+"""The scheduler actor (``kvserve-scheduler``): routing and the step loops of every replica.
+
+One asyncio actor owns, per replica, a ``Scheduler`` (with its block pool) and
+an executor that sends each step to the replica's workers.  Each replica runs
+its own step loop, concurrently with the others::
+
+    while healthy:  plan = schedule()  →  await executor.execute(plan)  →  update()
+                    (asleep on an asyncio.Event while the replica has nothing to do)
+
+The front end adds and aborts requests and fetches what the steps produced
+with ``poll_outputs``: one remote call returns every token of every request
+since the previous call, so traffic between the two is per batch of steps,
+never per token.  A replica whose executor fails is marked unhealthy, its
+requests end with an error, and new requests go to the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from ray.util.placement_group import PlacementGroup
+
+from kvserve.cluster.config import ClusterConfig
+from kvserve.cluster.messages import ModelInfo, ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
+from kvserve.cluster.replica_routing import make_routing_policy
+from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.request_output import RequestOutput
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.model_config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+SCHEDULER_ACTOR_NAME = "kvserve-scheduler"
+_WATCHDOG_INTERVAL_S = 1.0
+
+
+@dataclass(slots=True)
+class _PendingOutput:
+    """What one request produced since the front end last polled."""
+
+    replica: int
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+
+    def finish(self, request: Request, *, reason: str | None = None, error: str | None = None) -> None:
+        self.finish_reason = reason
+        self.error = error
+        self.num_prompt_tokens = request.num_prompt_tokens
+        self.num_cached_tokens = request.num_cached_tokens or 0
+        self.num_output_tokens = request.num_output_tokens
+
+    def to_delta(self, req_id: str) -> RequestDelta:
+        return RequestDelta(
+            req_id=req_id,
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason,
+            error=self.error,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+            num_output_tokens=self.num_output_tokens,
+            replica=self.replica,
+        )
+
+
+class _Replica:
+    """One replica as the actor drives it: its scheduler, executor and step loop."""
+
+    def __init__(self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle) -> None:
+        self.replica_id = replica_id
+        self.scheduler = scheduler
+        self.handle = handle
+        self.executor: AsyncExecutor = handle.executor
+        self.healthy = True
+        self.wakeup = asyncio.Event()
+        self.step_loop: asyncio.Task[None] | None = None
+        self.release: asyncio.Task[None] | None = None
+
+
+class SchedulerActor:
+    """Routes requests to replicas and steps every replica; run as a Ray async actor.
+
+    Start-up: ``start_replica(r)`` for every replica (concurrently is fine),
+    then ``ready()``.  The front end is the only caller of ``add_request``,
+    ``abort_requests`` and ``poll_outputs`` (a single consumer: two pollers
+    would split the outputs between them).
+    """
+
+    def __init__(self, config: ClusterConfig, model_config: ModelConfig) -> None:
+        self.config = config
+        self.model_config = model_config
+        self._scheduler_config = config.scheduler_config(model_config.max_model_len)
+        self._routing_policy = make_routing_policy(config.routing)
+        self._replicas: dict[int, _Replica] = {}
+        self._starting: set[int] = set()
+        # Requests in flight, by id: the replica serving each, and the request.
+        self._requests: dict[str, tuple[_Replica, Request]] = {}
+        self._pending: dict[str, _PendingOutput] = {}
+        self._outputs_ready = asyncio.Event()
+        self._num_waiting_polls = 0
+        self._last_poll_time = time.monotonic()
+        self._watchdog: asyncio.Task[None] | None = None
+        self._shutting_down = False
+
+    # -- start-up --------------------------------------------------------------
+
+    async def start_replica(self, replica_id: int, device_kind: str) -> ReplicaStatsInfo:
+        """Launch replica ``replica_id``'s workers (``device_kind`` "gpu" or "cpu") and start its step loop."""
+        if replica_id in self._replicas or replica_id in self._starting:
+            raise ValueError(f"replica {replica_id} is already started")
+        if self._shutting_down:
+            raise RuntimeError("the scheduler is shutting down")
+        self._starting.add(replica_id)
+        try:
+            handle = await launch_replica(replica_id, self.config.worker_config(), device_kind=device_kind)
+        finally:
+            self._starting.discard(replica_id)
+        if self._shutting_down:
+            await handle.shutdown()
+            raise RuntimeError(f"the scheduler shut down while replica {replica_id} started")
+        num_kv_blocks = handle.executor.num_kv_blocks
+        scheduler = Scheduler(
+            self._scheduler_config, self.config.cache_config(num_kv_blocks, self.model_config.model_id)
+        )
+        replica = _Replica(replica_id, scheduler, handle)
+        self._replicas[replica_id] = replica
+        replica.step_loop = asyncio.create_task(self._step_loop(replica), name=f"step-loop-r{replica_id}")
+        if self._watchdog is None:
+            self._watchdog = asyncio.create_task(self._watch_undelivered_outputs(), name="output-watchdog")
+        logger.info("replica %d ready: %d KV blocks", replica_id, num_kv_blocks)
+        return self._replica_stats(replica)
+
+    async def placement_groups(self) -> list[PlacementGroup]:
+        """The placement group of every started replica (for a forced clean-up: they outlive this actor)."""
+        return [replica.handle.placement_group for _, replica in sorted(self._replicas.items())]
+
+    async def ready(self) -> ModelInfo:
+        """What the front end needs to know of the model; ``RuntimeError`` before any replica started."""
+        if not any(replica.healthy for replica in self._replicas.values()):
+            raise RuntimeError("no replica is running")
+        model = self.model_config
+        return ModelInfo(
+            model_dir=model.model_dir,
+            vocab_size=model.vocab_size,
+            max_model_len=model.max_model_len,
+            eos_token_ids=model.eos_token_ids,
+            num_replicas=len(self._replicas),
+        )
+
+    # -- requests --------------------------------------------------------------
+
+    async def add_request(self, spec: RequestSpec) -> int:
+        """Route ``spec`` to a healthy replica and queue it there; returns the replica id.
+
+        ``ValueError`` for a request id already in flight or a request that can
+        never fit the replica; ``RuntimeError`` when no replica is healthy.
+        """
+        if self._shutting_down:
+            raise RuntimeError("the scheduler is shutting down")
+        if spec.req_id in self._requests or spec.req_id in self._pending:
+            raise ValueError(f"request_id {spec.req_id!r} is already in flight")
+        healthy = [r for r, replica in sorted(self._replicas.items()) if replica.healthy]
+        if not healthy:
+            raise RuntimeError("no healthy replica can serve requests")
+        replica = self._replicas[self.route(spec, healthy)]
+        request = Request(
+            spec.req_id,
+            spec.prompt_token_ids,
+            spec.sampling_params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            cache_salt=spec.cache_salt,
+        )
+        try:
+            replica.scheduler.add_request(request)
+        except ValueError as exc:
+            # The prompt's length is checked by the front end; what is left is its KV footprint.
+            raise ValueError(f"sampling_params.max_tokens: {exc}") from None
+        self._requests[spec.req_id] = (replica, request)
+        replica.wakeup.set()
+        return replica.replica_id
+
+    def route(self, spec: RequestSpec, healthy_replicas: Sequence[int]) -> int:
+        """The replica for a new request: the configured routing policy's choice."""
+        replica_id = self._routing_policy(spec, healthy_replicas)
+        if replica_id not in healthy_replicas:
+            raise RuntimeError(f"routing policy {self.config.routing!r} chose replica {replica_id}, not healthy")
+        return replica_id
+
+    async def abort_requests(self, req_ids: Sequence[str]) -> None:
+        """Stop these requests and free their blocks; unknown or finished ids are ignored.
+
+        Each aborted request still gets a last delta (``finish_reason="abort"``).
+        """
+        self._abort(req_ids, deliver=True)
+
+    async def poll_outputs(self, timeout_s: float = 1.0) -> list[RequestDelta]:
+        """Every request's new tokens since the previous poll, one delta per request.
+
+        Waits up to ``timeout_s`` for at least one; returns ``[]`` if none came.
+        """
+        self._num_waiting_polls += 1
+        try:
+            if not self._pending and timeout_s > 0:
+                self._outputs_ready.clear()
+                try:
+                    await asyncio.wait_for(self._outputs_ready.wait(), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._num_waiting_polls -= 1
+            self._last_poll_time = time.monotonic()
+        pending, self._pending = self._pending, {}
+        return [output.to_delta(req_id) for req_id, output in pending.items()]
+
+    async def get_stats(self) -> list[ReplicaStatsInfo]:
+        return [self._replica_stats(replica) for _, replica in sorted(self._replicas.items())]
+
+    async def shutdown(self) -> None:
+        """End every request with an error, stop the step loops and release the workers."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        for replica in self._replicas.values():
+            if replica.healthy:
+                self._fail_replica(replica, "the cluster is shutting down", release=False)
+        tasks = [r.step_loop for r in self._replicas.values() if r.step_loop is not None]
+        if self._watchdog is not None:
+            tasks.append(self._watchdog)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(self._release(r) for r in self._replicas.values()))
+        logger.info("scheduler shut down")
+
+    # -- the step loop ---------------------------------------------------------
+
+    async def _step_loop(self, replica: _Replica) -> None:
+        scheduler = replica.scheduler
+        executor = replica.executor
+        while replica.healthy:
+            plan = scheduler.schedule()
+            if plan.is_empty:
+                # NOTE: no await between schedule() and clear(): an add_request
+                # cannot slip in between and lose its wake-up.
+                replica.wakeup.clear()
+                await replica.wakeup.wait()
+                continue
+            try:
+                result = await executor.execute(plan)
+                outputs = scheduler.update(plan, result.sampled_token_ids, result.logprobs)
+            except asyncio.CancelledError:
+                raise
+            except ReplicaFailedError as exc:
+                logger.error("replica %d failed: %s", replica.replica_id, exc)
+                self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc}")
+                return
+            except Exception as exc:  # noqa: BLE001 - nothing may crash the actor
+                logger.exception("replica %d: step %d failed", replica.replica_id, plan.step_id)
+                self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc!r}")
+                return
+            if outputs:
+                self._collect(replica, outputs)
+
+    def _collect(self, replica: _Replica, outputs: list[RequestOutput]) -> None:
+        pending = self._pending
+        requests = self._requests
+        for output in outputs:
+            req_id = output.req_id
+            entry = pending.get(req_id)
+            if entry is None:
+                entry = pending[req_id] = _PendingOutput(replica.replica_id)
+            entry.token_ids.append(output.token_id)
+            if output.finish_reason is not None:
+                _, request = requests.pop(req_id)
+                entry.finish(request, reason=output.finish_reason.value)
+        self._outputs_ready.set()
+
+    # -- failures and lost outputs ---------------------------------------------
+
+    def _abort(self, req_ids: Iterable[str], *, deliver: bool) -> None:
+        by_replica: dict[int, list[str]] = {}
+        for req_id in req_ids:
+            entry = self._requests.pop(req_id, None)
+            if entry is None:
+                continue
+            replica, request = entry
+            by_replica.setdefault(replica.replica_id, []).append(req_id)
+            if deliver:
+                output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
+                output.finish(request, reason="abort")
+            else:
+                self._pending.pop(req_id, None)
+        for replica_id, ids in by_replica.items():
+            replica = self._replicas[replica_id]
+            replica.scheduler.abort_requests(ids)
+            # The next plan tells the workers to drop these requests.
+            replica.wakeup.set()
+        if deliver and by_replica:
+            self._outputs_ready.set()
+
+    def _fail_replica(self, replica: _Replica, reason: str, *, release: bool = True) -> None:
+        """Take ``replica`` out of service: its requests end with ``reason`` as their error."""
+        replica.healthy = False
+        req_ids = [req_id for req_id, (r, _) in self._requests.items() if r is replica]
+        for req_id in req_ids:
+            _, request = self._requests.pop(req_id)
+            output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
+            output.finish(request, error=reason)
+        # Keep the pool's books straight: every block goes back.
+        replica.scheduler.abort_requests(req_ids)
+        replica.wakeup.set()
+        if req_ids:
+            self._outputs_ready.set()
+        if release:
+            self._release(replica)
+
+    def _release(self, replica: _Replica) -> asyncio.Task[None]:
+        """Shut ``replica``'s workers down, once, in the background."""
+        if replica.release is None:
+            replica.release = asyncio.create_task(
+                self._shutdown_workers(replica), name=f"release-r{replica.replica_id}"
+            )
+        return replica.release
+
+    async def _shutdown_workers(self, replica: _Replica) -> None:
+        try:
+            await replica.handle.shutdown()
+        except Exception:  # noqa: BLE001 - a dead replica may fail to shut down
+            logger.warning("replica %d did not shut down cleanly", replica.replica_id, exc_info=True)
+
+    async def _watch_undelivered_outputs(self) -> None:
+        """Abort requests whose outputs nobody fetched for ``undelivered_output_timeout_s``."""
+        timeout_s = self.config.undelivered_output_timeout_s
+        while True:
+            await asyncio.sleep(min(_WATCHDOG_INTERVAL_S, timeout_s))
+            if not self._pending or self._num_waiting_polls:
+                continue
+            idle_s = time.monotonic() - self._last_poll_time
+            if idle_s < timeout_s:
+                continue
+            req_ids = list(self._pending)
+            logger.warning(
+                "no front end fetched outputs for %.0f s: aborting %d requests", idle_s, len(req_ids)
+            )
+            self._abort(req_ids, deliver=False)
+            self._pending.clear()
+
+    def _replica_stats(self, replica: _Replica) -> ReplicaStatsInfo:
+        stats = replica.scheduler.get_stats()
+        return ReplicaStatsInfo(
+            replica=replica.replica_id,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            num_kv_blocks=replica.scheduler.cache_config.num_blocks,
+            healthy=replica.healthy,
+        )

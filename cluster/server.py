@@ -1,0 +1,93 @@
+"""The public gRPC server: Generation, grpc.health.v1 and server reflection.
+
+``grpc.health.v1`` reports SERVING (for the whole server and for
+``kvserve.v1.Generation``) once the server is started on a ready cluster, and
+NOT_SERVING while it stops or when the scheduler actor is lost.  Reflection
+lets ``grpcurl`` list and call the services without the ``.proto`` files.
+Message sizes are explicit limits in both directions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvserve.cluster.config import ServerConfig
+from kvserve.cluster.frontend import Frontend
+from kvserve.cluster.messages import ModelInfo
+from kvserve.proto import generate_pb2, generate_pb2_grpc
+from kvserve.worker.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+_OVERALL = ""  # grpc.health.v1's name for the whole server
+
+
+class GenerationServer:
+    """A started gRPC server; ``port`` is the one actually bound."""
+
+    def __init__(
+        self, server: grpc.aio.Server, port: int, frontend: Frontend, health_servicer: health.aio.HealthServicer
+    ) -> None:
+        self.server = server
+        self.port = port
+        self.frontend = frontend
+        self.health_servicer = health_servicer
+
+    async def wait_for_termination(self) -> None:
+        await self.server.wait_for_termination()
+
+    async def stop(self, grace_s: float | None = 5.0) -> None:
+        """Report NOT_SERVING, let streams in flight finish for ``grace_s``, then close."""
+        await self.health_servicer.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.frontend.stop()
+
+
+async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConfig) -> GenerationServer:
+    """Serve the cluster behind ``scheduler`` (the scheduler actor's handle) at ``config``'s address.
+
+    Call from the event loop that will run the server.  ``RuntimeError`` when
+    the address cannot be bound.
+    """
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+        ]
+    )
+    health_servicer = health.aio.HealthServicer()
+
+    async def on_scheduler_lost() -> None:
+        for service in (_OVERALL, GENERATION_SERVICE):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    frontend = Frontend(
+        scheduler,
+        model_info,
+        load_tokenizer(model_info.model_dir),
+        max_concurrent_requests=config.max_concurrent_requests,
+        stream_interval_s=config.stream_interval_s,
+        on_scheduler_lost=on_scheduler_lost,
+    )
+    generate_pb2_grpc.add_GenerationServicer_to_server(frontend, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+    try:
+        port = server.add_insecure_port(config.address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {config.address}: {exc}") from None
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {config.address}")
+    frontend.start()
+    await server.start()
+    for service in (_OVERALL, GENERATION_SERVICE):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("serving %s on %s:%d", GENERATION_SERVICE, config.host, port)
+    return GenerationServer(server, port, frontend, health_servicer)

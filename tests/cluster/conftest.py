@@ -1,0 +1,51 @@
+"""One Ray cluster of two simulated nodes, shared by every test under tests/cluster.
+
+Use it by naming the fixture: ``def test_x(ray_cluster): ...``.  The driver
+is connected (namespace ``kvserve``) for the whole session; each node offers
+1 CPU and 2 ``WORKER_CPU_RESOURCE`` slots, so a TP-2 CPU replica fits on
+either node.  Everything binds to 127.0.0.1 and token authentication is on.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import pytest
+
+from kvserve.cluster.ray_loopback import keep_ray_on_loopback
+
+# NOTE: set at import, before any Ray process starts, so that every process
+# of the session inherits them.  Local clusters authenticate with a token;
+# this session's token is new and lives only in its processes' environment.
+keep_ray_on_loopback()
+os.environ["RAY_AUTH_MODE"] = "token"
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+
+LOOPBACK = "127.0.0.1"
+NUM_NODES = 2
+WORKER_SLOTS_PER_NODE = 2
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[object]:
+    """A running ``ray.cluster_utils.Cluster`` (head + 1 worker node) with the driver connected."""
+    import ray
+    from ray._raylet import AuthenticationMode, get_authentication_mode
+    from ray.cluster_utils import Cluster
+
+    from kvserve.cluster.worker_actor import RAY_NAMESPACE, WORKER_CPU_RESOURCE
+
+    node_args = dict(num_cpus=1, resources={WORKER_CPU_RESOURCE: WORKER_SLOTS_PER_NODE}, node_ip_address=LOOPBACK)
+    cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
+    try:
+        for _ in range(NUM_NODES - 1):
+            cluster.add_node(**node_args)
+        ray.init(address=cluster.address, namespace=RAY_NAMESPACE)
+        if get_authentication_mode() != AuthenticationMode.TOKEN:
+            pytest.fail("the test cluster runs without token authentication")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

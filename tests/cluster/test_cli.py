@@ -1,0 +1,150 @@
+"""``kvserve serve`` and ``kvserve generate`` as a user runs them: separate processes, real gRPC."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvserve.cluster.cli import main
+
+STARTUP_TIMEOUT_S = 180.0
+COMMAND_TIMEOUT_S = 60.0
+
+
+def kvserve(*args: str) -> list[str]:
+    return [sys.executable, "-m", "kvserve.cluster.cli", *args]
+
+
+class ServeProcess:
+    """``kvserve serve`` in a child process, its output read line by line."""
+
+    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            kvserve("serve", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                line = self._queue.get(timeout=remaining)
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.lines.append(line)
+            if match := re.search(pattern, line):
+                return match
+        pytest.fail(f"kvserve serve never printed {pattern!r}; it printed:\n{''.join(self.lines)}")
+
+    def output(self) -> str:
+        while (line := self._queue.get(timeout=COMMAND_TIMEOUT_S)) is not None:
+            self.lines.append(line)
+        return "".join(self.lines)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, int]]:
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    # A fresh cache: `serve` creates the default model itself.
+    env["KVSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvserve-cache"))
+    process = ServeProcess(["--port", "0", "--num-blocks", "64"], env)
+    try:
+        port = int(process.wait_for(r"listening on 127\.0\.0\.1:(\d+)", STARTUP_TIMEOUT_S).group(1))
+        yield process, port
+    finally:
+        if process.proc.poll() is None:
+            process.proc.kill()
+            process.proc.wait()
+
+
+def run_generate(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(kvserve("generate", *args), capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+
+
+def test_serve_help_names_the_worker_resource_of_cpu_nodes(capsys):
+    from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    assert WORKER_CPU_RESOURCE in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "0"], "tensor_parallel_size"),
+        (["--port", "70000"], "port"),
+        (["--model", "/nonexistent/model"], "config.json"),
+    ],
+)
+def test_serve_rejects_a_bad_setting_before_starting_anything(capsys, args, message):
+    assert main(["serve", *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_generate_without_a_server_says_unavailable():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nobody listens here once the socket closes
+    result = run_generate("--target", f"127.0.0.1:{port}", "--timeout", "5", "hello")
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_shows_its_progress_while_starting(server):
+    process, _ = server
+    output = "".join(process.lines)
+    assert "creating the default tiny model" in output
+    assert "started a local Ray instance" in output
+    assert "replica 0 ready" in output
+
+
+def test_generate_streams_the_completion_and_prints_the_usage(server):
+    _, port = server
+    result = run_generate(
+        "--target", f"127.0.0.1:{port}", "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "hello world"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "[length]" in result.stderr
+    assert "completion 8 tokens" in result.stderr
+
+
+def test_generate_reports_invalid_input_without_a_traceback(server):
+    _, port = server
+    result = run_generate("--target", f"127.0.0.1:{port}", "--top-p", "2", "hello")
+    assert result.returncode == 1
+    assert "INVALID_ARGUMENT" in result.stderr
+    assert "top_p" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_serve_stops_cleanly_on_sigterm(server):
+    process, _ = server
+    process.proc.send_signal(signal.SIGTERM)
+    assert process.proc.wait(timeout=COMMAND_TIMEOUT_S) == 0
+    output = process.output()
+    assert "stopped" in output
+    assert "Traceback" not in output

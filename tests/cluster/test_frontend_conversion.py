@@ -1,0 +1,136 @@
+"""The front end's protobuf <-> dataclass conversion, on the tiny model's real tokenizer.
+
+Over-the-wire status codes for every bad input are tested end to end in
+test_end_to_end.py; these tests pin down what a valid request becomes and
+what a delta turns into.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.cluster.frontend import Frontend, InvalidRequestError
+from kvserve.cluster.messages import ModelInfo, RequestDelta
+from kvserve.cluster.detokenizer import IncrementalDetokenizer
+from kvserve.proto import generate_pb2
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.worker.tokenizer import load_tokenizer
+
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from kvserve.worker.tiny_model import ensure_default_tiny_model
+
+    return load_tokenizer(ensure_default_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def frontend(tokenizer) -> Frontend:
+    info = ModelInfo(
+        model_dir="unused", vocab_size=1000, max_model_len=MAX_MODEL_LEN, eos_token_ids=(1,), num_replicas=1
+    )
+    # The scheduler is never called by the conversion methods.
+    return Frontend(None, info, tokenizer, max_concurrent_requests=1)
+
+
+def test_a_text_prompt_is_tokenized_as_the_in_process_engine_does(frontend, tokenizer):
+    spec = frontend.to_request_spec(generate_pb2.GenerateRequest(text="héllo wörld"))
+    assert spec.prompt_token_ids == tokenizer("héllo wörld")["input_ids"]
+    assert spec.prompt_token_ids[0] == tokenizer.bos_token_id
+
+
+def test_unset_sampling_fields_take_the_documented_defaults(frontend):
+    spec = frontend.to_request_spec(generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6])))
+    assert spec.sampling_params == SamplingParams()
+    assert spec.sampling_params.max_tokens == 16
+    assert spec.cache_salt is None
+
+
+def test_every_sampling_field_is_carried_over(frontend):
+    params = generate_pb2.SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.25, top_k=3, seed=-9, stop_token_ids=[4, 2], ignore_eos=True
+    )
+    spec = frontend.to_request_spec(
+        generate_pb2.GenerateRequest(text="x", sampling_params=params, request_id="r1", cache_salt="tenant")
+    )
+    assert spec.req_id == "r1"
+    assert spec.cache_salt == "tenant"
+    assert spec.sampling_params == SamplingParams(
+        max_tokens=7, temperature=0.5, top_p=0.25, top_k=3, seed=-9, stop_token_ids=(4, 2), ignore_eos=True
+    )
+
+
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_top_k_minus_one_and_zero_disable_top_k(frontend, top_k):
+    request = generate_pb2.GenerateRequest(text="x", sampling_params=generate_pb2.SamplingParams(top_k=top_k))
+    assert frontend.to_request_spec(request).sampling_params.top_k is None
+
+
+def test_requests_without_an_id_get_distinct_ids(frontend):
+    request = generate_pb2.GenerateRequest(text="x")
+    ids = {frontend.to_request_spec(request).req_id for _ in range(100)}
+    assert len(ids) == 100
+    assert all(ids)
+
+
+def test_a_prompt_that_fills_max_model_len_with_its_tokens_is_accepted(frontend):
+    params = generate_pb2.SamplingParams(max_tokens=4)
+    ids = generate_pb2.TokenIds(ids=[5] * (MAX_MODEL_LEN - 4))
+    spec = frontend.to_request_spec(generate_pb2.GenerateRequest(token_ids=ids, sampling_params=params))
+    assert len(spec.prompt_token_ids) + spec.sampling_params.max_tokens == MAX_MODEL_LEN
+
+
+def test_one_token_past_max_model_len_names_max_tokens(frontend):
+    params = generate_pb2.SamplingParams(max_tokens=5)
+    ids = generate_pb2.TokenIds(ids=[5] * (MAX_MODEL_LEN - 4))
+    with pytest.raises(InvalidRequestError, match=r"^sampling_params\.max_tokens"):
+        frontend.to_request_spec(generate_pb2.GenerateRequest(token_ids=ids, sampling_params=params))
+
+
+def test_a_text_prompt_without_a_tokenizer_is_refused():
+    info = ModelInfo(model_dir="unused", vocab_size=10, max_model_len=8, eos_token_ids=(), num_replicas=1)
+    frontend = Frontend(None, info, None, max_concurrent_requests=1)
+    with pytest.raises(InvalidRequestError, match="token_ids"):
+        frontend.to_request_spec(generate_pb2.GenerateRequest(text="x"))
+
+
+def test_a_middle_delta_carries_tokens_and_text_only(frontend, tokenizer):
+    token_ids = tokenizer("the cat", add_special_tokens=False)["input_ids"]
+    delta = RequestDelta("r", token_ids=token_ids, replica=1)
+    response = frontend.to_response("r", delta, IncrementalDetokenizer(tokenizer))
+    assert list(response.token_ids) == token_ids
+    assert response.text == "the cat"
+    assert response.replica == 1
+    assert response.finish_reason == generate_pb2.FINISH_REASON_UNSPECIFIED
+    assert not response.HasField("usage")
+
+
+@pytest.mark.parametrize(
+    "reason, proto_reason",
+    [
+        ("stop", generate_pb2.FINISH_REASON_STOP),
+        ("length", generate_pb2.FINISH_REASON_LENGTH),
+        ("abort", generate_pb2.FINISH_REASON_ABORT),
+    ],
+)
+def test_the_last_delta_carries_finish_reason_and_usage(frontend, tokenizer, reason, proto_reason):
+    delta = RequestDelta(
+        "r", [1], finish_reason=reason, num_prompt_tokens=9, num_cached_tokens=8, num_output_tokens=3, replica=0
+    )
+    response = frontend.to_response("r", delta, IncrementalDetokenizer(tokenizer))
+    assert response.finish_reason == proto_reason
+    assert (response.usage.prompt_tokens, response.usage.cached_prompt_tokens, response.usage.completion_tokens) == (
+        9,
+        8,
+        3,
+    )
+
+
+def test_the_last_delta_flushes_text_held_back(frontend, tokenizer):
+    first, *rest = tokenizer("日", add_special_tokens=False)["input_ids"]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    assert frontend.to_response("r", RequestDelta("r", token_ids=[first]), detokenizer).text == ""
+    last = RequestDelta("r", token_ids=rest, finish_reason="length")
+    assert frontend.to_response("r", last, detokenizer).text == "日"

@@ -1,0 +1,174 @@
+"""A TP-2 replica on Ray, driven over gRPC, generates exactly what the in-process engine does."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+
+from kvserve import LLM, SamplingParams
+from kvserve.cluster.placement import PlacementError
+from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
+from kvserve.cluster.step_codec import encode_plan
+from kvserve.cluster.worker_actor import RAY_NAMESPACE, worker_actor_name
+from kvserve.proto import step_pb2, step_pb2_grpc
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.executor import ReplicaFailedError
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.tiny_model import create_tiny_model
+from kvserve.worker.worker import WorkerConfig
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 64
+MAX_NUM_BATCHED_TOKENS = 32
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# The data path is under test here, not the kernels: the reference attention
+# needs no build step in the worker processes.
+ATTENTION_BACKEND = "torch"
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    # One loop for the module: the replica's gRPC channels belong to it.
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama", seed=21)
+
+
+@pytest.fixture(scope="module")
+def replica(ray_cluster, model_dir: Path, loop: asyncio.AbstractEventLoop) -> Iterator[ReplicaHandle]:
+    config = WorkerConfig(
+        str(model_dir), tp_size=2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, cpu_threads=1,
+        attention_backend=ATTENTION_BACKEND,
+    )
+    handle = loop.run_until_complete(launch_replica(0, config, device_kind="cpu", step_timeout_s=30.0))
+    yield handle
+    loop.run_until_complete(handle.shutdown())
+
+
+def make_scheduler(num_blocks: int) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, max_model_len=2048),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
+    )
+
+
+async def generate(handle: ReplicaHandle, prompts: list[list[int]]) -> list[list[int]]:
+    scheduler = make_scheduler(handle.executor.num_kv_blocks)
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(Request(f"req-{i}", prompt, GREEDY))
+    outputs: dict[str, list[int]] = {f"req-{i}": [] for i in range(len(prompts))}
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        result = await handle.executor.execute(plan)
+        for output in scheduler.update(plan, result.sampled_token_ids, result.logprobs):
+            outputs[output.req_id].append(output.token_id)
+    return list(outputs.values())
+
+
+def test_tp2_replica_generates_the_greedy_tokens_of_the_in_process_engine(
+    replica: ReplicaHandle, model_dir: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(5, 40))] for _ in range(4)]
+    tokens = loop.run_until_complete(generate(replica, prompts))
+    with LLM(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+             attention_backend=ATTENTION_BACKEND) as llm:
+        expected = [output.token_ids for output in llm.generate(prompts, GREEDY)]
+    assert replica.executor.num_kv_blocks == NUM_BLOCKS
+    assert tokens == expected
+    assert all(len(t) == GREEDY.max_tokens for t in tokens)
+
+
+def test_rank_actors_are_found_by_name(replica: ReplicaHandle) -> None:
+    for rank, actor in enumerate(replica.actors):
+        found = ray.get_actor(worker_actor_name(0, rank), namespace=RAY_NAMESPACE)
+        assert found._actor_id == actor._actor_id
+        assert ray.get(found.ping.remote(), timeout=10) is True
+    assert worker_actor_name(0, 1) == "kvserve-worker-r0-t1"
+
+
+def test_malformed_plan_is_answered_invalid_argument_and_the_rank_keeps_serving(
+    replica: ReplicaHandle, loop: asyncio.AbstractEventLoop
+) -> None:
+    scheduler = make_scheduler(NUM_BLOCKS)
+    scheduler.add_request(Request("bad", [5, 6, 7], GREEDY))
+    message = encode_plan(scheduler.schedule())
+    message.token_ids = message.token_ids[:-4]
+
+    async def send() -> grpc.aio.AioRpcError:
+        async with grpc.aio.insecure_channel(replica.executor.addresses[1]) as channel:
+            stub = step_pb2_grpc.StepWorkerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await stub.ExecuteStep(message, timeout=10)
+            assert await stub.DetermineNumBlocks(step_pb2.Empty(), timeout=10) == step_pb2.NumBlocks(num_blocks=NUM_BLOCKS)
+            return error.value
+
+    error = loop.run_until_complete(send())
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids has 2 entries but num_scheduled_tokens adds up to 3" in error.details()
+
+
+def test_unplaceable_replica_fails_naming_the_missing_resource(
+    ray_cluster, model_dir: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    config = WorkerConfig(str(model_dir), tp_size=3, num_blocks=NUM_BLOCKS)
+    with pytest.raises(PlacementError, match="needs 3 kvserve_worker_slot on one node .* largest node has 2"):
+        loop.run_until_complete(launch_replica(9, config, device_kind="cpu", placement_timeout_s=1.0))
+
+
+def test_replica_that_fails_to_start_leaves_nothing_behind(
+    ray_cluster, tmp_path: Path, loop: asyncio.AbstractEventLoop
+) -> None:
+    config = WorkerConfig(str(tmp_path / "no-such-model"), num_blocks=NUM_BLOCKS)
+    with pytest.raises(ReplicaFailedError, match="replica 5 failed to start: .*no-such-model"):
+        loop.run_until_complete(launch_replica(5, config, device_kind="cpu"))
+
+    def actor_gone() -> bool:
+        try:
+            ray.get_actor(worker_actor_name(5, 0), namespace=RAY_NAMESPACE)
+        except ValueError:
+            return True
+        return False
+
+    def group_removed() -> bool:
+        groups = ray.util.placement_group_table().values()
+        return all(g["state"] == "REMOVED" for g in groups if g["name"] == "kvserve-replica-5")
+
+    deadline = time.monotonic() + 10.0
+    while not (actor_gone() and group_removed()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert actor_gone()
+    assert group_removed()
+
+
+def test_killed_rank_fails_the_next_step_quickly_and_every_step_after(
+    replica: ReplicaHandle, loop: asyncio.AbstractEventLoop
+) -> None:
+    scheduler = make_scheduler(NUM_BLOCKS)
+    scheduler.add_request(Request("after-kill", [5, 6, 7, 8], GREEDY))
+    victim = ray.get_actor(worker_actor_name(0, 1), namespace=RAY_NAMESPACE)
+    ray.kill(victim)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.ping.remote(), timeout=30)
+
+    plan = scheduler.schedule()
+    start = time.monotonic()
+    with pytest.raises(ReplicaFailedError, match="replica 0 rank 1 failed at step 0: UNAVAILABLE"):
+        loop.run_until_complete(replica.executor.execute(plan))
+    assert time.monotonic() - start < 5.0
+    assert replica.executor.failed
+    with pytest.raises(ReplicaFailedError, match="rank 1 failed"):
+        loop.run_until_complete(replica.executor.execute(plan))

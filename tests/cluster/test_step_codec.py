@@ -1,0 +1,177 @@
+"""Step plans and results survive the wire exactly; corrupted messages are rejected by field."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from kvserve.cluster.step_codec import (
+    decode_plan,
+    decode_result,
+    decode_sampling_params,
+    encode_plan,
+    encode_result,
+    encode_sampling_params,
+)
+from kvserve.proto import step_pb2
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_result import StepResult
+from tests.scheduler.paged_token_worker import PagedTokenWorker
+
+
+def over_the_wire(plan: StepPlan) -> StepPlan:
+    return decode_plan(step_pb2.StepPlan.FromString(encode_plan(plan).SerializeToString()))
+
+
+def worker_view(plan: StepPlan) -> StepPlan:
+    """``plan`` as workers see it: stop conditions are the scheduler's business."""
+    new_requests = [
+        dataclasses.replace(
+            new,
+            sampling_params=dataclasses.replace(new.sampling_params, stop_token_ids=(), ignore_eos=False),
+        )
+        for new in plan.new_requests
+    ]
+    return dataclasses.replace(plan, new_requests=new_requests)
+
+
+def scheduled_plans() -> list[StepPlan]:
+    """Every plan of a busy replica: a small pool (preemptions), chunked prefill, varied params."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6, max_model_len=128),
+        CacheConfig(block_size=4, num_blocks=24),
+    )
+    worker = PagedTokenWorker(24, 4)
+    rng = random.Random(5)
+    params = [
+        SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=20, seed=1234, stop_token_ids=(3, 4)),
+        SamplingParams(max_tokens=15, temperature=1.3, seed=2**40),
+    ]
+    for i in range(10):
+        prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(3, 30))]
+        scheduler.add_request(Request(f"req-{i}", prompt, params[i % 3]))
+    plans = []
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule()
+        plans.append(plan)
+        scheduler.update(plan, worker.execute(plan))
+    return plans
+
+
+def test_every_scheduled_plan_round_trips_exactly() -> None:
+    plans = scheduled_plans()
+    for plan in plans:
+        assert over_the_wire(plan) == worker_view(plan)
+    # The plans cover every kind of content the protocol carries.
+    assert any(p.preempted_req_ids for p in plans)
+    assert any(p.finished_req_ids for p in plans)
+    assert any(p.new_requests and len(p.new_requests) < p.num_reqs for p in plans)
+    assert any(
+        any(n > 1 for n in p.num_scheduled_tokens) and any(n == 1 for n in p.num_scheduled_tokens) for p in plans
+    )
+    assert any(not all(p.sample) for p in plans)  # an unfinished prefill chunk
+
+
+def test_empty_plan_round_trips() -> None:
+    plan = StepPlan(7, [], [], [], [], [], [], [], [], ["a"], [])
+    assert over_the_wire(plan) == plan
+
+
+def test_sampling_params_keep_what_workers_need() -> None:
+    params = SamplingParams(max_tokens=5, temperature=0.5, top_p=0.75, top_k=3, seed=0, stop_token_ids=(9,))
+    decoded = decode_sampling_params(encode_sampling_params(params))
+    assert (decoded.max_tokens, decoded.temperature, decoded.top_p, decoded.top_k, decoded.seed) == (
+        5, 0.5, 0.75, 3, 0,
+    )
+    unset = decode_sampling_params(encode_sampling_params(SamplingParams()))
+    assert (unset.top_k, unset.seed) == (None, None)
+
+
+def test_result_round_trips_with_float32_logprobs() -> None:
+    result = StepResult(3, [5, 999, 0], [-0.5, -1.25, -7.0])
+    message = step_pb2.StepResult.FromString(encode_result(3, result).SerializeToString())
+    assert decode_result(message) == result
+    assert len(message.sampled_token_ids) == 12 and len(message.logprobs) == 12
+
+
+def test_result_of_a_non_driver_rank_decodes_to_none() -> None:
+    assert decode_result(encode_result(4, None)) is None
+
+
+@pytest.fixture
+def message() -> step_pb2.StepPlan:
+    return encode_plan(scheduled_plans()[1])
+
+
+def int32(values: list[int]) -> bytes:
+    return np.asarray(values, dtype="<i4").tobytes()
+
+
+@pytest.mark.parametrize("field", ["num_scheduled_tokens", "num_computed_tokens", "num_new_block_ids"])
+def test_column_with_a_missing_request_is_rejected(message: step_pb2.StepPlan, field: str) -> None:
+    setattr(message, field, getattr(message, field)[:-4])
+    with pytest.raises(ValueError, match=f"^{field} has {len(message.req_ids) - 1} entries"):
+        decode_plan(message)
+
+
+def test_sample_column_of_wrong_length_is_rejected(message: step_pb2.StepPlan) -> None:
+    message.sample += b"\x01"
+    with pytest.raises(ValueError, match="^sample has"):
+        decode_plan(message)
+
+
+def test_truncated_int32_array_is_rejected(message: step_pb2.StepPlan) -> None:
+    message.token_ids = message.token_ids[:-1]
+    with pytest.raises(ValueError, match="^token_ids is .* bytes, not a whole number"):
+        decode_plan(message)
+
+
+def test_token_ids_disagreeing_with_scheduled_counts_are_rejected(message: step_pb2.StepPlan) -> None:
+    message.token_ids += int32([17])
+    with pytest.raises(ValueError, match="^token_ids has .* but num_scheduled_tokens adds up to"):
+        decode_plan(message)
+
+
+def test_block_ids_disagreeing_with_their_counts_are_rejected(message: step_pb2.StepPlan) -> None:
+    message.new_block_ids = message.new_block_ids[:-4]
+    with pytest.raises(ValueError, match="^new_block_ids has .* but num_new_block_ids adds up to"):
+        decode_plan(message)
+
+
+def test_negative_block_id_is_rejected(message: step_pb2.StepPlan) -> None:
+    message.new_block_ids = int32([-1]) + message.new_block_ids[4:]
+    with pytest.raises(ValueError, match="^new_block_ids holds a negative value"):
+        decode_plan(message)
+
+
+def test_sample_flag_other_than_0_or_1_is_rejected(message: step_pb2.StepPlan) -> None:
+    message.sample = b"\x02" + message.sample[1:]
+    with pytest.raises(ValueError, match="^sample must hold 0 or 1"):
+        decode_plan(message)
+
+
+def test_invalid_sampling_params_are_rejected_by_field(message: step_pb2.StepPlan) -> None:
+    message.new_requests[0].sampling_params.top_p = 1.5
+    with pytest.raises(ValueError, match=r"^new_requests\[0\]\.sampling_params: top_p"):
+        decode_plan(message)
+
+
+def test_new_request_without_sampling_params_is_rejected(message: step_pb2.StepPlan) -> None:
+    message.new_requests[0].ClearField("sampling_params")
+    with pytest.raises(ValueError, match=r"^new_requests\[0\]\.sampling_params is missing"):
+        decode_plan(message)
+
+
+def test_result_with_unpaired_logprobs_is_rejected() -> None:
+    message = encode_result(1, StepResult(1, [4, 5], [-1.0, -2.0]))
+    message.logprobs = message.logprobs[:4]
+    with pytest.raises(ValueError, match="^logprobs has 1 entries but sampled_token_ids has 2"):
+        decode_result(message)

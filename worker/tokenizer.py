@@ -1,0 +1,18 @@
+"""The tokenizer of a model directory, when it has one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir: str | Path) -> Any | None:
+    """The directory's Hugging Face tokenizer, or ``None`` when it ships none (token-id prompts only)."""
+    path = Path(model_dir)
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
