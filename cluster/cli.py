@@ -164,10 +164,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "message: fewer messages, more latency (default: 0, every step)",
     )
     parser.add_argument(
+        "--placement-timeout", type=float, default=None, metavar="S",
+        help="seconds a replica may wait for its GPUs or worker slots (default: 60 on a local "
+        "cluster; with --address, no limit, since an autoscaler may still be adding nodes)",
+    )
+    parser.add_argument(
         "--routing", default="round_robin", choices=sorted(ROUTING_POLICIES),
         help="how new requests pick a replica (default: %(default)s)",
     )
     parser.set_defaults(handler=run_serve)
+
+
+def _placement_timeout(args: argparse.Namespace) -> float | None:
+    if args.placement_timeout is not None:
+        return args.placement_timeout
+    return None if args.address is not None else 60.0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -203,6 +214,7 @@ def run_serve(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
             device=args.device,
             routing=args.routing,
+            placement_timeout_s=_placement_timeout(args),
         )
         from kvserve.worker.model_config import ModelConfig
 

@@ -94,6 +94,8 @@ class ClusterConfig:
     cores divided among a replica's ranks; 1 thread for a single rank under Ray).
     ``undelivered_output_timeout_s``: when the front end stops fetching outputs
     for this long, the scheduler aborts the requests whose outputs wait.
+    ``placement_timeout_s``: how long a replica may wait for its resources
+    (``None``: as long as it takes, for clusters whose autoscaler adds nodes).
     """
 
     model_dir: str
@@ -114,6 +116,7 @@ class ClusterConfig:
     seed: int | None = 0
     routing: str = "round_robin"
     undelivered_output_timeout_s: float = 60.0
+    placement_timeout_s: float | None = 60.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -148,6 +151,11 @@ class ClusterConfig:
         timeout = self.undelivered_output_timeout_s
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"undelivered_output_timeout_s must be a positive number, got {timeout!r}")
+        placement = self.placement_timeout_s
+        if placement is not None and (
+            not isinstance(placement, (int, float)) or not math.isfinite(placement) or placement <= 0
+        ):
+            raise ValueError(f"placement_timeout_s must be a positive number or None, got {placement!r}")
         # Fail now, not in the actor, on combinations SchedulerConfig rejects.
         self.scheduler_config(self.max_model_len or self.max_num_batched_tokens)
 

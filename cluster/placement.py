@@ -43,9 +43,13 @@ async def place_replica(
     replica_id: int,
     tp_size: int,
     device_kind: DeviceKind,
-    timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+    timeout_s: float | None = DEFAULT_PLACEMENT_TIMEOUT_S,
 ) -> PlacementGroup:
-    """Reserve one node's resources for ``tp_size`` ranks; ``PlacementError`` after ``timeout_s``."""
+    """Reserve one node's resources for ``tp_size`` ranks; ``PlacementError`` after ``timeout_s``.
+
+    ``timeout_s=None`` waits as long as it takes, e.g. while an autoscaler
+    starts the GPU nodes the group needs.
+    """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     bundles = [rank_bundle(device_kind) for _ in range(tp_size)]
@@ -55,7 +59,7 @@ async def place_replica(
     except asyncio.TimeoutError:
         remove_placement_group(group)
         raise PlacementError(
-            f"replica {replica_id} could not be placed within {timeout_s:.0f} s: "
+            f"replica {replica_id} could not be placed within {timeout_s:g} s: "
             f"{_describe_shortfall(bundles)}"
         ) from None
     except BaseException:

@@ -76,7 +76,7 @@ async def launch_replica(
     *,
     device_kind: DeviceKind | str,
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
-    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+    placement_timeout_s: float | None = DEFAULT_PLACEMENT_TIMEOUT_S,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
 ) -> ReplicaHandle:
     """Start ``worker_config.tp_size`` ranks of ``replica_id`` on one node, ready to execute.

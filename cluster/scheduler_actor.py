@@ -121,7 +121,12 @@ class SchedulerActor:
             raise RuntimeError("the scheduler is shutting down")
         self._starting.add(replica_id)
         try:
-            handle = await launch_replica(replica_id, self.config.worker_config(), device_kind=device_kind)
+            handle = await launch_replica(
+                replica_id,
+                self.config.worker_config(),
+                device_kind=device_kind,
+                placement_timeout_s=self.config.placement_timeout_s,
+            )
         finally:
             self._starting.discard(replica_id)
         if self._shutting_down:

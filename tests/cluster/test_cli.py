@@ -148,3 +148,12 @@ def test_serve_stops_cleanly_on_sigterm(server):
     output = process.output()
     assert "stopped" in output
     assert "Traceback" not in output
+
+
+def test_placement_waits_without_limit_when_joining_a_cluster_unless_told():
+    from kvserve.cluster.cli import _placement_timeout, build_parser
+
+    parse = build_parser().parse_args
+    assert _placement_timeout(parse(["serve"])) == 60.0
+    assert _placement_timeout(parse(["serve", "--address", "auto"])) is None
+    assert _placement_timeout(parse(["serve", "--address", "auto", "--placement-timeout", "900"])) == 900.0
