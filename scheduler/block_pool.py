@@ -194,19 +194,19 @@ class BlockPool:
         order, so the caller decides which are evicted first (a finished
         request passes its blocks in reverse: its prefix is evicted last).
         """
+        blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
         to_free: list[KVCacheBlock] = []
-        released: list[KVCacheBlock] = []
-        for block in ordered_blocks:
+        for index, block in enumerate(blocks):
             if block.is_null:
                 continue
             ref_cnt = block.ref_cnt - 1
             if ref_cnt < 0:
                 # Undo this call's releases so that a rejected free changes nothing.
-                for done in released:
-                    done.ref_cnt += 1
+                for done in blocks[:index]:
+                    if not done.is_null:
+                        done.ref_cnt += 1
                 raise ValueError(f"block {block.block_id} freed more often than it was referenced")
             block.ref_cnt = ref_cnt
-            released.append(block)
             if ref_cnt == 0:
                 to_free.append(block)
         self.free_block_queue.append_n(to_free)
