@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_create_tiny_model_parser(subparsers)
     add_serve_parser(subparsers)
     add_generate_parser(subparsers)
+    from kvserve.bench.experiment import add_experiment_parser
+
+    add_experiment_parser(subparsers)
     return parser
 
 

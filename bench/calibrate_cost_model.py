@@ -1,0 +1,97 @@
+"""Calibrate the step cost model on a real replica and save it as JSON.
+
+Runs plans of varied shapes (pure prefills, decode batches at several
+context lengths, decodes with a prefill mixed in) through a real
+``kvserve.LLM`` engine's executor, times each step, and fits
+``a + b * prefill tokens + c * decode requests + d * context tokens`` by
+least squares.  Prints the measured and the modelled time of every shape,
+and the fit's error against the mean step time (the baseline a constant
+model would give).
+
+    python -m kvserve.bench.calibrate_cost_model --out cost.json [--model DIR] [--quick]
+
+Without ``--model`` a fresh tiny random Llama is used (useful to test the
+pipeline; its coefficients say nothing about a real GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.bench.report import format_table
+from kvserve.scheduler.simulation.cost_model import CalibrationGrid, StepCostModel, StepSample, calibrate
+
+QUICK_GRID = CalibrationGrid(
+    prefill_lengths=(16, 64, 256), decode_batches=(1, 4, 16), context_lengths=(32, 128), repeats=3
+)
+
+
+def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
+    rows = []
+    measured = np.array([s.seconds for s in samples])
+    modelled = np.array([model.shape_time(s.shape) for s in samples])
+    for sample, predicted in zip(samples, modelled):
+        shape = sample.shape
+        rows.append([
+            shape.num_prefill_tokens, shape.num_decode_requests, shape.num_context_tokens,
+            f"{sample.seconds * 1e3:.2f}", f"{predicted * 1e3:.2f}",
+            f"{(predicted - sample.seconds) / sample.seconds * 100:+.0f}%",
+        ])
+    fit_error = float(np.mean(np.abs(modelled - measured) / measured))
+    constant_error = float(np.mean(np.abs(measured.mean() - measured) / measured))
+    table = format_table(
+        ["prefill tok", "decodes", "context tok", "measured ms", "model ms", "error"], rows
+    )
+    summary = format_table(
+        ["model", "mean relative error", "ratio to constant"],
+        [["fitted linear", f"{fit_error:.1%}", f"{fit_error / constant_error:.2f}x"],
+         ["constant (baseline)", f"{constant_error:.1%}", "1.00x"]],
+    )
+    return f"{table}\n\n{summary}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="where to write the cost model JSON")
+    parser.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    args = parser.parse_args(argv)
+
+    # Heavy imports only here: the control plane must not pull in torch.
+    import torch
+
+    from kvserve import LLM
+    from kvserve.worker.tiny_model import create_tiny_model
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    grid = QUICK_GRID if args.quick else CalibrationGrid()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model or create_tiny_model(Path(tmp) / "tiny", "llama", seed=args.seed)
+        llm = LLM(model_dir, block_size=args.block_size, device=args.device, seed=args.seed)
+        try:
+            vocab_size = llm.model_config.vocab_size
+            model, samples = calibrate(
+                llm.engine.executor, block_size=args.block_size, vocab_size=vocab_size, grid=grid, seed=args.seed
+            )
+        finally:
+            llm.shutdown()
+    model.save(args.out)
+    print(f"calibrated on {model_dir} ({len(samples)} steps)")
+    print(describe_fit(model, samples))
+    print(f"a={model.a:.4g} s  b={model.b:.4g} s/prefill token  c={model.c:.4g} s/decode  "
+          f"d={model.d:.4g} s/context token -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,178 @@
+"""Figures of routing experiments: per-run summaries, CSV files and plots.
+
+A run is one policy at one rate over one request stream.  Its summary:
+
+* ``hit_rate``: prompt tokens served from a prefix cache / prompt tokens;
+  ``hit_vs_infinite``: that over the stream's infinite-cache hit rate;
+* TTFT and end-to-end latency percentiles (seconds);
+* ``throughput``: output tokens per second from the first arrival to the last finish;
+* ``load_imbalance``: max / mean over replicas of the requests each served;
+  ``busy_imbalance``: the same for the time each spent running steps.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.scheduler.simulation.simulator import SimulationResult
+
+REQUEST_CSV_FIELDS = (
+    "policy", "qps", "index", "arrival_time", "ttft", "latency", "replica_id",
+    "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "num_preemptions", "measured",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RunSummary:
+    """The headline figures of one simulated run."""
+
+    workload: str
+    num_replicas: int
+    qps: float
+    policy: str
+    num_requests: int
+    hit_rate: float
+    infinite_hit_rate: float
+    hit_vs_infinite: float
+    ttft_p50: float
+    ttft_p99: float
+    e2e_p50: float
+    e2e_p99: float
+    throughput: float
+    load_imbalance: float
+    busy_imbalance: float
+    num_preemptions: int
+    wall_seconds: float
+
+
+def summarize(
+    result: SimulationResult,
+    *,
+    workload: str,
+    qps: float,
+    infinite_hit_rate: float,
+    measured: Sequence[bool] | None = None,
+) -> RunSummary:
+    """The figures of ``result`` over its measured requests (all when ``measured`` is ``None``).
+
+    Per-replica figures (load, busy time) cover every request, warm-up included.
+    """
+    records = result.records if measured is None else [r for r in result.records if measured[r.index]]
+    if not records:
+        raise ValueError("cannot summarise a run without requests")
+    ttft = np.array([r.ttft for r in records])
+    latency = np.array([r.latency for r in records])
+    num_prompt = sum(r.num_prompt_tokens for r in records)
+    hit_rate = sum(r.num_cached_tokens for r in records) / num_prompt
+    start = min(r.arrival_time for r in records)
+    span = max(result.end_time - start, 1e-9)
+    served = np.array(result.replica_num_requests, dtype=np.float64)
+    busy = np.array(result.replica_busy_time)
+    return RunSummary(
+        workload=workload,
+        num_replicas=len(served),
+        qps=qps,
+        policy=result.policy,
+        num_requests=len(records),
+        hit_rate=hit_rate,
+        infinite_hit_rate=infinite_hit_rate,
+        hit_vs_infinite=hit_rate / infinite_hit_rate if infinite_hit_rate > 0 else float("nan"),
+        ttft_p50=float(np.percentile(ttft, 50)),
+        ttft_p99=float(np.percentile(ttft, 99)),
+        e2e_p50=float(np.percentile(latency, 50)),
+        e2e_p99=float(np.percentile(latency, 99)),
+        throughput=sum(r.num_output_tokens for r in records) / span,
+        load_imbalance=float(served.max() / served.mean()),
+        busy_imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else float("nan"),
+        num_preemptions=sum(r.num_preemptions for r in records),
+        wall_seconds=result.wall_time,
+    )
+
+
+SUMMARY_HEADERS = (
+    "policy", "qps", "hit rate", "vs infinite", "TTFT p50 s", "TTFT p99 s", "e2e p50 s", "e2e p99 s",
+    "tok/s", "load max/mean", "busy max/mean", "preempt", "TTFT p99 vs baseline",
+)
+
+
+def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[object]]:
+    """Table rows, each with its TTFT p99 as a ratio to ``baseline``'s at the same rate."""
+    baseline_p99 = {s.qps: s.ttft_p99 for s in summaries if s.policy == baseline}
+    rows: list[list[object]] = []
+    for s in summaries:
+        reference = baseline_p99.get(s.qps)
+        ratio = f"{s.ttft_p99 / reference:.2f}x" if reference else "-"
+        rows.append([
+            s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}", f"{s.hit_vs_infinite:.2f}",
+            f"{s.ttft_p50:.3f}", f"{s.ttft_p99:.3f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
+            f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}", f"{s.busy_imbalance:.2f}",
+            s.num_preemptions, ratio,
+        ])
+    return rows
+
+
+def write_summary_csv(path: Path, summaries: Iterable[RunSummary]) -> None:
+    fields = [f.name for f in dataclasses.fields(RunSummary)]
+    with open(path, "w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=fields)
+        writer.writeheader()
+        for summary in summaries:
+            writer.writerow(dataclasses.asdict(summary))
+
+
+def write_request_rows(
+    writer: csv.writer, result: SimulationResult, qps: float, measured: Sequence[bool]  # type: ignore[valid-type]
+) -> None:
+    for r in result.records:
+        writer.writerow([
+            result.policy, qps, r.index, f"{r.arrival_time:.6f}", f"{r.ttft:.6f}", f"{r.latency:.6f}",
+            r.replica_id, r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens, r.num_preemptions,
+            int(measured[r.index]),
+        ])
+
+
+def plot_summaries(summaries: Sequence[RunSummary], out_dir: Path) -> list[Path]:
+    """``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``: one line per policy.
+
+    The infinite cache's hit rate at each rate is drawn as a dashed line.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(dict.fromkeys(s.policy for s in summaries))
+    title = f"{summaries[0].workload}, {summaries[0].num_replicas} replicas"
+    paths = []
+    for metric, label, filename in (
+        ("hit_rate", "prefix cache hit rate", "hit_rate_vs_qps.png"),
+        ("ttft_p99", "TTFT p99 (s)", "ttft_p99_vs_qps.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for policy in policies:
+            points = sorted((s.qps, getattr(s, metric)) for s in summaries if s.policy == policy)
+            ax.plot([q for q, _ in points], [v for _, v in points], marker="o", label=policy)
+        if metric == "hit_rate":
+            rates = sorted({s.qps for s in summaries})
+            infinite = [next(s.infinite_hit_rate for s in summaries if s.qps == q) for q in rates]
+            ax.plot(rates, infinite, color="gray", linestyle="--", marker=".", label="infinite cache")
+            ax.set_ylim(0, 1.02)
+        else:
+            ax.set_yscale("log")
+        ax.set_xlabel("offered load (requests/s)")
+        ax.set_ylabel(label)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths

@@ -1,0 +1,12 @@
+"""Seeded synthetic workloads and trace replay for routing experiments.
+
+Every generator returns ``WorkloadRequest``s sorted by arrival time, and the
+same arguments always give the same requests.  Content (prompts, lengths)
+never depends on the arrival rate, so a QPS sweep replays one request stream.
+"""
+
+from kvserve.bench.workloads.request import WorkloadRequest
+from kvserve.bench.workloads.registry import WORKLOADS, make_workload
+from kvserve.bench.workloads.tokens import TokenSegments
+
+__all__ = ["WORKLOADS", "TokenSegments", "WorkloadRequest", "make_workload"]

@@ -1,0 +1,32 @@
+"""Long-document QA: many short questions about each of a few long documents.
+
+Each request is one document (``document_len`` tokens, drawn with Zipf
+popularity) followed by a question; answers are short.  Prefill of the
+document dominates, so a miss costs far more than in chat.
+"""
+
+from __future__ import annotations
+
+from kvserve.bench.workloads.request import WorkloadRequest
+from kvserve.bench.workloads.shared_prefix import prefix_groups
+
+
+def document_qa(
+    num_requests: int,
+    qps: float,
+    *,
+    seed: int = 0,
+    burstiness: float = 1.0,
+    num_documents: int = 32,
+    document_len: int = 6144,
+    question_len: int = 64,
+    output_len: int = 64,
+    zipf_exponent: float = 0.8,
+    vocab_size: int = 32_000,
+) -> list[WorkloadRequest]:
+    """Questions about ``num_documents`` long documents."""
+    return prefix_groups(
+        num_requests, qps, seed=seed, burstiness=burstiness, num_groups=num_documents,
+        prefix_len=document_len, question_len=question_len, output_len=output_len,
+        zipf_exponent=zipf_exponent, num_tenants=0, vocab_size=vocab_size, group_name="doc",
+    )

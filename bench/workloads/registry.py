@@ -1,0 +1,61 @@
+"""Workloads by name, for the experiment command line.
+
+``make_workload("shared_prefix", 1000, qps=10, seed=0, num_groups=32)``;
+``make_workload("mooncake", 1000, qps=None, trace="trace.jsonl")`` replays a
+trace at its own rate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvserve.bench.workloads.agent_tools import agent_tools
+from kvserve.bench.workloads.document_qa import document_qa
+from kvserve.bench.workloads.mooncake import mooncake_trace
+from kvserve.bench.workloads.multi_turn import customer_contexts, multi_turn
+from kvserve.bench.workloads.request import WorkloadRequest
+from kvserve.bench.workloads.shared_prefix import shared_prefix
+
+WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
+    "shared_prefix": shared_prefix,
+    "multi_turn": multi_turn,
+    "customer_contexts": customer_contexts,
+    "agent_tools": agent_tools,
+    "document_qa": document_qa,
+}
+
+TRACE_WORKLOAD = "mooncake"
+
+
+def make_workload(
+    name: str,
+    num_requests: int,
+    qps: float | None,
+    *,
+    seed: int = 0,
+    burstiness: float = 1.0,
+    **params: Any,
+) -> list[WorkloadRequest]:
+    """``num_requests`` requests of workload ``name`` at mean rate ``qps``.
+
+    ``params`` override the generator's defaults (e.g. ``num_groups``); the
+    trace workload takes ``trace=PATH`` and replays at its own rate when
+    ``qps`` is ``None``.  Raises ``ValueError`` for unknown names or parameters.
+    """
+    if name == TRACE_WORKLOAD:
+        trace = params.pop("trace", None)
+        if trace is None:
+            raise ValueError("the mooncake workload needs trace=PATH")
+        if params:
+            raise ValueError(f"unknown parameters for the mooncake workload: {sorted(params)}")
+        return mooncake_trace(trace, num_requests=num_requests, qps=qps, seed=seed)
+    generator = WORKLOADS.get(name)
+    if generator is None:
+        raise ValueError(f"unknown workload {name!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")
+    if qps is None:
+        raise ValueError(f"workload {name!r} needs a rate (qps)")
+    try:
+        return generator(num_requests, qps, seed=seed, burstiness=burstiness, **params)
+    except TypeError as exc:
+        raise ValueError(f"bad parameters for workload {name!r}: {exc}") from None

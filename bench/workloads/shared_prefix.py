@@ -1,0 +1,80 @@
+"""Generated shared prefixes (SGLang's ``generated-shared-prefix`` shape).
+
+``num_groups`` system prompts of ``system_prompt_len`` tokens; each request
+is one group's system prompt followed by its own question.  Groups are drawn
+with Zipf popularity (exponent 0: uniform).  With ``num_tenants`` > 0, group
+``g`` belongs to tenant ``g % num_tenants`` and carries its cache salt.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvserve.bench.workloads.arrivals import arrival_times, zipf_probabilities
+from kvserve.bench.workloads.request import WorkloadRequest
+from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+
+
+def shared_prefix(
+    num_requests: int,
+    qps: float,
+    *,
+    seed: int = 0,
+    burstiness: float = 1.0,
+    num_groups: int = 64,
+    system_prompt_len: int = 2048,
+    question_len: int = 128,
+    output_len: int = 256,
+    zipf_exponent: float = 0.0,
+    num_tenants: int = 0,
+    vocab_size: int = 32_000,
+) -> list[WorkloadRequest]:
+    """Requests sharing one of ``num_groups`` long prefixes each."""
+    return prefix_groups(
+        num_requests, qps, seed=seed, burstiness=burstiness, num_groups=num_groups,
+        prefix_len=system_prompt_len, question_len=question_len, output_len=output_len,
+        zipf_exponent=zipf_exponent, num_tenants=num_tenants, vocab_size=vocab_size, group_name="group",
+    )
+
+
+def prefix_groups(
+    num_requests: int,
+    qps: float,
+    *,
+    seed: int,
+    burstiness: float,
+    num_groups: int,
+    prefix_len: int,
+    question_len: int,
+    output_len: int,
+    zipf_exponent: float,
+    num_tenants: int,
+    vocab_size: int,
+    group_name: str,
+) -> list[WorkloadRequest]:
+    """The shape shared by shared-prefix and document-QA workloads: prefix + question."""
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    if num_groups < 1 or prefix_len < 0 or question_len < 0 or prefix_len + question_len < 1:
+        raise ValueError("need num_groups >= 1 and a non-empty prompt (prefix_len + question_len >= 1)")
+    if num_tenants < 0:
+        raise ValueError(f"num_tenants must be >= 0, got {num_tenants}")
+    content = np.random.default_rng([seed, 0])
+    prefixes = [random_tokens(content, prefix_len, vocab_size) for _ in range(num_groups)]
+    groups = content.choice(num_groups, size=num_requests, p=zipf_probabilities(num_groups, zipf_exponent))
+    questions = random_tokens(content, num_requests * question_len, vocab_size)
+    times = arrival_times(num_requests, qps, np.random.default_rng([seed, 1]), burstiness)
+    requests = []
+    for i in range(num_requests):
+        group = int(groups[i])
+        question = questions[i * question_len : (i + 1) * question_len]
+        requests.append(
+            WorkloadRequest(
+                arrival_time=float(times[i]),
+                prompt_token_ids=TokenSegments((prefixes[group], question)),
+                output_len=output_len,
+                cache_salt=f"tenant-{group % num_tenants}" if num_tenants else None,
+                group=f"{group_name}-{group}",
+            )
+        )
+    return requests

@@ -1,0 +1,60 @@
+"""SGLang's cache-aware router: the longest prefix match unless the load is skewed.
+
+When the fleet is imbalanced on BOTH counts (max - min outstanding requests
+above ``balance_abs_threshold`` and max above ``balance_rel_threshold`` x
+min), the request goes to the least loaded replica.  Otherwise it goes to the
+replica caching the longest prefix of its prompt, if that covers at least
+``cache_threshold`` of the prompt's tokens, else to the least loaded.
+Unlike SGLang, whose router approximates caches with a radix tree of the
+requests it routed, the match here is the exact global index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
+from kvserve.scheduler.routing.policy import RoutingRequest
+from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
+
+
+class CacheAwarePolicy:
+    """SGLang's thresholds (defaults from its router: 64 requests, 1.5x, 0.3)."""
+
+    name = "cache_aware"
+
+    def __init__(
+        self,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        cache_threshold: float = 0.3,
+    ) -> None:
+        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
+            raise ValueError("balance thresholds must be >= 0 (absolute) and >= 1 (relative)")
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = cache_threshold
+
+    def select(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
+    ) -> int:
+        table = LoadTable.of(replicas)
+        outstanding = table.num_outstanding
+        least_loaded = int(outstanding.argmin())
+        max_load = int(outstanding.max())
+        min_load = int(outstanding[least_loaded])
+        if (
+            max_load - min_load > self.balance_abs_threshold
+            and max_load > self.balance_rel_threshold * min_load
+        ):
+            return least_loaded
+        matches = index.match(request.block_hashes)
+        if not matches:
+            return least_loaded
+        # The longest match; among equals, the least loaded, then the lowest id.
+        best = min(matches, key=lambda r: (-matches[r], outstanding[r], r))
+        if request.cached_tokens(matches[best]) >= self.cache_threshold * request.num_prompt_tokens:
+            return best
+        return least_loaded

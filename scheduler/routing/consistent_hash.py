@@ -1,0 +1,89 @@
+"""Consistent hashing on the prompt's first blocks, with bounded loads.
+
+Each replica owns ``virtual_nodes`` points on a 64-bit ring.  A request's key
+is its block hash number ``num_prefix_blocks - 1`` (the chain makes it a hash
+of every block up to it, salt included); the request goes to the first
+replica clockwise from the key whose load is under the bound
+``ceil(load_factor * (total load + 1) / n)`` (Mirrokni, Thorup, Zadimoghaddam,
+"Consistent Hashing with Bounded Loads", 2018).  Requests sharing a prefix
+meet on one replica until it is overloaded, then spill to the next.
+
+The default key covers the first 32 blocks (512 tokens at block size 16):
+long enough to tell apart requests that share only a short system prompt,
+short enough to be shared by requests that share a long one.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Sequence
+
+import xxhash
+
+from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
+from kvserve.scheduler.routing.policy import RoutingRequest
+from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
+
+
+class ConsistentHashPolicy:
+    """Consistent hashing with bounded loads; load is outstanding requests."""
+
+    name = "consistent_hash"
+
+    def __init__(
+        self,
+        num_prefix_blocks: int = 32,
+        load_factor: float = 1.25,
+        virtual_nodes: int = 64,
+        seed: int = 0,
+    ) -> None:
+        if num_prefix_blocks < 1:
+            raise ValueError(f"num_prefix_blocks must be >= 1, got {num_prefix_blocks}")
+        if not load_factor > 1.0:
+            raise ValueError(f"load_factor must be > 1, got {load_factor}")
+        if virtual_nodes < 1:
+            raise ValueError(f"virtual_nodes must be >= 1, got {virtual_nodes}")
+        self.num_prefix_blocks = num_prefix_blocks
+        self.load_factor = load_factor
+        self.virtual_nodes = virtual_nodes
+        self.seed = seed
+        self._num_replicas = 0
+        self._points: list[int] = []
+        self._owners: list[int] = []
+
+    def _build_ring(self, num_replicas: int) -> None:
+        ring = sorted(
+            (xxhash.xxh3_64_intdigest(f"{self.seed}/{replica}/{v}".encode()), replica)
+            for replica in range(num_replicas)
+            for v in range(self.virtual_nodes)
+        )
+        self._points = [point for point, _ in ring]
+        self._owners = [owner for _, owner in ring]
+        self._num_replicas = num_replicas
+
+    def key(self, request: RoutingRequest) -> int:
+        """The ring position of ``request``: its prefix hash, or its id when shorter than a block."""
+        hashes = request.block_hashes
+        if hashes:
+            return int.from_bytes(hashes[min(self.num_prefix_blocks, len(hashes)) - 1][:8], "little")
+        return xxhash.xxh3_64_intdigest(request.req_id.encode())
+
+    def select(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
+    ) -> int:
+        table = LoadTable.of(replicas)
+        num_replicas = len(table)
+        if num_replicas != self._num_replicas:
+            self._build_ring(num_replicas)
+        bound = math.ceil(self.load_factor * (table.total_outstanding + 1) / num_replicas)
+        outstanding = table.num_outstanding
+        points, owners = self._points, self._owners
+        start = bisect.bisect_left(points, self.key(request))
+        num_points = len(points)
+        for step in range(num_points):
+            owner = owners[(start + step) % num_points]
+            if outstanding[owner] < bound:
+                return owner
+        # Unreachable: the bound times n exceeds the total load, so someone is under it.
+        return owners[start % num_points]

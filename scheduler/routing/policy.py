@@ -1,0 +1,55 @@
+"""The seam between the router and its policies.
+
+A policy sees one request (its block hashes and prompt length), every
+replica's load and the global prefix index, and names a replica.  Policies
+are small stateful objects (a round-robin cursor, a seeded rng) selected by
+name with ``make_policy``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvserve.scheduler.block_hash import BlockHash
+from kvserve.scheduler.routing.load import ReplicaLoad
+from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingRequest:
+    """What a policy knows of a request.
+
+    ``block_hashes`` are the hashes of the prompt's full blocks (the cache
+    salt is in the first, so tenants never match each other's blocks).
+    """
+
+    req_id: str
+    block_hashes: Sequence[BlockHash]
+    num_prompt_tokens: int
+    block_size: int
+    cache_salt: str | None = None
+
+    @property
+    def max_cached_tokens(self) -> int:
+        """The most prompt tokens a cache hit can cover: the last token is always computed."""
+        return (self.num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def cached_tokens(self, num_matched_blocks: int) -> int:
+        """Prompt tokens served from the cache by a match of ``num_matched_blocks``."""
+        return min(num_matched_blocks * self.block_size, self.max_cached_tokens)
+
+
+class RoutingPolicy(Protocol):
+    """Chooses the replica for each request.
+
+    ``replicas[i]`` is replica ``i``'s load (``replica_id == i``); the result
+    is a replica id in ``range(len(replicas))``.
+    """
+
+    name: str
+
+    def select(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
+    ) -> int: ...

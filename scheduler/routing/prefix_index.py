@@ -1,0 +1,163 @@
+"""The fleet-wide prefix index: block hash -> the replicas whose pool caches it.
+
+Kept exactly from the pools' own events (``KVCacheEventObserver``): pools and
+router live in one process, so there is no staleness to model.  One hash can
+be cached by several blocks of one pool (two requests computed it at once),
+so the index counts copies per (hash, replica): removing one of two copies
+keeps the entry.
+
+Because block hashes chain their prefix, a request's blocks ``0..k-1`` are all
+cached on a replica iff the replica holds block hashes ``0..k-1``; a match
+walks the chain once for every replica together::
+
+    hashes      h0      h1      h2      h3
+    holders   {0,1,2}  {0,2}   {2,5}   {}
+    candidates {0,1,2} {0,2}   {2}     {}   -> {0: 2, 1: 1, 2: 3}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.scheduler.block_hash import BlockHash
+
+
+class GlobalPrefixIndex:
+    """Which replicas cache which blocks, from every replica pool's events."""
+
+    __slots__ = ("_holders", "_copies")
+
+    def __init__(self) -> None:
+        # hash -> replicas holding at least one copy.
+        self._holders: dict[BlockHash, set[int]] = {}
+        # replica -> hash -> number of its cached blocks with that hash.
+        self._copies: dict[int, dict[BlockHash, int]] = {}
+
+    # -- events ------------------------------------------------------------------
+
+    def observer_for(self, replica_id: int) -> ReplicaIndexObserver:
+        """The ``KVCacheEventObserver`` to give replica ``replica_id``'s pool."""
+        if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
+            raise ValueError(f"replica_id must be a non-negative integer, got {replica_id!r}")
+        self._copies.setdefault(replica_id, {})
+        return ReplicaIndexObserver(self, replica_id)
+
+    def add_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
+        copies = self._copies.setdefault(replica_id, {})
+        holders = self._holders
+        for block_hash in block_hashes:
+            count = copies.get(block_hash)
+            if count is None:
+                copies[block_hash] = 1
+                replicas = holders.get(block_hash)
+                if replicas is None:
+                    holders[block_hash] = {replica_id}
+                else:
+                    replicas.add(replica_id)
+            else:
+                copies[block_hash] = count + 1
+
+    def remove_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
+        copies = self._copies.get(replica_id)
+        holders = self._holders
+        for block_hash in block_hashes:
+            count = copies.get(block_hash) if copies is not None else None
+            if count is None:
+                raise ValueError(
+                    f"replica {replica_id} removed block {block_hash.hex()[:8]} that it never stored"
+                )
+            if count > 1:
+                copies[block_hash] = count - 1  # type: ignore[index]
+                continue
+            del copies[block_hash]  # type: ignore[union-attr]
+            replicas = holders[block_hash]
+            replicas.discard(replica_id)
+            if not replicas:
+                del holders[block_hash]
+
+    def clear_replica(self, replica_id: int) -> None:
+        """Forget every block of ``replica_id`` (its pool reset its prefix cache)."""
+        copies = self._copies.get(replica_id)
+        if not copies:
+            return
+        holders = self._holders
+        for block_hash in copies:
+            replicas = holders[block_hash]
+            replicas.discard(replica_id)
+            if not replicas:
+                del holders[block_hash]
+        copies.clear()
+
+    # -- queries -----------------------------------------------------------------
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
+        """Replica -> number of leading blocks of ``block_hashes`` it caches.
+
+        Replicas that cache not even the first block are absent.  One walk of
+        the chain: the candidate set only shrinks and the walk stops when it
+        is empty, so the cost is O(blocks matched + replicas dropped).
+        """
+        if not block_hashes:
+            return {}
+        holders = self._holders
+        first = holders.get(block_hashes[0])
+        if not first:
+            return {}
+        candidates = set(first)
+        matched: dict[int, int] = {}
+        num_blocks = len(block_hashes)
+        for position in range(1, num_blocks):
+            replicas = holders.get(block_hashes[position])
+            if replicas is None:
+                break
+            if len(candidates) == 1:
+                # The common tail of a long match: one replica left.
+                if not candidates <= replicas:
+                    break
+                continue
+            dropped = candidates - replicas
+            if dropped:
+                for replica_id in dropped:
+                    matched[replica_id] = position
+                candidates -= dropped
+                if not candidates:
+                    return matched
+        else:
+            position = num_blocks
+        for replica_id in candidates:
+            matched[replica_id] = position
+        return matched
+
+    def replicas_holding(self, block_hash: BlockHash) -> frozenset[int]:
+        return frozenset(self._holders.get(block_hash, ()))
+
+    def num_copies(self, replica_id: int, block_hash: BlockHash) -> int:
+        """Cached blocks of ``replica_id`` whose hash is ``block_hash``."""
+        return self._copies.get(replica_id, {}).get(block_hash, 0)
+
+    def num_blocks(self, replica_id: int) -> int:
+        """Distinct block hashes ``replica_id`` caches."""
+        return len(self._copies.get(replica_id, ()))
+
+    def __len__(self) -> int:
+        """Distinct block hashes cached anywhere."""
+        return len(self._holders)
+
+
+class ReplicaIndexObserver:
+    """Forwards one replica pool's events to the global index (a ``KVCacheEventObserver``)."""
+
+    __slots__ = ("index", "replica_id")
+
+    def __init__(self, index: GlobalPrefixIndex, replica_id: int) -> None:
+        self.index = index
+        self.replica_id = replica_id
+
+    def blocks_stored(self, block_hashes: list[BlockHash], block_ids: list[int]) -> None:
+        self.index.add_blocks(self.replica_id, block_hashes)
+
+    def blocks_removed(self, block_hashes: list[BlockHash], block_ids: list[int]) -> None:
+        self.index.remove_blocks(self.replica_id, block_hashes)
+
+    def all_blocks_cleared(self) -> None:
+        self.index.clear_replica(self.replica_id)

@@ -1,0 +1,77 @@
+"""The router: hashes a request's prompt once, then lets the policy pick a replica.
+
+It owns the global prefix index (fed by every replica pool through
+``observer_for``), the replicas' load table (fed by ``update_load`` whenever
+a replica's scheduler changes), and the policy.  The hashes it computes are
+stored on the ``Request``, so the chosen replica's cache manager reuses them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvserve.scheduler.block_hash import BlockHasher
+from kvserve.scheduler.block_pool import KVCacheEventObserver
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.routing.load import LoadSnapshot, LoadTable
+from kvserve.scheduler.routing.policy import RoutingPolicy, RoutingRequest
+from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
+
+logger = logging.getLogger(__name__)
+
+
+class Router:
+    """Routes requests among replicas ``0..num_replicas-1``.
+
+    ``block_size`` and ``model_id`` must be the replicas' (``CacheConfig``),
+    so that the router's hashes are the pools' hashes.
+    """
+
+    def __init__(
+        self,
+        num_replicas: int,
+        policy: RoutingPolicy,
+        block_size: int,
+        *,
+        model_id: str = "",
+    ) -> None:
+        self.policy = policy
+        self.hasher = BlockHasher(block_size, model_id)
+        self.index = GlobalPrefixIndex()
+        self.loads = LoadTable(num_replicas)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self.loads)
+
+    def observer_for(self, replica_id: int) -> KVCacheEventObserver:
+        """The observer to give replica ``replica_id``'s ``Scheduler`` (its pool)."""
+        if not 0 <= replica_id < self.num_replicas:
+            raise ValueError(f"replica_id must be in [0, {self.num_replicas}), got {replica_id}")
+        return self.index.observer_for(replica_id)
+
+    def update_load(self, replica_id: int, load: LoadSnapshot) -> None:
+        """Record replica ``replica_id``'s load (``Scheduler.get_load()``) after it changed."""
+        self.loads.set(replica_id, load)
+
+    def route(self, request: Request) -> int:
+        """The replica for ``request``; fills ``request.block_hashes`` if it is empty."""
+        if not request.block_hashes:
+            request.block_hashes.extend(
+                self.hasher.hash_token_ids(request.prompt_token_ids, request.cache_salt)
+            )
+        routing_request = RoutingRequest(
+            req_id=request.req_id,
+            block_hashes=request.block_hashes,
+            num_prompt_tokens=request.num_prompt_tokens,
+            block_size=self.hasher.block_size,
+            cache_salt=request.cache_salt,
+        )
+        replica_id = self.policy.select(routing_request, self.loads, self.index)
+        if not 0 <= replica_id < self.num_replicas:
+            raise ValueError(
+                f"policy {self.policy.name!r} chose replica {replica_id} of {self.num_replicas}"
+            )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
+        return replica_id

@@ -1,0 +1,145 @@
+"""Executors that run no model: they answer after the cost model's step time.
+
+The live cluster can run a whole fleet of these on CPUs to test routing and
+scheduling at scale.  Sampled tokens are synthetic and deterministic: a hash
+of the request id and the token's position, so that reruns, restarts and the
+discrete-event simulator agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import numpy as np
+import xxhash
+
+from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_result import StepResult
+
+# Ids below this are left to special tokens (BOS, EOS, padding).
+FIRST_SYNTHETIC_TOKEN_ID = 3
+
+
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: positions map to distinct residues mod 2**64
+
+
+def request_token_seed(req_id: str) -> int:
+    """A per-request constant (stable across processes) that synthetic tokens derive from."""
+    return xxhash.xxh3_64_intdigest(req_id.encode())
+
+
+def synthetic_token_id(req_id: str, position: int, vocab_size: int, seed: int | None = None) -> int:
+    """The token a simulated model samples for ``req_id`` at sequence ``position``.
+
+    ``seed`` is ``request_token_seed(req_id)``, which callers emitting many
+    tokens of one request compute once.
+    """
+    if seed is None:
+        seed = request_token_seed(req_id)
+    mixed = ((seed + position * _GOLDEN) & 0xFFFFFFFFFFFFFFFF) >> 17
+    return FIRST_SYNTHETIC_TOKEN_ID + mixed % (vocab_size - FIRST_SYNTHETIC_TOKEN_ID)
+
+
+def synthetic_output_token_ids(req_id: str, num_prompt_tokens: int, num_outputs: int, vocab_size: int) -> list[int]:
+    """The first ``num_outputs`` synthetic tokens ``req_id`` samples (``synthetic_token_id``, vectorised)."""
+    positions = np.arange(num_prompt_tokens, num_prompt_tokens + num_outputs, dtype=np.uint64)
+    seed = np.uint64(request_token_seed(req_id))
+    mixed = (seed + positions * np.uint64(_GOLDEN)) >> np.uint64(17)  # wraps mod 2**64, as intended
+    span = np.uint64(vocab_size - FIRST_SYNTHETIC_TOKEN_ID)
+    return (mixed % span + np.uint64(FIRST_SYNTHETIC_TOKEN_ID)).tolist()
+
+
+def synthetic_step_result(plan: StepPlan, vocab_size: int) -> StepResult:
+    """One synthetic token per sampled row of ``plan``, in plan order (log-probability 0)."""
+    tokens = [
+        synthetic_token_id(req_id, start + num_tokens, vocab_size)
+        for req_id, start, num_tokens, sample in zip(
+            plan.req_ids, plan.num_computed_tokens, plan.num_scheduled_tokens, plan.sample
+        )
+        if sample
+    ]
+    return StepResult(plan.step_id, tokens, [0.0] * len(tokens))
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if vocab_size <= FIRST_SYNTHETIC_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {FIRST_SYNTHETIC_TOKEN_ID}, got {vocab_size}")
+
+
+class SimulatedExecutor:
+    """An ``Executor`` whose steps sleep ``time_scale * cost_model.step_time(plan)`` seconds."""
+
+    def __init__(
+        self,
+        cost_model: StepCostModel,
+        num_kv_blocks: int,
+        *,
+        vocab_size: int = 32_000,
+        time_scale: float = 1.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        _check_vocab_size(vocab_size)
+        if num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.cost_model = cost_model
+        self.vocab_size = vocab_size
+        self.time_scale = time_scale
+        self._num_kv_blocks = num_kv_blocks
+        self._sleep = sleep
+        self._closed = False
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        if self._closed:
+            raise RuntimeError("the simulated executor was shut down")
+        seconds = self.time_scale * self.cost_model.step_time(plan)
+        if seconds > 0:
+            self._sleep(seconds)
+        return synthetic_step_result(plan, self.vocab_size)
+
+    def shutdown(self) -> None:
+        self._closed = True
+
+
+class AsyncSimulatedExecutor:
+    """An ``AsyncExecutor`` whose steps ``asyncio.sleep`` for the modelled step time."""
+
+    def __init__(
+        self,
+        cost_model: StepCostModel,
+        num_kv_blocks: int,
+        *,
+        vocab_size: int = 32_000,
+        time_scale: float = 1.0,
+    ) -> None:
+        _check_vocab_size(vocab_size)
+        if num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.cost_model = cost_model
+        self.vocab_size = vocab_size
+        self.time_scale = time_scale
+        self._num_kv_blocks = num_kv_blocks
+        self._closed = False
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        if self._closed:
+            raise RuntimeError("the simulated executor was shut down")
+        await asyncio.sleep(self.time_scale * self.cost_model.step_time(plan))
+        return synthetic_step_result(plan, self.vocab_size)
+
+    async def shutdown(self) -> None:
+        self._closed = True

@@ -1,0 +1,181 @@
+"""Workload generators: shapes, sharing, determinism, arrivals, and Mooncake trace replay."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from kvserve.bench.workloads import TokenSegments, WorkloadRequest, make_workload
+from kvserve.bench.workloads.agent_tools import agent_tools
+from kvserve.bench.workloads.arrivals import arrival_times
+from kvserve.bench.workloads.cache_reference import infinite_cache_reference
+from kvserve.bench.workloads.document_qa import document_qa
+from kvserve.bench.workloads.mooncake import mooncake_trace
+from kvserve.bench.workloads.multi_turn import customer_contexts, multi_turn
+from kvserve.bench.workloads.shared_prefix import shared_prefix
+
+
+def is_sorted(requests: list[WorkloadRequest]) -> bool:
+    times = [r.arrival_time for r in requests]
+    return times == sorted(times)
+
+
+def test_shared_prefix_requests_are_a_group_prompt_then_a_question() -> None:
+    requests = shared_prefix(300, qps=10, num_groups=4, system_prompt_len=64, question_len=8, output_len=5)
+
+    assert len(requests) == 300 and is_sorted(requests)
+    assert {r.num_prompt_tokens for r in requests} == {72}
+    assert {r.output_len for r in requests} == {5}
+    by_group: dict[str, set[tuple[int, ...]]] = {}
+    for r in requests:
+        by_group.setdefault(r.group, set()).add(tuple(list(r.prompt_token_ids)[:64]))
+    assert len(by_group) == 4 and all(len(prefixes) == 1 for prefixes in by_group.values())
+    questions = {tuple(list(r.prompt_token_ids)[64:]) for r in requests}
+    assert len(questions) == 300
+
+
+def test_zipf_popularity_skews_groups() -> None:
+    requests = shared_prefix(4000, qps=10, num_groups=16, system_prompt_len=4, question_len=4, zipf_exponent=1.2)
+    counts = sorted((sum(r.group == g for r in requests) for g in {r.group for r in requests}), reverse=True)
+
+    assert counts[0] > 4 * counts[-1]
+
+
+def test_tenants_salt_their_groups() -> None:
+    requests = shared_prefix(50, qps=10, num_groups=4, system_prompt_len=4, question_len=4, num_tenants=2)
+
+    assert {r.cache_salt for r in requests} == {"tenant-0", "tenant-1"}
+    assert all(r.cache_salt == f"tenant-{int(r.group.split('-')[1]) % 2}" for r in requests)
+
+
+def test_the_same_seed_gives_the_same_stream_and_the_rate_changes_only_timing() -> None:
+    a = make_workload("multi_turn", 200, qps=5, seed=3)
+    b = make_workload("multi_turn", 200, qps=5, seed=3)
+    c = make_workload("shared_prefix", 100, qps=5, seed=3, system_prompt_len=32)
+    d = make_workload("shared_prefix", 100, qps=50, seed=3, system_prompt_len=32)
+
+    assert a == b
+    assert [r.prompt_token_ids for r in c] == [r.prompt_token_ids for r in d]
+    assert [r.arrival_time for r in c] == pytest.approx([10 * r.arrival_time for r in d])
+    assert make_workload("multi_turn", 200, qps=5, seed=4) != a
+
+
+def test_multi_turn_prompts_grow_by_the_previous_answer_and_a_new_message() -> None:
+    requests = multi_turn(400, qps=20, system_prompt_len=32, user_len=8, answer_len=6, min_turns=3, max_turns=3)
+    sessions: dict[str, list[WorkloadRequest]] = {}
+    for r in requests:
+        sessions.setdefault(r.group, []).append(r)
+
+    complete = [turns for turns in sessions.values() if len(turns) == 3]
+    assert complete
+    for turns in complete:
+        for previous, current in zip(turns, turns[1:]):
+            expected = list(previous.prompt_token_ids) + list(previous.output_token_ids)
+            assert list(current.prompt_token_ids)[: len(expected)] == expected
+            assert current.num_prompt_tokens == len(expected) + 8
+            assert current.arrival_time > previous.arrival_time
+    assert {tuple(list(r.prompt_token_ids)[:32]) for r in requests}.__len__() == 1
+
+
+def test_customer_contexts_share_a_long_context_per_customer() -> None:
+    requests = customer_contexts(300, qps=20, num_customers=5, context_len=256, user_len=8, answer_len=4)
+    contexts: dict[str, set[tuple[int, ...]]] = {}
+    for r in requests:
+        contexts.setdefault(r.group.split("/")[0], set()).add(tuple(list(r.prompt_token_ids)[:256]))
+
+    assert 1 < len(contexts) <= 5 and all(len(c) == 1 for c in contexts.values())
+
+
+def test_agent_tasks_start_with_the_system_prompt_and_one_tool_spec() -> None:
+    requests = agent_tools(300, qps=20, system_prompt_len=64, num_tools=10, tool_spec_len=32,
+                           observation_len=8, action_len=4, zipf_exponent=1.5)
+    systems = {tuple(list(r.prompt_token_ids)[:64]) for r in requests}
+    tools = {tuple(list(r.prompt_token_ids)[64:96]) for r in requests}
+    tool_counts = sorted((sum(r.group.startswith(f"tool-{t}/") for r in requests) for t in range(10)), reverse=True)
+
+    assert len(systems) == 1 and 1 < len(tools) <= 10
+    assert tool_counts[0] > 3 * max(tool_counts[-1], 1)
+
+
+def test_document_qa_asks_many_questions_about_few_documents() -> None:
+    requests = document_qa(200, qps=5, num_documents=4, document_len=512, question_len=16)
+
+    assert {r.num_prompt_tokens for r in requests} == {528}
+    assert len({r.group for r in requests}) == 4
+
+
+def test_arrivals_have_the_requested_mean_rate_and_bursts_are_burstier() -> None:
+    poisson = np.diff(arrival_times(20_000, 50.0, np.random.default_rng(0)))
+    bursty = np.diff(arrival_times(20_000, 50.0, np.random.default_rng(0), burstiness=0.25))
+
+    assert 1 / poisson.mean() == pytest.approx(50.0, rel=0.03)
+    assert 1 / bursty.mean() == pytest.approx(50.0, rel=0.05)
+    assert poisson.std() / poisson.mean() == pytest.approx(1.0, rel=0.05)
+    assert bursty.std() / bursty.mean() == pytest.approx(2.0, rel=0.1)
+
+
+def test_token_segments_read_as_one_sequence() -> None:
+    tokens = TokenSegments(([1, 2], [], [3, 4, 5])) + [6]
+
+    assert list(tokens) == [1, 2, 3, 4, 5, 6]
+    assert (len(tokens), tokens[2], tokens[-1], tokens[1:3]) == (6, 3, 6, [2, 3])
+    assert tokens == [1, 2, 3, 4, 5, 6]
+
+
+# -- Mooncake traces ------------------------------------------------------------------
+
+
+def write_trace(path, rows) -> None:  # noqa: ANN001
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+
+
+SAMPLE_TRACE = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 10, "hash_ids": [1, 2, 3]},
+    {"timestamp": 500, "input_length": 1024, "output_length": 5, "hash_ids": [1, 2]},
+    {"timestamp": 250, "input_length": 600, "output_length": 7, "hash_ids": [1, 9]},
+    {"timestamp": 2000, "input_length": 300, "output_length": 3, "hash_ids": [4]},
+]
+
+
+def test_mooncake_replay_maps_equal_hash_ids_to_equal_prefixes(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, SAMPLE_TRACE)
+
+    requests = mooncake_trace(path)
+
+    assert [r.arrival_time for r in requests] == [0.0, 0.25, 0.5, 2.0]
+    assert [r.num_prompt_tokens for r in requests] == [1100, 600, 1024, 300]
+    assert [r.output_len for r in requests] == [10, 7, 5, 3]
+    first, third, second, fourth = (list(r.prompt_token_ids) for r in requests)
+    assert first[:1024] == second  # ids [1, 2] shared
+    assert third[:512] == first[:512] and third[512:] != first[512:600]  # id 1 shared, then 9 (partial)
+    assert fourth[:300] != first[:300]
+    reference = infinite_cache_reference(requests, block_size=16)
+    assert reference.num_hit_tokens == 512 + 1008  # id 1 for the third; all but the last block of the second
+
+
+def test_mooncake_replay_rescales_to_a_rate_and_caps_requests(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, SAMPLE_TRACE)
+
+    requests = make_workload("mooncake", 3, qps=4.0, trace=str(path))
+
+    assert len(requests) == 3
+    assert requests[-1].arrival_time == pytest.approx(2 / 4.0)
+
+
+def test_a_malformed_trace_line_is_reported_with_its_number(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, [SAMPLE_TRACE[0], {"timestamp": 1, "input_length": 2000, "output_length": 1, "hash_ids": [1]}])
+
+    with pytest.raises(ValueError, match="trace.jsonl:2"):
+        mooncake_trace(path)
+
+
+def test_unknown_workloads_and_parameters_are_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown workload"):
+        make_workload("chatbot", 10, qps=1)
+    with pytest.raises(ValueError, match="bad parameters"):
+        make_workload("shared_prefix", 10, qps=1, num_gropus=3)

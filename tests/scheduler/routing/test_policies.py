@@ -1,0 +1,249 @@
+"""Each routing policy's choice in hand-made situations."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvserve.scheduler.block_hash import BlockHasher
+from kvserve.scheduler.routing.cache_aware import CacheAwarePolicy
+from kvserve.scheduler.routing.consistent_hash import ConsistentHashPolicy
+from kvserve.scheduler.routing.cost_ttft import CostTTFTPolicy
+from kvserve.scheduler.routing.least_loaded import LeastLoadedPolicy
+from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
+from kvserve.scheduler.routing.policies import POLICIES, make_policy
+from kvserve.scheduler.routing.policy import RoutingRequest
+from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
+from kvserve.scheduler.routing.round_robin import RoundRobinPolicy
+from kvserve.scheduler.simulation.cost_model import StepCostModel
+
+BLOCK_SIZE = 16
+HASHER = BlockHasher(BLOCK_SIZE)
+
+
+def request(prompt_len: int = 160, seed: int = 0, req_id: str = "r") -> RoutingRequest:
+    prompt = [(seed * 7919 + i) % 30_000 + 3 for i in range(prompt_len)]
+    return RoutingRequest(req_id, HASHER.hash_token_ids(prompt), prompt_len, BLOCK_SIZE)
+
+
+def idle(num_replicas: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(r, num_free_blocks=1000, num_total_blocks=1000) for r in range(num_replicas)]
+
+
+def with_outstanding(counts: list[int]) -> list[ReplicaLoad]:
+    return [ReplicaLoad(r, num_running=n, num_free_blocks=1000, num_total_blocks=1000) for r, n in enumerate(counts)]
+
+
+def index_with(replica_blocks: dict[int, int], req: RoutingRequest) -> GlobalPrefixIndex:
+    """An index where replica r caches the first ``replica_blocks[r]`` blocks of ``req``."""
+    index = GlobalPrefixIndex()
+    for replica_id, num_blocks in replica_blocks.items():
+        index.add_blocks(replica_id, list(req.block_hashes[:num_blocks]))
+    return index
+
+
+# -- round robin and least loaded ------------------------------------------------------
+
+
+def test_round_robin_cycles_through_replicas() -> None:
+    policy = RoundRobinPolicy()
+    choices = [policy.select(request(), idle(3), GlobalPrefixIndex()) for _ in range(7)]
+
+    assert choices == [0, 1, 2, 0, 1, 2, 0]
+
+
+def test_least_loaded_picks_the_less_loaded_of_two() -> None:
+    policy = LeastLoadedPolicy(seed=1)
+
+    choices = {policy.select(request(), with_outstanding([5, 0]), GlobalPrefixIndex()) for _ in range(20)}
+
+    assert choices == {1}
+
+
+def test_least_loaded_never_picks_the_most_loaded_of_three() -> None:
+    policy = LeastLoadedPolicy(seed=3)
+    loads = with_outstanding([4, 9, 2])
+
+    choices = [policy.select(request(), loads, GlobalPrefixIndex()) for _ in range(50)]
+
+    assert 1 not in choices and set(choices) == {0, 2}
+
+
+def test_least_loaded_is_deterministic_for_a_seed() -> None:
+    loads = with_outstanding([1, 1, 1, 1, 1, 1])
+
+    def choices(seed: int) -> list[int]:
+        policy = LeastLoadedPolicy(seed)
+        return [policy.select(request(), loads, GlobalPrefixIndex()) for _ in range(30)]
+
+    assert choices(7) == choices(7)
+    assert choices(7) != choices(8)
+
+
+# -- consistent hashing with bounded loads ------------------------------------------------
+
+
+def test_consistent_hash_sends_a_shared_prefix_to_one_replica() -> None:
+    policy = ConsistentHashPolicy(num_prefix_blocks=4)
+    shared = [3 + i for i in range(64)]  # 4 blocks shared, different tails
+    requests = [
+        RoutingRequest(f"r{k}", HASHER.hash_token_ids(shared + [100 + k] * 32), 96, BLOCK_SIZE) for k in range(10)
+    ]
+
+    choices = {policy.select(r, idle(16), GlobalPrefixIndex()) for r in requests}
+
+    assert len(choices) == 1
+
+
+def test_consistent_hash_spreads_different_prefixes() -> None:
+    policy = ConsistentHashPolicy()
+
+    choices = {policy.select(request(seed=k), idle(8), GlobalPrefixIndex()) for k in range(200)}
+
+    assert choices == set(range(8))
+
+
+def test_consistent_hash_skips_a_replica_over_the_load_bound() -> None:
+    policy = ConsistentHashPolicy(load_factor=1.25)
+    req = request()
+    home = policy.select(req, idle(4), GlobalPrefixIndex())
+    counts = [2, 2, 2, 2]
+    counts[home] = 4  # bound = ceil(1.25 * (10 + 1) / 4) = 4: home is full
+
+    choice = policy.select(req, with_outstanding(counts), GlobalPrefixIndex())
+
+    assert choice != home
+
+
+# -- SGLang's cache-aware thresholds -------------------------------------------------------
+
+
+def test_cache_aware_follows_the_longest_match_when_balanced() -> None:
+    req = request(prompt_len=160)  # 10 blocks
+    index = index_with({0: 2, 2: 8}, req)
+
+    assert CacheAwarePolicy().select(req, with_outstanding([0, 0, 30]), index) == 2
+
+
+def test_cache_aware_ignores_a_match_below_the_cache_threshold() -> None:
+    req = request(prompt_len=160)
+    index = index_with({2: 4}, req)  # 64 / 160 = 0.4 < 0.5
+
+    assert CacheAwarePolicy(cache_threshold=0.5).select(req, with_outstanding([3, 1, 2]), index) == 1
+    assert CacheAwarePolicy(cache_threshold=0.3).select(req, with_outstanding([3, 1, 2]), index) == 2
+
+
+def test_cache_aware_balances_when_both_thresholds_are_exceeded() -> None:
+    req = request()
+    index = index_with({0: 10}, req)
+
+    # max - min = 70 > 64 and 100 > 1.5 x 30: imbalanced, so the least loaded wins.
+    assert CacheAwarePolicy().select(req, with_outstanding([100, 30, 40]), index) == 1
+    # max - min = 70 but 100 < 1.5 x 70: only the absolute threshold, so the match wins.
+    assert CacheAwarePolicy().select(req, with_outstanding([100, 70, 80]), index) == 0
+    # 20 > 1.5 x 1 but max - min = 19 < 64: only the relative one.
+    assert CacheAwarePolicy().select(req, with_outstanding([20, 1, 5]), index) == 0
+
+
+def test_cache_aware_without_any_match_goes_to_the_least_loaded() -> None:
+    assert CacheAwarePolicy().select(request(), with_outstanding([2, 1, 0, 3]), GlobalPrefixIndex()) == 2
+
+
+# -- cost-based: estimated time to first token ------------------------------------------------
+
+MODEL = StepCostModel(a=0.01, b=1e-4, c=1e-4, d=0.0)
+
+
+def test_cost_ttft_prefers_the_replica_that_caches_the_prompt() -> None:
+    req = request(prompt_len=1600)
+    index = index_with({3: 90}, req)
+
+    assert CostTTFTPolicy(MODEL).select(req, idle(4), index) == 3
+
+
+def test_cost_ttft_leaves_a_cached_replica_whose_queue_costs_more_than_the_miss() -> None:
+    req = request(prompt_len=1600)
+    index = index_with({0: 99}, req)
+    loads = idle(2)
+    loads[0] = ReplicaLoad(0, num_running=1, num_waiting=4, num_queued_prefill_tokens=8000,
+                           num_free_blocks=1000, num_total_blocks=1000)
+
+    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 1
+
+
+def test_cost_ttft_estimate_prices_steps_and_prefill_tokens() -> None:
+    req = request(prompt_len=1000)  # 62 full blocks; at most 992 tokens can hit
+    index = index_with({1: 62}, req)
+    loads = [
+        ReplicaLoad(0, num_running=48, num_queued_prefill_tokens=3000, num_running_tokens=10_000),
+        ReplicaLoad(1, num_running=0, num_queued_prefill_tokens=0),
+    ]
+    policy = CostTTFTPolicy(StepCostModel(a=0.01, b=1e-4, c=1e-3, d=1e-6), max_num_batched_tokens=2048)
+
+    ttft = policy.estimate_ttft(req, loads, index)
+
+    # Replica 0: 4000 tokens of work in ceil(4000 / 2000) = 2 steps of 0.01 + 0.048 + 0.01 s.
+    assert ttft[0] == pytest.approx(2 * (0.01 + 48e-3 + 10_000e-6) + 4000e-4)
+    # Replica 1: 8 uncached tokens in one step.
+    assert ttft[1] == pytest.approx(0.01 + 8e-4)
+
+
+def test_cost_ttft_breaks_ties_by_fewest_outstanding_requests() -> None:
+    # Equal estimates (no queued prefill, no running decodes) but different waiting counts.
+    loads = [ReplicaLoad(r, num_waiting=w) for r, w in enumerate([2, 1, 0, 1])]
+
+    assert CostTTFTPolicy(MODEL).select(request(), loads, GlobalPrefixIndex()) == 2
+
+
+# -- registry and load table ---------------------------------------------------------------
+
+
+def test_make_policy_builds_every_registered_policy_by_name() -> None:
+    for name in POLICIES:
+        policy = make_policy(name)
+        assert policy.name == name
+        assert 0 <= policy.select(request(), idle(3), GlobalPrefixIndex()) < 3
+
+
+def test_make_policy_rejects_unknown_names_and_arguments() -> None:
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("random")
+    with pytest.raises(ValueError, match="bad arguments"):
+        make_policy("round_robin", seed=3)
+
+
+def test_load_table_requires_replica_ids_in_order() -> None:
+    with pytest.raises(ValueError, match="ids must be 0..n-1"):
+        LoadTable.of([ReplicaLoad(1), ReplicaLoad(0)])
+
+
+def test_load_table_keeps_the_total_outstanding_requests() -> None:
+    table = LoadTable.of(with_outstanding([1, 2, 3]))
+    table.set(1, ReplicaLoad(1, num_running=5, num_waiting=5))
+
+    assert table.total_outstanding == 14
+    assert table[1] == ReplicaLoad(1, num_running=5, num_waiting=5)
+    assert list(table.num_outstanding) == [1, 10, 3]
+
+
+def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holding_only_a_system_prompt() -> None:
+    """The system prompt saves less than a step: a near-tie, so the less loaded replica wins."""
+    req = request(prompt_len=384)
+    index = index_with({0: 16}, req)  # replica 0 caches the 256-token system prompt
+    loads = [
+        ReplicaLoad(0, num_running=60, num_running_tokens=120_000, num_free_blocks=1000, num_total_blocks=1000),
+        ReplicaLoad(1, num_free_blocks=1000, num_total_blocks=1000),
+    ]
+    policy = CostTTFTPolicy(StepCostModel.default())
+
+    assert policy.estimate_ttft(req, loads, index)[0] < policy.estimate_ttft(req, loads, index)[1]
+    assert policy.select(req, loads, index) == 1
+    assert CostTTFTPolicy(StepCostModel.default(), tie_tolerance_steps=0).select(req, loads, index) == 0
+
+
+def test_cost_ttft_with_bounded_loads_skips_a_replica_over_the_bound() -> None:
+    req = request(prompt_len=1600)
+    index = index_with({0: 99}, req)
+    loads = with_outstanding([6, 1, 1, 0])  # bound = ceil(1.25 * 9 / 4) = 3
+
+    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 0
+    assert CostTTFTPolicy(MODEL, load_factor=1.25).select(req, loads, index) == 3
