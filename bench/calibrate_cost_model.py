@@ -23,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.bench.report import format_table
-from kvserve.scheduler.simulation.cost_model import CalibrationGrid, StepCostModel, StepSample, calibrate
+from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
+from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample
 
 QUICK_GRID = CalibrationGrid(
     prefill_lengths=(16, 64, 256), decode_batches=(1, 4, 16), context_lengths=(32, 128), repeats=3

@@ -4,11 +4,12 @@
         --replicas 8 --qps 20,40,80 --sim --out results/ [--seed 0] [--num-requests 2000] \\
         [--kv-fraction 0.25 | --kv-blocks-per-replica N] [--workload-arg num_groups=32]
 
-Every policy sees the same requests at each rate (contents never depend on
-the rate).  ``--qps knee`` finds the rate at which the baseline's TTFT p99 is
+Every policy sees the same requests at each rate.  ``--qps knee`` finds the rate at which the baseline's TTFT p99 is
 ``--knee-factor`` times its unloaded value.  Replica caches are sized as a
 fraction of the stream's prefix working set (the blocks an infinite cache
-would reuse) unless ``--kv-blocks-per-replica`` is given.
+would reuse) unless ``--kv-blocks-per-replica`` is given.  Session workloads
+start in their steady state and mark a warm-up (served, not measured): the
+figures cover the measured requests, ``--num-requests`` of them.
 
 Writes to ``--out``: ``requests.csv`` (one row per request and run),
 ``summary.csv`` and ``summary.md`` (the table printed at the end, with the
@@ -19,18 +20,15 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import math
+import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 from kvserve.bench.experiment_report import (
     REQUEST_CSV_FIELDS,
@@ -42,38 +40,27 @@ from kvserve.bench.experiment_report import (
     write_request_rows,
     write_summary_csv,
 )
+from kvserve.bench.experiment_knee import find_knee_qps
+from kvserve.bench.experiment_setup import (
+    DEFAULT_KV_FRACTION,
+    ExperimentError,
+    StreamSpec,
+    default_policy_kwargs,
+    describe,
+    fleet_config,
+    parse_policy_args,
+    parse_rates,
+    qps_label,
+    stream_spec,
+)
 from kvserve.bench.report import format_table
-from kvserve.bench.workloads import WorkloadRequest, make_workload
-from kvserve.bench.workloads.cache_reference import CacheReference, infinite_cache_reference
+from kvserve.bench.workloads import WorkloadRequest
+from kvserve.bench.workloads.cache_reference import infinite_cache_reference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
-from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
-
-DEFAULT_KV_FRACTION = 0.25
-
-
-class ExperimentError(ValueError):
-    """A bad experiment setup, reported to the user without a traceback."""
-
-
-@dataclass(frozen=True, slots=True)
-class StreamSpec:
-    """How to (re)generate the request stream at any rate, in any process."""
-
-    workload: str
-    num_requests: int
-    seed: int
-    burstiness: float
-    params: dict[str, Any] = field(default_factory=dict)
-
-    def at(self, qps: float | None) -> list[WorkloadRequest]:
-        return make_workload(
-            self.workload, self.num_requests, qps, seed=self.seed, burstiness=self.burstiness, **self.params
-        )
-
 
 @dataclass(frozen=True, slots=True)
 class Run:
@@ -154,7 +141,7 @@ def run_experiment(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    stream = _stream_spec(args)
+    stream = stream_spec(args)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = [name for name in policies if name not in POLICIES]
     if unknown or not policies:
@@ -162,26 +149,40 @@ def _run(args: argparse.Namespace) -> int:
     if args.replicas < 1 or args.num_requests < 1 or args.jobs < 1:
         raise ExperimentError("--replicas, --num-requests and --jobs must be >= 1")
     cost_model = StepCostModel.load(args.cost_model) if args.cost_model else StepCostModel.default()
-    policy_args = _parse_policy_args(args.policy_arg, policies)
+    policy_args = parse_policy_args(args.policy_arg, policies)
 
     reference_stream = stream.at(None if stream.workload == TRACE_WORKLOAD else 1.0)
     if not reference_stream:
         raise ExperimentError("the workload has no requests")
     reference = infinite_cache_reference(reference_stream, args.block_size)
-    fleet = _fleet_config(args, reference_stream, reference, cost_model)
+    fleet = fleet_config(args, reference_stream, reference, cost_model)
     args.out.mkdir(parents=True, exist_ok=True)
-    _describe(args, stream, reference, fleet)
+    describe(args, stream, reference, fleet)
 
     def kwargs_for(policy: str) -> dict[str, Any]:
-        kwargs = _default_policy_kwargs(policy, args.seed, fleet)
+        kwargs = default_policy_kwargs(policy, args.seed, fleet)
         kwargs.update(policy_args.get(policy, {}))
         return kwargs
 
-    rates = _parse_rates(args.qps, stream)
+    rates = parse_rates(args.qps, stream)
     if rates == ["knee"]:
         if args.baseline not in POLICIES:
             raise ExperimentError(f"unknown --baseline {args.baseline!r}")
-        rates = [find_knee_qps(stream, fleet, args.baseline, kwargs_for(args.baseline), args.knee_factor)]
+        if stream.workload == TRACE_WORKLOAD:
+            raise ExperimentError("--qps knee needs a generated workload, not a trace")
+        if not args.knee_factor > 1:
+            raise ExperimentError(f"--knee-factor must be > 1, got {args.knee_factor}")
+        baseline_kwargs = kwargs_for(args.baseline)
+
+        def stream_at(qps: float, num_requests: int) -> list[WorkloadRequest]:
+            return dataclasses.replace(stream, num_requests=num_requests).at(qps)
+
+        rates = [
+            find_knee_qps(
+                stream_at, stream.num_requests, fleet, lambda: make_policy(args.baseline, **baseline_kwargs),
+                args.knee_factor, report=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+        ]
     runs = [Run(qps, policy, kwargs_for(policy)) for qps in rates for policy in policies]
 
     summaries: list[RunSummary] = []
@@ -200,7 +201,7 @@ def _run(args: argparse.Namespace) -> int:
             summary = summarize(
                 result,
                 workload=stream.workload,
-                qps=_qps_label(run.qps, reference_stream),
+                qps=qps_label(run.qps, reference_stream),
                 infinite_hit_rate=infinite_hit_rates[run.qps],
                 measured=measured[run.qps],
             )
@@ -210,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     baseline = args.baseline if args.baseline in policies else policies[0]
     table = format_table(SUMMARY_HEADERS, summary_rows(summaries, baseline))
     infinite = ", ".join(
-        f"{rate:.3f} at {_qps_label(qps, reference_stream):g} qps" for qps, rate in infinite_hit_rates.items()
+        f"{rate:.3f} at {qps_label(qps, reference_stream):g} qps" for qps, rate in infinite_hit_rates.items()
     )
     header = (
         f"{stream.workload}: {stream.num_requests} requests, {fleet.num_replicas} replicas x "
@@ -227,153 +228,6 @@ def _run(args: argparse.Namespace) -> int:
             print(f"wrote {path}")
     print(f"wrote {request_csv}, {args.out / 'summary.csv'}, {args.out / 'summary.md'}")
     return 0
-
-
-# -- setup --------------------------------------------------------------------------
-
-
-def _parse_value(text: str) -> Any:
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    return text
-
-
-def _parse_key_values(items: Sequence[str], what: str) -> list[tuple[str, Any]]:
-    pairs = []
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ExperimentError(f"{what} must be KEY=VALUE, got {item!r}")
-        pairs.append((key.strip(), _parse_value(value.strip())))
-    return pairs
-
-
-def _parse_policy_args(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
-    parsed: dict[str, dict[str, Any]] = {}
-    for key, value in _parse_key_values(items, "--policy-arg"):
-        policy, dot, name = key.partition(".")
-        if not dot or policy not in POLICIES:
-            raise ExperimentError(f"--policy-arg must be POLICY.KEY=VALUE with a known policy, got {key!r}")
-        parsed.setdefault(policy, {})[name] = value
-    return parsed
-
-
-def _stream_spec(args: argparse.Namespace) -> StreamSpec:
-    params = dict(_parse_key_values(args.workload_arg, "--workload-arg"))
-    if args.workload == TRACE_WORKLOAD:
-        if args.trace is None:
-            raise ExperimentError("the mooncake workload needs --trace PATH")
-        params["trace"] = str(args.trace)
-    elif args.workload not in WORKLOADS:
-        raise ExperimentError(f"unknown workload {args.workload!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")
-    spec = StreamSpec(args.workload, args.num_requests, args.seed, args.burstiness, params)
-    try:
-        spec.at(None if args.workload == TRACE_WORKLOAD else 1.0)[:1]
-    except (ValueError, OSError) as exc:
-        raise ExperimentError(str(exc)) from None
-    return spec
-
-
-def _parse_rates(text: str, stream: StreamSpec) -> list[Any]:
-    text = text.strip()
-    if text == "knee":
-        return ["knee"]
-    if text == "trace":
-        if stream.workload != TRACE_WORKLOAD:
-            raise ExperimentError("--qps trace replays a trace's own timing: only for the mooncake workload")
-        return [None]
-    try:
-        rates = [float(q) for q in text.split(",") if q.strip()]
-    except ValueError:
-        raise ExperimentError(f"--qps must be comma-separated numbers, 'knee' or 'trace', got {text!r}") from None
-    if not rates or any(not (q > 0 and math.isfinite(q)) for q in rates):
-        raise ExperimentError(f"--qps rates must be positive, got {text!r}")
-    return rates
-
-
-def _qps_label(qps: float | None, stream: Sequence[WorkloadRequest]) -> float:
-    """The rate a run is reported at: a trace's own mean rate when replayed as recorded."""
-    if qps is not None:
-        return qps
-    span = stream[-1].arrival_time - stream[0].arrival_time
-    return round((len(stream) - 1) / span, 3) if span > 0 else float(len(stream))
-
-
-def _fleet_config(
-    args: argparse.Namespace,
-    requests: Sequence[WorkloadRequest],
-    reference: CacheReference,
-    cost_model: StepCostModel,
-) -> FleetConfig:
-    block_size = args.block_size
-    longest = max(r.num_prompt_tokens + r.output_len for r in requests)
-    blocks_for_longest = -(-longest // block_size)
-    if args.kv_blocks_per_replica is not None:
-        num_usable = args.kv_blocks_per_replica
-    else:
-        fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
-        if not fraction > 0:
-            raise ExperimentError(f"--kv-fraction must be > 0, got {fraction}")
-        num_usable = math.ceil(fraction * reference.num_reused_blocks)
-    if num_usable < blocks_for_longest:
-        raise ExperimentError(
-            f"{num_usable} KV blocks per replica cannot hold the longest request "
-            f"({longest} tokens = {blocks_for_longest} blocks); raise --kv-fraction or --kv-blocks-per-replica"
-        )
-    try:
-        return FleetConfig(
-            num_replicas=args.replicas,
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=longest,
-            ),
-            cache_config=CacheConfig(block_size=block_size, num_blocks=num_usable + 1),
-            cost_model=cost_model,
-        )
-    except ValueError as exc:
-        raise ExperimentError(str(exc)) from None
-
-
-def _default_policy_kwargs(policy: str, seed: int, fleet: FleetConfig) -> dict[str, Any]:
-    if policy in ("least_loaded", "consistent_hash"):
-        return {"seed": seed}
-    if policy == "cost_ttft":
-        return {
-            "cost_model": fleet.cost_model,
-            "max_num_batched_tokens": fleet.scheduler_config.max_num_batched_tokens,
-        }
-    return {}
-
-
-def _describe(args: argparse.Namespace, stream: StreamSpec, reference: CacheReference, fleet: FleetConfig) -> None:
-    cost = fleet.cost_model
-    lines = [
-        f"workload {stream.workload} {stream.params or ''}: {stream.num_requests} requests, seed {stream.seed}",
-        f"prefix working set at 1 qps: {reference.num_reused_blocks} blocks reused "
-        f"({reference.num_distinct_blocks} distinct; infinite-cache hit rate {reference.hit_rate:.3f})",
-        f"fleet: {fleet.num_replicas} replicas x {fleet.cache_config.num_usable_blocks} KV blocks "
-        f"({fleet.cache_config.num_usable_blocks / max(reference.num_reused_blocks, 1):.2f} of the working set), "
-        f"budget {fleet.scheduler_config.max_num_batched_tokens} tokens, max {fleet.scheduler_config.max_num_seqs} seqs",
-        f"step cost: a={cost.a:.3g} s, b={cost.b:.3g} s/prefill token, c={cost.c:.3g} s/decode, "
-        f"d={cost.d:.3g} s/context token",
-    ]
-    for line in lines:
-        print(line)
-    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
-              if key != "handler"}
-    config["kv_blocks_per_replica_used"] = fleet.cache_config.num_usable_blocks
-    config["infinite_cache_hit_rate"] = reference.hit_rate
-    config["prefix_working_set_blocks"] = reference.num_reused_blocks
-    (args.out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
 
 
 # -- running ------------------------------------------------------------------------
@@ -417,61 +271,6 @@ def _simulate_all(
     with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("fork")) as pool:
         futures = [pool.submit(_run_one, run, stream, fleet) for run in runs]
         return [(run, future.result()) for run, future in zip(runs, futures)]
-
-
-def find_knee_qps(
-    stream: StreamSpec,
-    fleet: FleetConfig,
-    baseline: str,
-    baseline_kwargs: dict[str, Any],
-    factor: float,
-    *,
-    tolerance: float = 0.02,
-    max_runs: int = 20,
-) -> float:
-    """The rate at which ``baseline``'s TTFT p99 is ``factor`` x its unloaded value.
-
-    Unloaded: 200 requests at one request per 100 s per replica.  Then the
-    rate doubles until the ratio is reached, and a bisection on the log of
-    the rate narrows it to ``tolerance``.
-    """
-    if stream.workload == TRACE_WORKLOAD:
-        raise ExperimentError("--qps knee needs a generated workload, not a trace")
-    if not factor > 1:
-        raise ExperimentError(f"--knee-factor must be > 1, got {factor}")
-
-    def ttft_p99(qps: float, num_requests: int | None = None) -> float:
-        spec = stream if num_requests is None else StreamSpec(
-            stream.workload, num_requests, stream.seed, stream.burstiness, stream.params
-        )
-        requests = spec.at(qps)
-        result = FleetSimulator(fleet, make_policy(baseline, **baseline_kwargs)).run(requests)
-        return float(np.percentile([r.ttft for r in result.records if requests[r.index].measured], 99))
-
-    unloaded_qps = 0.01 * fleet.num_replicas
-    unloaded = ttft_p99(unloaded_qps, min(stream.num_requests, 200))
-    print(f"knee: {baseline} unloaded TTFT p99 {unloaded:.3f} s at {unloaded_qps:g} qps", file=sys.stderr)
-    ratios: dict[float, float] = {}
-
-    def measure(qps: float) -> float:
-        ratios[qps] = ttft_p99(qps) / unloaded
-        print(f"knee: {qps:.4g} qps -> {ratios[qps]:.2f}x", file=sys.stderr, flush=True)
-        return ratios[qps]
-
-    low, high = unloaded_qps, float(fleet.num_replicas)
-    # NOTE: rates are rounded to 4 digits so that the one returned is the one measured.
-    while measure(float(f"{high:.4g}")) < factor and len(ratios) < max_runs:
-        low, high = high, high * 2
-    while high / low > 1 + tolerance and len(ratios) < max_runs:
-        middle = float(f"{math.sqrt(low * high):.4g}")
-        if measure(middle) >= factor:
-            high = middle
-        else:
-            low = middle
-    # The measured rate whose ratio is closest to the factor (on a log scale).
-    best = min(ratios, key=lambda qps: abs(math.log(ratios[qps] / factor)))
-    print(f"knee: {best:.4g} qps ({baseline} TTFT p99 {ratios[best]:.2f}x unloaded)", file=sys.stderr, flush=True)
-    return float(f"{best:.4g}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

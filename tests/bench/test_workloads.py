@@ -79,6 +79,19 @@ def test_multi_turn_prompts_grow_by_the_previous_answer_and_a_new_message() -> N
     assert {tuple(list(r.prompt_token_ids)[:32]) for r in requests}.__len__() == 1
 
 
+def test_sessions_are_in_steady_state_from_the_start_with_a_marked_warm_up() -> None:
+    requests = multi_turn(3000, qps=50, think_time=4.0, system_prompt_len=16, user_len=8, answer_len=8)
+    measured = [r for r in requests if r.measured]
+    warm_up = [r for r in requests if not r.measured]
+    times = np.array([r.arrival_time for r in measured])
+
+    assert len(measured) == 3000 and is_sorted(requests)
+    assert warm_up and max(r.arrival_time for r in warm_up) < 6.0 <= times.min()
+    assert (len(times) - 1) / (times.max() - times.min()) == pytest.approx(50, rel=0.1)
+    # Sessions under way at 0 arrive with their history: long prompts from the first second.
+    assert max(r.num_prompt_tokens for r in warm_up[:50]) > 16 + 3 * 16
+
+
 def test_customer_contexts_share_a_long_context_per_customer() -> None:
     requests = customer_contexts(300, qps=20, num_customers=5, context_len=256, user_len=8, answer_len=4)
     contexts: dict[str, set[tuple[int, ...]]] = {}

@@ -8,13 +8,8 @@ from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.simulation.cost_model import (
-    CalibrationGrid,
-    StepCostModel,
-    StepSample,
-    StepShape,
-    calibrate,
-)
+from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
+from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample, StepShape
 from kvserve.scheduler.simulation.simulated_executor import SimulatedExecutor
 from kvserve.scheduler.step_plan import StepPlan
 
