@@ -2,8 +2,11 @@
 
 ``num_groups`` system prompts of ``system_prompt_len`` tokens; each request
 is one group's system prompt followed by its own question.  Groups are drawn
-with Zipf popularity (exponent 0: uniform).  With ``num_tenants`` > 0, group
-``g`` belongs to tenant ``g % num_tenants`` and carries its cache salt.
+with Zipf popularity (exponent 0: uniform), or, with ``prompts_per_group``,
+each group gets exactly that many requests in a random order (SGLang's
+groups x prompts; ``num_requests`` must then be their product).  With
+``num_tenants`` > 0, group ``g`` belongs to tenant ``g % num_tenants`` and
+carries its cache salt.
 """
 
 from __future__ import annotations
@@ -26,14 +29,21 @@ def shared_prefix(
     question_len: int = 128,
     output_len: int = 256,
     zipf_exponent: float = 0.0,
+    prompts_per_group: int | None = None,
     num_tenants: int = 0,
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """Requests sharing one of ``num_groups`` long prefixes each."""
+    if prompts_per_group is not None and num_requests != num_groups * prompts_per_group:
+        raise ValueError(
+            f"num_requests ({num_requests}) must be num_groups x prompts_per_group "
+            f"({num_groups} x {prompts_per_group})"
+        )
     return prefix_groups(
         num_requests, qps, seed=seed, burstiness=burstiness, num_groups=num_groups,
         prefix_len=system_prompt_len, question_len=question_len, output_len=output_len,
         zipf_exponent=zipf_exponent, num_tenants=num_tenants, vocab_size=vocab_size, group_name="group",
+        balanced=prompts_per_group is not None,
     )
 
 
@@ -51,8 +61,13 @@ def prefix_groups(
     num_tenants: int,
     vocab_size: int,
     group_name: str,
+    balanced: bool = False,
 ) -> list[WorkloadRequest]:
-    """The shape shared by shared-prefix and document-QA workloads: prefix + question."""
+    """The shape shared by shared-prefix and document-QA workloads: prefix + question.
+
+    ``balanced``: every group equally often (``num_requests`` a multiple of
+    ``num_groups``), in a random order, instead of drawn by popularity.
+    """
     if num_requests < 0:
         raise ValueError(f"num_requests must be >= 0, got {num_requests}")
     if num_groups < 1 or prefix_len < 0 or question_len < 0 or prefix_len + question_len < 1:
@@ -61,7 +76,10 @@ def prefix_groups(
         raise ValueError(f"num_tenants must be >= 0, got {num_tenants}")
     content = np.random.default_rng([seed, 0])
     prefixes = [random_tokens(content, prefix_len, vocab_size) for _ in range(num_groups)]
-    groups = content.choice(num_groups, size=num_requests, p=zipf_probabilities(num_groups, zipf_exponent))
+    if balanced:
+        groups = content.permutation(np.repeat(np.arange(num_groups), num_requests // num_groups))
+    else:
+        groups = content.choice(num_groups, size=num_requests, p=zipf_probabilities(num_groups, zipf_exponent))
     questions = random_tokens(content, num_requests * question_len, vocab_size)
     times = arrival_times(num_requests, qps, np.random.default_rng([seed, 1]), burstiness)
     requests = []

@@ -12,17 +12,27 @@ decode, and each step also pays the fixed cost and its running decodes::
     steps   = ceil(work / (budget - running))
     ttft    = steps * (a + c * running + d * running context) + b * work
 
-Replicas that match nothing share one vectorised estimate; only the few that
-match are priced one by one.
+The estimate is vectorised over replicas; only the few that match the
+prompt are looked at one by one (to subtract their cached tokens).
 
-Estimates closer to the best than ``tie_tolerance_steps`` steps of the best
-replica are ties, and ties go to the replica with the fewest outstanding
-requests (then the lowest estimate, then the lowest id).  NOTE: the estimate
-cannot see how far the replica's step in flight has gone, so differences
-within a step are noise; and a TTFT estimate alone barely feels a replica's
-decode batch (it pays one step of it), so without this rule a small cached
-prefix (a system prompt) held by a few busy replicas would keep every new
-session away from idle ones.
+Estimates closer to the best than ``tie_tolerance_steps`` (default half) a
+step of the best replica are ties, and ties go to the replica with the
+fewest outstanding requests (then the lowest estimate, then the lowest id).
+NOTE: the estimate cannot see how far the replica's step in flight has gone,
+so differences within a step are noise; and a TTFT estimate alone barely
+feels a replica's decode batch (it pays one step of it), so without this
+rule a small cached prefix (a system prompt) held by a few busy replicas
+keeps new sessions away from idle ones until those replicas' batches are
+several times the mean.  A whole step of tolerance balances more but costs
+TTFT: the tail of TTFT is a few steps long.
+
+When every replica has requests waiting (the fleet is backlogged, not just
+one replica), prefill work is no longer the request's own business: each
+token it computes also delays at least the requests waiting on every replica.
+So each replica's score adds ``work_penalty * b * uncached tokens there *
+fewest requests waiting on any replica``.  It is zero while any replica has
+no queue, where spreading load costs nobody else anything; under overload it
+keeps requests where their prefix is cached instead of adding prefill work.
 
 ``load_factor``, when set, also excludes replicas whose outstanding requests
 would exceed ``ceil(load_factor * mean)`` (bounded loads, as in consistent
@@ -52,8 +62,9 @@ class CostTTFTPolicy:
         self,
         cost_model: StepCostModel | None = None,
         max_num_batched_tokens: int = 2048,
-        tie_tolerance_steps: float = 1.0,
+        tie_tolerance_steps: float = 0.5,
         load_factor: float | None = None,
+        work_penalty: float = 1.0,
     ) -> None:
         if max_num_batched_tokens < 2:
             raise ValueError(f"max_num_batched_tokens must be >= 2, got {max_num_batched_tokens}")
@@ -61,46 +72,56 @@ class CostTTFTPolicy:
             raise ValueError(f"tie_tolerance_steps must be >= 0, got {tie_tolerance_steps}")
         if load_factor is not None and not load_factor > 1.0:
             raise ValueError(f"load_factor must be > 1 (or None), got {load_factor}")
+        if work_penalty < 0:
+            raise ValueError(f"work_penalty must be >= 0, got {work_penalty}")
         self.cost_model = cost_model or StepCostModel.default()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tie_tolerance_steps = tie_tolerance_steps
         self.load_factor = load_factor
+        self.work_penalty = work_penalty
 
     def estimate_ttft(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
     ) -> np.ndarray:
         """Estimated seconds to ``request``'s first token on each replica."""
         table = LoadTable.of(replicas)
-        model = self.cost_model
-        per_step = self._step_time(table)
-        prefill_budget = np.maximum(self.max_num_batched_tokens - table.num_running, 1)
-        queued = table.num_queued_prefill_tokens - table.num_queued_cached_tokens
-        work = queued + request.num_prompt_tokens
-        ttft = np.ceil(work / prefill_budget) * per_step + model.b * work
-        for replica_id, num_blocks in index.match(request.block_hashes).items():
-            replica_work = work[replica_id] - request.cached_tokens(num_blocks)
-            ttft[replica_id] = (
-                -(-replica_work // prefill_budget[replica_id]) * per_step[replica_id]
-                + model.b * replica_work
-            )
-        return ttft
+        return self._estimate(table, self._uncached_tokens(request, table, index))
 
     def select(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
     ) -> int:
         table = LoadTable.of(replicas)
-        ttft = self.estimate_ttft(request, table, index)
+        uncached = self._uncached_tokens(request, table, index)
+        score = self._estimate(table, uncached)
+        min_waiting = int(table.num_waiting.min())
+        if self.work_penalty and min_waiting:
+            score += self.work_penalty * self.cost_model.b * min_waiting * uncached
         outstanding = table.num_outstanding
         if self.load_factor is not None:
             bound = math.ceil(self.load_factor * (table.total_outstanding + 1) / len(table))
-            ttft[outstanding + 1 > bound] = np.inf
-        best = int(ttft.argmin())
+            score[outstanding + 1 > bound] = np.inf
+        best = int(score.argmin())
         tolerance = self.tie_tolerance_steps * float(self._step_time(table)[best]) + 1e-12
-        ties = np.flatnonzero(ttft <= ttft[best] + tolerance)
+        ties = np.flatnonzero(score <= score[best] + tolerance)
         if len(ties) > 1:
-            # Fewest outstanding requests first, then the lowest estimate (lexsort: last key first).
-            best = int(ties[np.lexsort((ttft[ties], outstanding[ties]))[0]])
+            # Fewest outstanding requests first, then the lowest score (lexsort: last key first).
+            best = int(ties[np.lexsort((score[ties], outstanding[ties]))[0]])
         return best
+
+    @staticmethod
+    def _uncached_tokens(request: RoutingRequest, table: LoadTable, index: GlobalPrefixIndex) -> np.ndarray:
+        """Prompt tokens ``request`` would compute on each replica, given its prefix match there."""
+        uncached = np.full(len(table), float(request.num_prompt_tokens))
+        for replica_id, num_blocks in index.match(request.block_hashes).items():
+            uncached[replica_id] -= request.cached_tokens(num_blocks)
+        return uncached
+
+    def _estimate(self, table: LoadTable, uncached: np.ndarray) -> np.ndarray:
+        """The TTFT estimate of each replica, given the request's uncached tokens there."""
+        model = self.cost_model
+        prefill_budget = np.maximum(self.max_num_batched_tokens - table.num_running, 1)
+        work = table.num_queued_prefill_tokens - table.num_queued_cached_tokens + uncached
+        return np.ceil(work / prefill_budget) * self._step_time(table) + model.b * work
 
     def _step_time(self, table: LoadTable) -> np.ndarray:
         """Seconds of one step of each replica with its running decodes (no prefill)."""

@@ -36,6 +36,15 @@ def test_shared_prefix_requests_are_a_group_prompt_then_a_question() -> None:
     assert len(questions) == 300
 
 
+def test_groups_times_prompts_gives_every_group_the_same_number_of_requests() -> None:
+    requests = shared_prefix(60, qps=10, num_groups=4, prompts_per_group=15, system_prompt_len=8, question_len=4)
+
+    assert sorted(sum(r.group == f"group-{g}" for r in requests) for g in range(4)) == [15, 15, 15, 15]
+    assert [r.group for r in requests[:15]] != ["group-0"] * 15
+    with pytest.raises(ValueError, match="num_groups x prompts_per_group"):
+        shared_prefix(61, qps=10, num_groups=4, prompts_per_group=15)
+
+
 def test_zipf_popularity_skews_groups() -> None:
     requests = shared_prefix(4000, qps=10, num_groups=16, system_prompt_len=4, question_len=4, zipf_exponent=1.2)
     counts = sorted((sum(r.group == g for r in requests) for g in {r.group for r in requests}), reverse=True)

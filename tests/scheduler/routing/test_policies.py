@@ -247,3 +247,18 @@ def test_cost_ttft_with_bounded_loads_skips_a_replica_over_the_bound() -> None:
 
     assert CostTTFTPolicy(MODEL).select(req, loads, index) == 0
     assert CostTTFTPolicy(MODEL, load_factor=1.25).select(req, loads, index) == 3
+
+
+def test_cost_ttft_keeps_a_request_on_its_cached_replica_when_the_whole_fleet_is_backlogged() -> None:
+    req = request(prompt_len=1600)
+    index = index_with({0: 99}, req)
+    # Replica 0 holds the prompt but has 3000 more queued tokens than replica 1: alone, a miss there is faster.
+    queued = lambda r, waiting, tokens: ReplicaLoad(  # noqa: E731
+        r, num_waiting=waiting, num_queued_prefill_tokens=tokens, num_free_blocks=1000, num_total_blocks=1000
+    )
+    spread = [queued(0, 6, 4000), queued(1, 0, 1000)]
+    backlogged = [queued(0, 6, 4000), queued(1, 2, 1000)]
+
+    assert CostTTFTPolicy(MODEL).select(req, spread, index) == 1  # replica 1 has no queue: spill
+    assert CostTTFTPolicy(MODEL).select(req, backlogged, index) == 0  # every replica queues: keep the hit
+    assert CostTTFTPolicy(MODEL, work_penalty=0).select(req, backlogged, index) == 1
