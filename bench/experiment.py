@@ -4,6 +4,14 @@
         --replicas 8 --qps 20,40,80 --sim --out results/ [--seed 0] [--num-requests 2000] \\
         [--kv-fraction 0.25 | --kv-blocks-per-replica N] [--workload-arg num_groups=32]
 
+``--live`` replays the stream instead on a live cluster of ``--replicas``
+simulated replicas on Ray (workers that run no model and answer after the
+cost model's time; see ``kvserve.bench.experiment_live``), through the gRPC
+front end, one fresh cluster per run; ``--address`` joins a Ray cluster
+instead of starting a local one, ``--time-scale X`` slows steps and arrivals
+X times (times are reported / X), ``--model`` names the model directory
+whose vocabulary and tokenizer the front end uses.
+
 Every policy sees the same requests at each rate.  ``--qps knee`` finds the rate at which the baseline's TTFT p99 is
 ``--knee-factor`` times its unloaded value.  Replica caches are sized as a
 fraction of the stream's prefix working set (the blocks an infinite cache
@@ -28,7 +36,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvserve.bench.experiment_report import (
     REQUEST_CSV_FIELDS,
@@ -45,9 +53,11 @@ from kvserve.bench.experiment_setup import (
     DEFAULT_KV_FRACTION,
     ExperimentError,
     StreamSpec,
+    check_live_options,
     default_policy_kwargs,
     describe,
     fleet_config,
+    live_model,
     parse_policy_args,
     parse_rates,
     qps_label,
@@ -62,9 +72,12 @@ from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
 
+if TYPE_CHECKING:
+    from kvserve.bench.experiment_live import LiveResult
+
 @dataclass(frozen=True, slots=True)
 class Run:
-    """One simulation: a policy at a rate."""
+    """One run: a policy at a rate."""
 
     qps: float
     policy: str
@@ -107,7 +120,24 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     parser.add_argument("--baseline", default="round_robin", help="the policy ratios are taken against")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sim", action="store_true", help="simulate the fleet (the default)")
-    mode.add_argument("--live", action="store_true", help="run against a live cluster (not yet available)")
+    mode.add_argument(
+        "--live", action="store_true",
+        help="replay the stream on a live cluster of simulated replicas (Ray, gRPC), one run at a time",
+    )
+    parser.add_argument(
+        "--address", default=None, metavar="ADDR",
+        help="with --live: join this Ray cluster ('auto' or HOST:PORT) instead of starting a local one",
+    )
+    parser.add_argument(
+        "--model", type=Path, default=None, metavar="DIR",
+        help="with --live: the model directory the front end serves (vocabulary, tokenizer; "
+        "default: the embedded tiny model); the workload's token ids are drawn from its vocabulary",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=None, metavar="X",
+        help="with --live: steps last X times the cost model's time and requests arrive X times slower "
+        "(reported times are divided by X); default 1",
+    )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the policies (default 0)")
     parser.add_argument("--num-requests", type=int, default=2000, help="requests per run (default 2000)")
@@ -130,17 +160,20 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
 
 def run_experiment(args: argparse.Namespace) -> int:
     """Run the experiment ``args`` describe; returns the exit status."""
-    if args.live:
-        print("kvserve experiment: error: --live is not yet available; use --sim", file=sys.stderr)
-        return 2
     try:
         return _run(args)
     except ExperimentError as exc:
         print(f"kvserve experiment: error: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, ConnectionError) as exc:
+        if not args.live:
+            raise
+        print(f"kvserve experiment: error: the live run failed: {exc}", file=sys.stderr)
+        return 1
 
 
 def _run(args: argparse.Namespace) -> int:
+    check_live_options(args)
     stream = stream_spec(args)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = [name for name in policies if name not in POLICIES]
@@ -150,12 +183,19 @@ def _run(args: argparse.Namespace) -> int:
         raise ExperimentError("--replicas, --num-requests and --jobs must be >= 1")
     cost_model = StepCostModel.load(args.cost_model) if args.cost_model else StepCostModel.default()
     policy_args = parse_policy_args(args.policy_arg, policies)
+    model = None
+    if args.live:
+        model = live_model(args)
+        stream = stream.with_vocab_size(model.vocab_size)
 
     reference_stream = stream.at(None if stream.workload == TRACE_WORKLOAD else 1.0)
     if not reference_stream:
         raise ExperimentError("the workload has no requests")
     reference = infinite_cache_reference(reference_stream, args.block_size)
     fleet = fleet_config(args, reference_stream, reference, cost_model)
+    if model is not None:
+        # Synthetic tokens come from the model's vocabulary, live and simulated alike.
+        fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
     args.out.mkdir(parents=True, exist_ok=True)
     describe(args, stream, reference, fleet)
 
@@ -192,7 +232,11 @@ def _run(args: argparse.Namespace) -> int:
         writer.writerow(REQUEST_CSV_FIELDS)
         infinite_hit_rates: dict[float | None, float] = {}
         measured: dict[float | None, list[bool]] = {}
-        for run, result in _simulate_all(runs, stream, fleet, args.jobs):
+        if model is not None:
+            results = _run_live_all(runs, stream, fleet, model.model_dir, args)
+        else:
+            results = _simulate_all(runs, stream, fleet, args.jobs)
+        for run, result in results:
             if run.qps not in infinite_hit_rates:
                 # Per rate: a session workload's stream depends on it.
                 requests = stream.at(run.qps)
@@ -213,8 +257,9 @@ def _run(args: argparse.Namespace) -> int:
     infinite = ", ".join(
         f"{rate:.3f} at {qps_label(qps, reference_stream):g} qps" for qps, rate in infinite_hit_rates.items()
     )
+    mode = "live, simulated replicas" if args.live else "simulated"
     header = (
-        f"{stream.workload}: {stream.num_requests} requests, {fleet.num_replicas} replicas x "
+        f"{stream.workload} ({mode}): {stream.num_requests} requests, {fleet.num_replicas} replicas x "
         f"{fleet.cache_config.num_usable_blocks} KV blocks of {fleet.cache_config.block_size} tokens; "
         f"infinite-cache hit rate {infinite}; baseline {baseline}"
     )
@@ -254,10 +299,40 @@ def simulate(
     )
 
 
+def _print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _label(run: Run) -> str:
+    return f"{run.policy} @ {'trace' if run.qps is None else f'{run.qps:g}'} qps"
+
+
 def _run_one(run: Run, stream_spec: StreamSpec, fleet: FleetConfig) -> SimulationResult:
     stream = stream_spec.at(run.qps)
-    label = f"{run.policy} @ {'trace' if run.qps is None else f'{run.qps:g}'} qps"
-    return simulate(stream, fleet, make_policy(run.policy, **run.policy_kwargs), label=label)
+    return simulate(stream, fleet, make_policy(run.policy, **run.policy_kwargs), label=_label(run))
+
+
+def _run_live_all(
+    runs: Sequence[Run], stream: StreamSpec, fleet: FleetConfig, model_dir: str, args: argparse.Namespace
+) -> list[tuple[Run, LiveResult]]:
+    """Each run on a fresh live cluster of simulated replicas, one after the other."""
+    # NOTE: imported here: Ray and gRPC are not needed by simulated experiments.
+    from kvserve.bench.experiment_live import live_cluster_config, ray_session, run_live
+
+    print(f"{len(runs)} live runs, {fleet.num_replicas} simulated replicas each", file=sys.stderr, flush=True)
+    results = []
+    with ray_session(args.address, num_worker_slots=fleet.num_replicas):
+        for run in runs:
+            requests = stream.at(run.qps)
+            try:
+                config = live_cluster_config(
+                    fleet, requests, model_dir=model_dir, policy=run.policy, policy_kwargs=run.policy_kwargs,
+                    time_scale=args.time_scale or 1.0, placement_timeout_s=None if args.address else 60.0,
+                )
+            except ValueError as exc:
+                raise ExperimentError(f"{run.policy}: {exc}") from None
+            results.append((run, run_live(requests, config, label=_label(run), report=_print_progress)))
+    return results
 
 
 def _simulate_all(

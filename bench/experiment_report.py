@@ -1,13 +1,17 @@
 """Figures of routing experiments: per-run summaries, CSV files and plots.
 
-A run is one policy at one rate over one request stream.  Its summary:
+A run is one policy at one rate over one request stream, simulated
+(``SimulationResult``) or live (``LiveResult``): both hold one
+``RequestRecord`` per request, times in (model) seconds.  Its summary:
 
 * ``hit_rate``: prompt tokens served from a prefix cache / prompt tokens;
   ``hit_vs_infinite``: that over the stream's infinite-cache hit rate;
 * TTFT and end-to-end latency percentiles (seconds);
 * ``throughput``: output tokens per second from the first arrival to the last finish;
 * ``load_imbalance``: max / mean over replicas of the requests each served;
-  ``busy_imbalance``: the same for the time each spent running steps.
+  ``busy_imbalance``: the same for the time each spent running steps (NaN
+  for a live run, which does not see its replicas' steps; nor does it see
+  preemptions, counted 0).
 """
 
 from __future__ import annotations
@@ -17,10 +21,32 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
-from kvserve.scheduler.simulation.simulator import SimulationResult
+from kvserve.scheduler.simulation.simulator import RequestRecord
+
+
+class RunResult(Protocol):
+    """What the figures need of a run: ``SimulationResult`` and ``LiveResult`` have it.
+
+    ``replica_busy_time`` is empty when unknown.
+    """
+
+    @property
+    def policy(self) -> str: ...
+    @property
+    def records(self) -> Sequence[RequestRecord]: ...
+    @property
+    def replica_num_requests(self) -> Sequence[int]: ...
+    @property
+    def replica_busy_time(self) -> Sequence[float]: ...
+    @property
+    def end_time(self) -> float: ...
+    @property
+    def wall_time(self) -> float: ...
+
 
 REQUEST_CSV_FIELDS = (
     "policy", "qps", "index", "arrival_time", "ttft", "latency", "replica_id",
@@ -30,7 +56,7 @@ REQUEST_CSV_FIELDS = (
 
 @dataclass(frozen=True, slots=True)
 class RunSummary:
-    """The headline figures of one simulated run."""
+    """The headline figures of one run."""
 
     workload: str
     num_replicas: int
@@ -52,7 +78,7 @@ class RunSummary:
 
 
 def summarize(
-    result: SimulationResult,
+    result: RunResult,
     *,
     workload: str,
     qps: float,
@@ -73,7 +99,8 @@ def summarize(
     start = min(r.arrival_time for r in records)
     span = max(result.end_time - start, 1e-9)
     served = np.array(result.replica_num_requests, dtype=np.float64)
-    busy = np.array(result.replica_busy_time)
+    busy = np.array(result.replica_busy_time, dtype=np.float64)
+    busy_imbalance = float(busy.max() / busy.mean()) if len(busy) and busy.mean() > 0 else float("nan")
     return RunSummary(
         workload=workload,
         num_replicas=len(served),
@@ -89,7 +116,7 @@ def summarize(
         e2e_p99=float(np.percentile(latency, 99)),
         throughput=sum(r.num_output_tokens for r in records) / span,
         load_imbalance=float(served.max() / served.mean()),
-        busy_imbalance=float(busy.max() / busy.mean()) if busy.mean() > 0 else float("nan"),
+        busy_imbalance=busy_imbalance,
         num_preemptions=sum(r.num_preemptions for r in records),
         wall_seconds=result.wall_time,
     )
@@ -111,7 +138,8 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
         rows.append([
             s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}", f"{s.hit_vs_infinite:.2f}",
             f"{s.ttft_p50:.3f}", f"{s.ttft_p99:.3f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
-            f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}", f"{s.busy_imbalance:.2f}",
+            f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}",
+            "-" if np.isnan(s.busy_imbalance) else f"{s.busy_imbalance:.2f}",
             s.num_preemptions, ratio,
         ])
     return rows
@@ -127,7 +155,7 @@ def write_summary_csv(path: Path, summaries: Iterable[RunSummary]) -> None:
 
 
 def write_request_rows(
-    writer: csv.writer, result: SimulationResult, qps: float, measured: Sequence[bool]  # type: ignore[valid-type]
+    writer: csv.writer, result: RunResult, qps: float, measured: Sequence[bool]  # type: ignore[valid-type]
 ) -> None:
     for r in result.records:
         writer.writerow([

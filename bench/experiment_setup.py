@@ -7,6 +7,7 @@ that names the option, which the command prints without a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -43,6 +44,53 @@ class StreamSpec:
         return make_workload(
             self.workload, self.num_requests, qps, seed=self.seed, burstiness=self.burstiness, **self.params
         )
+
+    def with_vocab_size(self, vocab_size: int) -> StreamSpec:
+        """This stream with token ids below ``vocab_size`` (the served model's vocabulary)."""
+        given = self.params.get("vocab_size")
+        if given is None:
+            return dataclasses.replace(self, params={**self.params, "vocab_size": vocab_size})
+        if not isinstance(given, int) or given > vocab_size:
+            raise ExperimentError(f"--workload-arg vocab_size={given} exceeds the model's vocabulary of {vocab_size}")
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class LiveModel:
+    """The model directory a live experiment's front end serves, and its vocabulary size."""
+
+    model_dir: str
+    vocab_size: int
+
+
+def live_model(args: argparse.Namespace) -> LiveModel:
+    """Check the live-only options and find the model (``--model``, else the embedded tiny one)."""
+    if args.jobs != 1:
+        raise ExperimentError("--jobs is for simulations: live runs go one at a time")
+    if args.time_scale is not None and not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        raise ExperimentError(f"--time-scale must be a positive number, got {args.time_scale}")
+    from kvserve.worker.model_config import ModelConfig
+
+    model_dir = args.model
+    if model_dir is None:
+        from kvserve.worker.tiny_model import ensure_default_tiny_model
+
+        model_dir = ensure_default_tiny_model()
+    try:
+        model = ModelConfig.from_pretrained(model_dir)
+    except (ValueError, OSError) as exc:
+        raise ExperimentError(f"--model: {exc}") from None
+    return LiveModel(str(model_dir), model.vocab_size)
+
+
+def check_live_options(args: argparse.Namespace) -> None:
+    """``ExperimentError`` for a live-only option given to a simulated experiment."""
+    if args.live:
+        return
+    given = [name for name, value in (("--address", args.address), ("--model", args.model),
+                                      ("--time-scale", args.time_scale)) if value is not None]
+    if given:
+        raise ExperimentError(f"{', '.join(given)} only apply to --live")
 
 
 def parse_value(text: str) -> Any:

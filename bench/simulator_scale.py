@@ -17,6 +17,7 @@ run grows (1.0 = linear).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from kvserve.bench.report import format_table
@@ -46,7 +47,12 @@ def run(args: argparse.Namespace, num_requests: int) -> list[object]:
     kwargs = {"cost_model": fleet.cost_model} if args.policy == "cost_ttft" else {}
     simulator = FleetSimulator(fleet, make_policy(args.policy, **kwargs))
     built = time.perf_counter()
-    result = simulator.run(requests)
+
+    def progress(num_finished: int, total: int) -> None:
+        print(f"  {num_requests} requests: {100 * num_finished // total:3d}% simulated "
+              f"({time.perf_counter() - built:.0f} s)", file=sys.stderr, flush=True)
+
+    result = simulator.run(requests, progress=progress, progress_every=max(1, num_requests // 10))
     finished = time.perf_counter()
     num_steps = sum(result.replica_num_steps)
     num_tokens = sum(r.num_output_tokens for r in result.records)

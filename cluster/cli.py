@@ -9,17 +9,19 @@ handlers so that ``kvserve --help`` stays fast.
 from __future__ import annotations
 
 import argparse
+import ast
 import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from kvserve.cluster.replica_routing import ROUTING_POLICIES
+from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
     from kvserve.cluster.config import ClusterConfig, ServerConfig
     from kvserve.cluster.launcher import ClusterHandle
+    from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # NOTE: kvserve.cluster.worker_actor.WORKER_CPU_RESOURCE, spelled out so that
@@ -167,15 +169,57 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "message: fewer messages, more latency (default: 0, every step)",
     )
     parser.add_argument(
+        "--simulated", action="store_true",
+        help="run simulated replicas: no model runs (no torch, no weights), each step sleeps the step cost "
+        "model's time and samples synthetic tokens; needs --num-blocks, takes CPU worker slots, and "
+        "--max-model-len may exceed the model's limit",
+    )
+    parser.add_argument(
+        "--cost-model", type=Path, default=None, metavar="JSON",
+        help="with --simulated: the step cost model (default: StepCostModel.default(), an 8B model on an H100)",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=None, metavar="X",
+        help="with --simulated: steps last X times the cost model's time (default: 1)",
+    )
+    parser.add_argument(
         "--placement-timeout", type=float, default=None, metavar="S",
         help="seconds a replica may wait for its GPUs or worker slots (default: 60 on a local "
         "cluster; with --address, no limit, since an autoscaler may still be adding nodes)",
     )
     parser.add_argument(
-        "--routing", default="round_robin", choices=sorted(ROUTING_POLICIES),
-        help="how new requests pick a replica (default: %(default)s)",
+        "--routing", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+        help="the policy that picks each new request's replica (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--routing-arg", action="append", default=[], type=_routing_arg, metavar="KEY=VALUE",
+        dest="routing_args",
+        help="a keyword argument of the routing policy, e.g. cache_threshold=0.5 for cache_aware; "
+        "repeatable.  VALUE is read as a Python literal (a number, True, False, None), else as a "
+        "string.  cost_ttft's max_num_batched_tokens defaults to --max-num-batched-tokens",
     )
     parser.set_defaults(handler=run_serve)
+
+
+def _routing_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as ``(key, value)``, the value read as a Python literal when it is one."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value.strip())
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return key, value
+
+
+def _routing_args(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    routing_args: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in routing_args:
+            raise ValueError(f"--routing-arg {key} is given more than once")
+        routing_args[key] = value
+    return routing_args
 
 
 def _placement_timeout(args: argparse.Namespace) -> float | None:
@@ -207,6 +251,7 @@ def run_serve(args: argparse.Namespace) -> int:
             if not (default_tiny_model_path() / "config.json").is_file():
                 progress(f"creating the default tiny model in {default_tiny_model_path()}")
             model_dir = ensure_default_tiny_model()
+        simulation = _simulation_config(args)
         config = ClusterConfig(
             model_dir=str(model_dir),
             parallel=parallel,
@@ -217,12 +262,14 @@ def run_serve(args: argparse.Namespace) -> int:
             num_blocks=args.num_blocks,
             device=args.device,
             routing=args.routing,
+            routing_args=_routing_args(args.routing_args),
             placement_timeout_s=_placement_timeout(args),
+            simulation=simulation,
         )
-        from kvserve.worker.model_config import ModelConfig
+        from kvserve.cluster.launcher import resolve_model_config
 
         # Fail on a wrong model directory before starting anything.
-        ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+        resolve_model_config(config)
     except ValueError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
@@ -259,6 +306,25 @@ def run_serve(args: argparse.Namespace) -> int:
     return status
 
 
+def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
+    """``--simulated``'s settings; ``ValueError`` for a bad cost model or a setting without it."""
+    from kvserve.scheduler.simulation.cost_model import StepCostModel
+    from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
+
+    if not args.simulated:
+        if args.cost_model is not None or args.time_scale is not None:
+            raise ValueError("--cost-model and --time-scale need --simulated")
+        return None
+    cost_model = StepCostModel.default()
+    if args.cost_model is not None:
+        try:
+            cost_model = StepCostModel.load(args.cost_model)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"--cost-model {args.cost_model}: {exc}") from None
+    time_scale = 1.0 if args.time_scale is None else args.time_scale
+    return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
+
+
 def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str], None]) -> None:
     import ray
 
@@ -268,27 +334,17 @@ def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[st
         ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
         progress(f"joined the Ray cluster at {address}")
         return
-    from kvserve.cluster.ray_loopback import keep_ray_on_loopback
+    from kvserve.cluster.launcher import init_local_ray
 
-    keep_ray_on_loopback()
-    resources = {}
-    if config.device != "cuda":
+    num_worker_slots = 0
+    if config.simulation is not None:
+        num_worker_slots = config.parallel.num_workers
+    elif config.device != "cuda":
         import torch
 
         if config.device == "cpu" or not torch.cuda.is_available():
-            from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
-
-            resources[WORKER_CPU_RESOURCE] = config.parallel.num_workers
-    # NOTE: address="local" always starts a new instance: without it, ray.init
-    # joins whatever cluster this machine last started.
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        namespace=RAY_NAMESPACE,
-        resources=resources,
-        logging_level=logging.WARNING,
-    )
+            num_worker_slots = config.parallel.num_workers
+    init_local_ray(num_worker_slots)
     progress("started a local Ray instance on 127.0.0.1")
 
 

@@ -9,12 +9,15 @@ raises ``ValueError`` naming the field.  Values that depend on the model
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from dataclasses import dataclass, field
 
-from kvserve.cluster.replica_routing import ROUTING_POLICIES
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from typing import TYPE_CHECKING
+from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES, make_policy
+from kvserve.scheduler.routing.policy import RoutingPolicy
+from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig, SimulationConfig
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.worker.worker import WorkerConfig
@@ -96,6 +99,12 @@ class ClusterConfig:
     for this long, the scheduler aborts the requests whose outputs wait.
     ``placement_timeout_s``: how long a replica may wait for its resources
     (``None``: as long as it takes, for clusters whose autoscaler adds nodes).
+    ``routing``: the routing policy, by name (``kvserve.scheduler.routing.policies.POLICIES``);
+    ``routing_args``: keyword arguments of its constructor.
+    ``simulation``: run simulated replicas (``SimulatedWorker``: no model, no
+    torch; each step sleeps the cost model's time) with ``num_blocks`` KV
+    blocks each, on CPU worker slots; ``max_model_len`` may then exceed the
+    model's own limit.
     """
 
     model_dir: str
@@ -114,9 +123,12 @@ class ClusterConfig:
     gpu_memory_utilization: float = 0.9
     cpu_threads: int | None = None
     seed: int | None = 0
-    routing: str = "round_robin"
+    routing: str = DEFAULT_POLICY
+    # NOTE: hash=False: a dict is unhashable; equal configs still hash equal.
+    routing_args: dict[str, Any] = field(default_factory=dict, hash=False)
     undelivered_output_timeout_s: float = 60.0
     placement_timeout_s: float | None = 60.0
+    simulation: SimulationConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_dir, str) or not self.model_dir:
@@ -146,8 +158,14 @@ class ClusterConfig:
             _require_positive_int("cpu_threads", self.cpu_threads)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if self.routing not in ROUTING_POLICIES:
-            raise ValueError(f"routing must be one of {sorted(ROUTING_POLICIES)}, got {self.routing!r}")
+        if not isinstance(self.routing, str) or self.routing not in POLICIES:
+            raise ValueError(f"routing must be one of {sorted(POLICIES)}, got {self.routing!r}")
+        if not isinstance(self.routing_args, dict) or not all(isinstance(k, str) for k in self.routing_args):
+            raise ValueError(f"routing_args must be a dict of keyword arguments, got {self.routing_args!r}")
+        # A copy: the caller may change its dict, the config must not change.
+        object.__setattr__(self, "routing_args", dict(self.routing_args))
+        # Fail now, not in the actor, on arguments the policy rejects.
+        self.routing_policy()
         timeout = self.undelivered_output_timeout_s
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"undelivered_output_timeout_s must be a positive number, got {timeout!r}")
@@ -156,6 +174,11 @@ class ClusterConfig:
             not isinstance(placement, (int, float)) or not math.isfinite(placement) or placement <= 0
         ):
             raise ValueError(f"placement_timeout_s must be a positive number or None, got {placement!r}")
+        if self.simulation is not None:
+            if not isinstance(self.simulation, SimulationConfig):
+                raise ValueError(f"simulation must be a SimulationConfig, got {type(self.simulation).__name__}")
+            if self.num_blocks is None:
+                raise ValueError("num_blocks is required with simulation: simulated replicas have no memory to size")
         # Fail now, not in the actor, on combinations SchedulerConfig rejects.
         self.scheduler_config(self.max_model_len or self.max_num_batched_tokens)
 
@@ -169,6 +192,22 @@ class ClusterConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
         )
 
+    def routing_policy(self) -> RoutingPolicy:
+        """A fresh policy named ``routing``, built with ``routing_args``.
+
+        A policy that takes ``max_num_batched_tokens`` (``cost_ttft``, which
+        prices queued work in steps of that budget) gets this config's step
+        budget unless ``routing_args`` sets it.
+        """
+        kwargs = dict(self.routing_args)
+        factory = POLICIES[self.routing]
+        if "max_num_batched_tokens" not in kwargs and "max_num_batched_tokens" in inspect.signature(factory).parameters:
+            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+        try:
+            return make_policy(self.routing, **kwargs)
+        except ValueError as exc:
+            raise ValueError(f"routing_args: {exc}") from None
+
     def cache_config(self, num_blocks: int, model_id: str) -> CacheConfig:
         """One replica's block pool, once its workers have reported ``num_blocks``."""
         return CacheConfig(
@@ -178,8 +217,14 @@ class ClusterConfig:
             model_id=model_id,
         )
 
-    def worker_config(self) -> WorkerConfig:
+    def worker_config(self) -> WorkerConfig | SimulatedWorkerConfig:
         """The rank-0 template of every replica's workers (the launcher sets rank and init method)."""
+        if self.simulation is not None:
+            return SimulatedWorkerConfig(
+                simulation=self.simulation,
+                num_blocks=self.num_blocks,  # type: ignore[arg-type]  # required with simulation
+                tp_size=self.parallel.tensor_parallel_size,
+            )
         # NOTE: imported here: the worker module pulls in torch, which the
         # front end and `kvserve --help` do not need.
         from kvserve.worker.worker import WorkerConfig

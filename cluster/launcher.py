@@ -11,6 +11,7 @@ scheduler can never leave orphaned workers holding GPUs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.messages import ModelInfo
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME, SchedulerActor
-from kvserve.cluster.worker_actor import RAY_NAMESPACE
+from kvserve.cluster.ray_loopback import keep_ray_on_loopback
+from kvserve.cluster.worker_actor import RAY_NAMESPACE, WORKER_CPU_RESOURCE
 from kvserve.worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -56,14 +58,16 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
     ``kvserve`` namespace or a replica fails to start (nothing is left behind).
     """
     report = progress or (lambda line: logger.info("%s", line))
-    model_config = ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+    model_config = resolve_model_config(config)
+    config = resolve_simulation(config, model_config)
     device_kind = resolve_device_kind(config)
     if _scheduler_exists():
         raise RuntimeError(f"a {SCHEDULER_ACTOR_NAME!r} actor already runs in Ray namespace {RAY_NAMESPACE!r}")
     parallel = config.parallel
+    kind = "simulated" if config.simulation is not None else device_kind.upper()
     report(
         f"starting {parallel.num_replicas} replica(s) x TP {parallel.tensor_parallel_size} "
-        f"on {device_kind.upper()} ({model_config.architecture}, max_model_len {model_config.max_model_len})"
+        f"on {kind} ({model_config.architecture}, max_model_len {model_config.max_model_len})"
     )
     scheduler = (
         ray.remote(SchedulerActor)
@@ -100,8 +104,60 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
     return ClusterHandle(scheduler, model_info, config, device_kind, placement_groups)
 
 
+def init_local_ray(num_worker_slots: int = 0) -> None:
+    """Start a new single-machine Ray instance on 127.0.0.1 (namespace ``kvserve``).
+
+    ``num_worker_slots``: the ``WORKER_CPU_RESOURCE`` slots it offers, one per
+    CPU (or simulated) rank.
+    """
+    keep_ray_on_loopback()
+    resources = {WORKER_CPU_RESOURCE: num_worker_slots} if num_worker_slots else {}
+    # NOTE: address="local" always starts a new instance: without it, ray.init
+    # joins whatever cluster this machine last started.
+    ray.init(
+        address="local",
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        namespace=RAY_NAMESPACE,
+        resources=resources,
+        logging_level=logging.WARNING,
+    )
+
+
+def resolve_model_config(config: ClusterConfig) -> ModelConfig:
+    """The served model as the scheduler and the front end see it; ``ValueError`` for a bad directory.
+
+    A simulated cluster runs no model, so its ``max_model_len`` may exceed the
+    model's position limit.
+    """
+    if config.simulation is None or config.max_model_len is None:
+        return ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+    model_config = ModelConfig.from_pretrained(config.model_dir)
+    return dataclasses.replace(model_config, max_model_len=config.max_model_len)
+
+
+def resolve_simulation(config: ClusterConfig, model_config: ModelConfig) -> ClusterConfig:
+    """``config`` with its simulated vocabulary resolved to the model's (``ValueError`` if larger)."""
+    simulation = config.simulation
+    if simulation is None:
+        return config
+    vocab_size = model_config.vocab_size
+    if simulation.vocab_size is not None and simulation.vocab_size > vocab_size:
+        raise ValueError(
+            f"simulation.vocab_size {simulation.vocab_size} exceeds the model's vocabulary of {vocab_size}"
+        )
+    if simulation.vocab_size is None:
+        return dataclasses.replace(config, simulation=dataclasses.replace(simulation, vocab_size=vocab_size))
+    return config
+
+
 def resolve_device_kind(config: ClusterConfig) -> str:
-    """``"gpu"`` or ``"cpu"``: the configured device, else GPUs when the Ray cluster has any."""
+    """``"gpu"`` or ``"cpu"``: the configured device, else GPUs when the Ray cluster has any.
+
+    Simulated replicas take CPU worker slots, never a GPU.
+    """
+    if config.simulation is not None:
+        return "cpu"
     if config.device is not None:
         return "gpu" if config.device == "cuda" else "cpu"
     return "gpu" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"

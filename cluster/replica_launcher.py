@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import ray
 from ray.actor import ActorHandle
@@ -31,7 +32,12 @@ from kvserve.cluster.worker_actor import (
     worker_actor_name,
 )
 from kvserve.scheduler.executor import ReplicaFailedError
-from kvserve.worker.worker import WorkerConfig
+from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig
+
+if TYPE_CHECKING:
+    # NOTE: for annotations only: kvserve.worker.worker imports torch, which
+    # the scheduler actor of a simulated cluster never needs.
+    from kvserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +78,7 @@ class ReplicaHandle:
 
 async def launch_replica(
     replica_id: int,
-    worker_config: WorkerConfig,
+    worker_config: WorkerConfig | SimulatedWorkerConfig,
     *,
     device_kind: DeviceKind | str,
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
@@ -84,11 +90,14 @@ async def launch_replica(
     ``worker_config`` is the template of every rank (its ``rank`` and
     ``distributed_init_method`` are set here).  ``device_kind`` ``"cpu"``
     places ranks on ``WORKER_CPU_RESOURCE`` slots and runs them on the CPU.
-    Raises ``PlacementError`` when no node has room, ``ReplicaFailedError``
-    when a rank fails to start; nothing is left running then.
+    A ``SimulatedWorkerConfig`` starts simulated ranks, which need no device
+    and no rendezvous.  Raises ``PlacementError`` when no node has room,
+    ``ReplicaFailedError`` when a rank fails to start; nothing is left
+    running then.
     """
     kind = DeviceKind(device_kind)
-    if kind is DeviceKind.CPU and worker_config.device is None:
+    simulated = isinstance(worker_config, SimulatedWorkerConfig)
+    if kind is DeviceKind.CPU and not simulated and worker_config.device is None:
         worker_config = dataclasses.replace(worker_config, device="cpu")
     tp_size = worker_config.tp_size
     group = await place_replica(replica_id, tp_size, kind, placement_timeout_s)
@@ -96,13 +105,13 @@ async def launch_replica(
     try:
         for rank in range(tp_size):
             actors.append(_create_actor(replica_id, rank, kind, group))
-        init_method = None
-        if tp_size > 1:
-            init_method = f"tcp://{await actors[0].rendezvous_address.remote()}"
+        rank_fields = {}
+        if tp_size > 1 and not simulated:
+            rank_fields["distributed_init_method"] = f"tcp://{await actors[0].rendezvous_address.remote()}"
         # NOTE: all ranks start at once: each blocks in torch.distributed's
         # rendezvous until every other rank has joined.
         starts = [
-            actor.start.remote(dataclasses.replace(worker_config, rank=rank, distributed_init_method=init_method))
+            actor.start.remote(dataclasses.replace(worker_config, rank=rank, **rank_fields))
             for rank, actor in enumerate(actors)
         ]
         addresses = await asyncio.wait_for(asyncio.gather(*starts), startup_timeout_s)

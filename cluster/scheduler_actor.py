@@ -1,8 +1,11 @@
 """The scheduler actor (``kvserve-scheduler``): routing and the step loops of every replica.
 
-One asyncio actor owns, per replica, a ``Scheduler`` (with its block pool) and
-an executor that sends each step to the replica's workers.  Each replica runs
-its own step loop, concurrently with the others::
+One asyncio actor owns a ``Router`` and, per replica, a ``Scheduler`` (with its
+block pool) and an executor that sends each step to the replica's workers.
+The router is wired as in the simulator: every pool reports its cached blocks
+to the router's global prefix index, and every change of a replica's queues
+updates the router's load table, so live routing decides as simulated routing
+does.  Each replica runs its own step loop, concurrently with the others::
 
     while healthy:  plan = schedule()  →  await executor.execute(plan)  →  update()
                     (asleep on an asyncio.Event while the replica has nothing to do)
@@ -10,8 +13,9 @@ its own step loop, concurrently with the others::
 The front end adds and aborts requests and fetches what the steps produced
 with ``poll_outputs``: one remote call returns every token of every request
 since the previous call, so traffic between the two is per batch of steps,
-never per token.  A replica whose executor fails is marked unhealthy, its
-requests end with an error, and new requests go to the others.
+never per token.  A replica whose executor fails is marked unhealthy (and
+unavailable to the router, its cached blocks forgotten), its requests end with
+an error, and new requests go to the others.
 """
 
 from __future__ import annotations
@@ -27,10 +31,10 @@ from ray.util.placement_group import PlacementGroup
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.messages import ModelInfo, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
-from kvserve.cluster.replica_routing import make_routing_policy
 from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
+from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
 
@@ -99,7 +103,17 @@ class SchedulerActor:
         self.config = config
         self.model_config = model_config
         self._scheduler_config = config.scheduler_config(model_config.max_model_len)
-        self._routing_policy = make_routing_policy(config.routing)
+        # NOTE: the block size and model id of every replica's CacheConfig
+        # (``config.cache_config``), so that the router's hashes are the pools'.
+        self._router = Router(
+            config.parallel.num_replicas,
+            config.routing_policy(),
+            config.block_size,
+            model_id=model_config.model_id,
+        )
+        # A replica is routed to once it runs (start_replica).
+        for replica_id in range(config.parallel.num_replicas):
+            self._router.set_available(replica_id, False)
         self._replicas: dict[int, _Replica] = {}
         self._starting: set[int] = set()
         # Requests in flight, by id: the replica serving each, and the request.
@@ -115,6 +129,9 @@ class SchedulerActor:
 
     async def start_replica(self, replica_id: int, device_kind: str) -> ReplicaStatsInfo:
         """Launch replica ``replica_id``'s workers (``device_kind`` "gpu" or "cpu") and start its step loop."""
+        num_replicas = self.config.parallel.num_replicas
+        if not 0 <= replica_id < num_replicas:
+            raise ValueError(f"replica_id must be in [0, {num_replicas}), got {replica_id}")
         if replica_id in self._replicas or replica_id in self._starting:
             raise ValueError(f"replica {replica_id} is already started")
         if self._shutting_down:
@@ -134,10 +151,14 @@ class SchedulerActor:
             raise RuntimeError(f"the scheduler shut down while replica {replica_id} started")
         num_kv_blocks = handle.executor.num_kv_blocks
         scheduler = Scheduler(
-            self._scheduler_config, self.config.cache_config(num_kv_blocks, self.model_config.model_id)
+            self._scheduler_config,
+            self.config.cache_config(num_kv_blocks, self.model_config.model_id),
+            observer=self._router.observer_for(replica_id),
         )
         replica = _Replica(replica_id, scheduler, handle)
         self._replicas[replica_id] = replica
+        self._router.update_load(replica_id, scheduler.get_load())
+        self._router.set_available(replica_id, True)
         replica.step_loop = asyncio.create_task(self._step_loop(replica), name=f"step-loop-r{replica_id}")
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch_undelivered_outputs(), name="output-watchdog")
@@ -167,16 +188,13 @@ class SchedulerActor:
         """Route ``spec`` to a healthy replica and queue it there; returns the replica id.
 
         ``ValueError`` for a request id already in flight or a request that can
-        never fit the replica; ``RuntimeError`` when no replica is healthy.
+        never fit the replica; ``RuntimeError`` (``NoAvailableReplicaError``)
+        when no replica is healthy.
         """
         if self._shutting_down:
             raise RuntimeError("the scheduler is shutting down")
         if spec.req_id in self._requests or spec.req_id in self._pending:
             raise ValueError(f"request_id {spec.req_id!r} is already in flight")
-        healthy = [r for r, replica in sorted(self._replicas.items()) if replica.healthy]
-        if not healthy:
-            raise RuntimeError("no healthy replica can serve requests")
-        replica = self._replicas[self.route(spec, healthy)]
         request = Request(
             spec.req_id,
             spec.prompt_token_ids,
@@ -184,21 +202,17 @@ class SchedulerActor:
             eos_token_ids=self.model_config.eos_token_ids,
             cache_salt=spec.cache_salt,
         )
+        # Hashes the prompt into request.block_hashes, which the replica's cache manager reuses.
+        replica = self._replicas[self._router.route(request)]
         try:
             replica.scheduler.add_request(request)
         except ValueError as exc:
             # The prompt's length is checked by the front end; what is left is its KV footprint.
             raise ValueError(f"sampling_params.max_tokens: {exc}") from None
+        self._update_load(replica)
         self._requests[spec.req_id] = (replica, request)
         replica.wakeup.set()
         return replica.replica_id
-
-    def route(self, spec: RequestSpec, healthy_replicas: Sequence[int]) -> int:
-        """The replica for a new request: the configured routing policy's choice."""
-        replica_id = self._routing_policy(spec, healthy_replicas)
-        if replica_id not in healthy_replicas:
-            raise RuntimeError(f"routing policy {self.config.routing!r} chose replica {replica_id}, not healthy")
-        return replica_id
 
     async def abort_requests(self, req_ids: Sequence[str]) -> None:
         """Stop these requests and free their blocks; unknown or finished ids are ignored.
@@ -253,6 +267,10 @@ class SchedulerActor:
         executor = replica.executor
         while replica.healthy:
             plan = scheduler.schedule()
+            # NOTE: recorded after schedule(), as the simulator does: this is
+            # the load the router sees while the step runs.  It follows every
+            # update() too: no await separates update() from this schedule().
+            self._update_load(replica)
             if plan.is_empty:
                 # NOTE: no await between schedule() and clear(): an add_request
                 # cannot slip in between and lose its wake-up.
@@ -307,6 +325,7 @@ class SchedulerActor:
         for replica_id, ids in by_replica.items():
             replica = self._replicas[replica_id]
             replica.scheduler.abort_requests(ids)
+            self._update_load(replica)
             # The next plan tells the workers to drop these requests.
             replica.wakeup.set()
         if deliver and by_replica:
@@ -315,18 +334,28 @@ class SchedulerActor:
     def _fail_replica(self, replica: _Replica, reason: str, *, release: bool = True) -> None:
         """Take ``replica`` out of service: its requests end with ``reason`` as their error."""
         replica.healthy = False
+        self._router.set_available(replica.replica_id, False)
         req_ids = [req_id for req_id, (r, _) in self._requests.items() if r is replica]
         for req_id in req_ids:
             _, request = self._requests.pop(req_id)
             output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
             output.finish(request, error=reason)
         # Keep the pool's books straight: every block goes back.
-        replica.scheduler.abort_requests(req_ids)
+        scheduler = replica.scheduler
+        scheduler.abort_requests(list(scheduler.requests))
+        # Its KV cache is gone with its workers: the pool forgets every cached
+        # block, and its event clears the replica from the router's index.
+        scheduler.kv_cache_manager.reset_prefix_cache()
+        self._update_load(replica)
         replica.wakeup.set()
         if req_ids:
             self._outputs_ready.set()
         if release:
             self._release(replica)
+
+    def _update_load(self, replica: _Replica) -> None:
+        """Tell the router ``replica``'s current load (after its queues changed)."""
+        self._router.update_load(replica.replica_id, replica.scheduler.get_load())
 
     def _release(self, replica: _Replica) -> asyncio.Task[None]:
         """Shut ``replica``'s workers down, once, in the background."""

@@ -16,12 +16,16 @@ import asyncio
 import logging
 import socket
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import grpc
 import ray.util
 
-from kvserve.cluster.step_servicer import join_host_port, start_step_server
-from kvserve.worker.worker import Worker, WorkerConfig
+from kvserve.cluster.step_servicer import StepRunner, join_host_port, start_step_server
+from kvserve.scheduler.simulation.simulated_worker import SimulatedWorker, SimulatedWorkerConfig
+
+if TYPE_CHECKING:
+    from kvserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +43,10 @@ def worker_actor_name(replica_id: int, rank: int) -> str:
 class WorkerActor:
     """Wraps one ``Worker``: builds it on ``start`` and serves it over gRPC.
 
+    Given a ``SimulatedWorkerConfig``, it serves a ``SimulatedWorker`` instead,
+    and never imports torch (``kvserve.worker.worker`` is imported on demand):
+    dozens of simulated ranks fit on one machine.
+
     Every call into the worker runs on one dedicated thread: torch.distributed
     collectives must come from a consistent thread, and a forward pass must
     not stall the actor's event loop (which also serves ``ping``).
@@ -49,7 +57,7 @@ class WorkerActor:
         self.rank = rank
         self._host = ray.util.get_node_ip_address()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvserve-r{replica_id}-t{rank}")
-        self._worker: Worker | None = None
+        self._worker: StepRunner | None = None
         self._server: grpc.aio.Server | None = None
 
     async def ping(self) -> bool:
@@ -63,15 +71,21 @@ class WorkerActor:
             port = sock.getsockname()[1]
         return join_host_port(self._host, port)
 
-    async def start(self, config: WorkerConfig) -> str:
+    async def start(self, config: WorkerConfig | SimulatedWorkerConfig) -> str:
         """Build the worker (joins torch.distributed: blocks until every rank of the
         replica has called ``start``), then serve it; returns the server's ``host:port``."""
         if self._worker is not None:
             raise RuntimeError(f"rank {self.rank} of replica {self.replica_id} is already started")
         if config.rank != self.rank:
             raise ValueError(f"actor of rank {self.rank} was given a config for rank {config.rank}")
+        if isinstance(config, SimulatedWorkerConfig):
+            factory = SimulatedWorker
+        else:
+            from kvserve.worker.worker import Worker
+
+            factory = Worker
         loop = asyncio.get_running_loop()
-        self._worker = await loop.run_in_executor(self._thread, Worker, config)
+        self._worker = await loop.run_in_executor(self._thread, factory, config)
         self._server, address = await start_step_server(self._worker, self._thread, self._host)
         logger.info("replica %d rank %d serves steps on %s", self.replica_id, self.rank, address)
         return address

@@ -40,16 +40,17 @@ def make_workload(
     """``num_requests`` requests of workload ``name`` at mean rate ``qps``.
 
     ``params`` override the generator's defaults (e.g. ``num_groups``); the
-    trace workload takes ``trace=PATH`` and replays at its own rate when
-    ``qps`` is ``None``.  Raises ``ValueError`` for unknown names or parameters.
+    trace workload takes ``trace=PATH`` (and ``vocab_size``, ``block_tokens``)
+    and replays at its own rate when ``qps`` is ``None``.  Raises ``ValueError`` for unknown names or parameters.
     """
     if name == TRACE_WORKLOAD:
         trace = params.pop("trace", None)
         if trace is None:
             raise ValueError("the mooncake workload needs trace=PATH")
-        if params:
-            raise ValueError(f"unknown parameters for the mooncake workload: {sorted(params)}")
-        return mooncake_trace(trace, num_requests=num_requests, qps=qps, seed=seed)
+        unknown = set(params) - {"vocab_size", "block_tokens"}
+        if unknown:
+            raise ValueError(f"unknown parameters for the mooncake workload: {sorted(unknown)}")
+        return mooncake_trace(trace, num_requests=num_requests, qps=qps, seed=seed, **params)
     generator = WORKLOADS.get(name)
     if generator is None:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")

@@ -5,6 +5,7 @@ above ``balance_abs_threshold`` and max above ``balance_rel_threshold`` x
 min), the request goes to the least loaded replica.  Otherwise it goes to the
 replica caching the longest prefix of its prompt, if that covers at least
 ``cache_threshold`` of the prompt's tokens, else to the least loaded.
+Unavailable replicas count for nothing: neither loads nor matches.
 Unlike SGLang, whose router approximates caches with a radix tree of the
 requests it routed, the match here is the exact global index.
 """
@@ -42,8 +43,14 @@ class CacheAwarePolicy:
     ) -> int:
         table = LoadTable.of(replicas)
         outstanding = table.num_outstanding
-        least_loaded = int(outstanding.argmin())
-        max_load = int(outstanding.max())
+        if table.all_available:
+            least_loaded = int(outstanding.argmin())
+            max_load = int(outstanding.max())
+        else:
+            available_ids = table.available_ids()
+            available_outstanding = outstanding[available_ids]
+            least_loaded = int(available_ids[available_outstanding.argmin()])
+            max_load = int(available_outstanding.max())
         min_load = int(outstanding[least_loaded])
         if (
             max_load - min_load > self.balance_abs_threshold
@@ -51,6 +58,9 @@ class CacheAwarePolicy:
         ):
             return least_loaded
         matches = index.match(request.block_hashes)
+        if not table.all_available:
+            available = table.available
+            matches = {replica_id: n for replica_id, n in matches.items() if available[replica_id]}
         if not matches:
             return least_loaded
         # The longest match; among equals, the least loaded, then the lowest id.

@@ -3,10 +3,12 @@
 Each replica owns ``virtual_nodes`` points on a 64-bit ring.  A request's key
 is its block hash number ``num_prefix_blocks - 1`` (the chain makes it a hash
 of every block up to it, salt included); the request goes to the first
-replica clockwise from the key whose load is under the bound
-``ceil(load_factor * (total load + 1) / n)`` (Mirrokni, Thorup, Zadimoghaddam,
+available replica clockwise from the key whose load is under the bound
+``ceil(load_factor * (total load + 1) / available replicas)`` (Mirrokni, Thorup, Zadimoghaddam,
 "Consistent Hashing with Bounded Loads", 2018).  Requests sharing a prefix
-meet on one replica until it is overloaded, then spill to the next.
+meet on one replica until it is overloaded, then spill to the next.  The
+ring holds every replica, available or not: when one fails, only its keys
+move (to the next replicas clockwise), and they come back when it returns.
 
 The default key covers the first 32 blocks (512 tokens at block size 16):
 long enough to tell apart requests that share only a short system prompt,
@@ -76,14 +78,17 @@ class ConsistentHashPolicy:
         num_replicas = len(table)
         if num_replicas != self._num_replicas:
             self._build_ring(num_replicas)
-        bound = math.ceil(self.load_factor * (table.total_outstanding + 1) / num_replicas)
+        table.check_any_available()
+        bound = math.ceil(self.load_factor * (table.total_outstanding + 1) / table.num_available)
         outstanding = table.num_outstanding
+        available = table.available
         points, owners = self._points, self._owners
         start = bisect.bisect_left(points, self.key(request))
         num_points = len(points)
         for step in range(num_points):
             owner = owners[(start + step) % num_points]
-            if outstanding[owner] < bound:
+            if available[owner] and outstanding[owner] < bound:
                 return owner
-        # Unreachable: the bound times n exceeds the total load, so someone is under it.
-        return owners[start % num_points]
+        # Unreachable: the bound times the available replicas exceeds the total load,
+        # so an available replica is under it.
+        raise RuntimeError(f"no available replica under the load bound {bound}")

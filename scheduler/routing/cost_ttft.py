@@ -91,15 +91,20 @@ class CostTTFTPolicy:
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
     ) -> int:
         table = LoadTable.of(replicas)
+        table.check_any_available()
+        available = None if table.all_available else table.available
         uncached = self._uncached_tokens(request, table, index)
         score = self._estimate(table, uncached)
-        min_waiting = int(table.num_waiting.min())
+        waiting = table.num_waiting if available is None else table.num_waiting[available]
+        min_waiting = int(waiting.min())
         if self.work_penalty and min_waiting:
             score += self.work_penalty * self.cost_model.b * min_waiting * uncached
         outstanding = table.num_outstanding
         if self.load_factor is not None:
-            bound = math.ceil(self.load_factor * (table.total_outstanding + 1) / len(table))
+            bound = math.ceil(self.load_factor * (table.total_outstanding + 1) / table.num_available)
             score[outstanding + 1 > bound] = np.inf
+        if available is not None:
+            score[~available] = np.inf
         best = int(score.argmin())
         tolerance = self.tie_tolerance_steps * float(self._step_time(table)[best]) + 1e-12
         ties = np.flatnonzero(score <= score[best] + tolerance)

@@ -11,7 +11,7 @@ from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 
 
 class LeastLoadedPolicy:
-    """Sample two distinct replicas (seeded), send to the less loaded.
+    """Sample two distinct available replicas (seeded), send to the less loaded.
 
     Load is outstanding requests (running + waiting), ties broken by queued
     prefill tokens, then by the first sampled.  Two random choices keep the
@@ -27,13 +27,16 @@ class LeastLoadedPolicy:
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
     ) -> int:
         table = LoadTable.of(replicas)
-        num_replicas = len(table)
-        if num_replicas == 1:
-            return 0
-        first = self._rng.randrange(num_replicas)
-        second = self._rng.randrange(num_replicas - 1)
+        candidates = None if table.all_available else table.available_ids()
+        num_candidates = len(table) if candidates is None else len(candidates)
+        if num_candidates == 1:
+            return 0 if candidates is None else int(candidates[0])
+        first = self._rng.randrange(num_candidates)
+        second = self._rng.randrange(num_candidates - 1)
         if second >= first:
             second += 1
+        if candidates is not None:
+            first, second = int(candidates[first]), int(candidates[second])
         outstanding = table.num_outstanding
         queued = table.num_queued_prefill_tokens
         if (outstanding[second], queued[second]) < (outstanding[first], queued[first]):

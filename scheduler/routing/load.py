@@ -7,6 +7,9 @@ replica's load changes, which policies scan with vectorised operations.  It
 is also a ``Sequence[ReplicaLoad]``, and a plain list of ``ReplicaLoad`` (as
 tests build by hand) converts with ``LoadTable.of``.
 
+A replica may be unavailable (failed, or not started yet): its row stays, so
+that ids keep their meaning, and policies never choose it.
+
 Contract: ``replicas[i].replica_id == i``.
 """
 
@@ -27,6 +30,7 @@ class ReplicaLoad:
     (waiting requests, and running ones still in their prompt), of which
     ``num_queued_cached_tokens`` were in the prefix cache when queued.
     ``num_running_tokens``: KV context of the running requests.
+    ``available``: whether the replica may be chosen at all.
     """
 
     replica_id: int
@@ -37,11 +41,16 @@ class ReplicaLoad:
     num_total_blocks: int = 0
     num_running_tokens: int = 0
     num_queued_cached_tokens: int = 0
+    available: bool = True
 
     @property
     def num_outstanding(self) -> int:
         """Requests on the replica, running or waiting."""
         return self.num_running + self.num_waiting
+
+
+class NoAvailableReplicaError(RuntimeError):
+    """Every replica is unavailable: no policy can choose one."""
 
 
 class LoadSnapshot(Protocol):
@@ -80,10 +89,12 @@ class LoadTable(Sequence[ReplicaLoad]):
 
     NOTE: one row per replica in a single 2-D array, so that recording a
     replica's load (after every step of every replica) is one numpy call;
-    the column properties are views into it.
+    the column properties are views into it.  Availability is a separate
+    boolean column, changed only by ``set_available`` (a load snapshot does
+    not carry it); every replica starts available.
     """
 
-    __slots__ = ("_rows", "total_outstanding")
+    __slots__ = ("_rows", "_available", "total_outstanding", "num_available")
 
     def __init__(self, num_replicas: int) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
@@ -91,6 +102,8 @@ class LoadTable(Sequence[ReplicaLoad]):
         self._rows = np.zeros((num_replicas, len(_COLUMNS)), dtype=np.int64)
         # Sum of num_outstanding, kept so that the mean load is O(1).
         self.total_outstanding = 0
+        self._available = np.ones(num_replicas, dtype=bool)
+        self.num_available = num_replicas
 
     @classmethod
     def of(cls, replicas: Sequence[ReplicaLoad]) -> LoadTable:
@@ -106,6 +119,8 @@ class LoadTable(Sequence[ReplicaLoad]):
                     f"replicas[{position}] has replica_id {load.replica_id}: ids must be 0..n-1 in order"
                 )
             table.set(position, load)
+            if not load.available:
+                table.set_available(position, False)
         return table
 
     def set(self, replica_id: int, load: LoadSnapshot) -> None:
@@ -123,6 +138,34 @@ class LoadTable(Sequence[ReplicaLoad]):
             load.num_running_tokens,
             load.num_queued_cached_tokens,
         )
+
+    def set_available(self, replica_id: int, available: bool) -> None:
+        """Whether policies may choose ``replica_id``; its load row is kept either way."""
+        if not 0 <= replica_id < len(self._rows):
+            raise IndexError(f"replica {replica_id} out of range")
+        available = bool(available)
+        if self._available[replica_id] != available:
+            self._available[replica_id] = available
+            self.num_available += 1 if available else -1
+
+    @property
+    def available(self) -> np.ndarray:
+        """Whether each replica may be chosen (bool; read it, never write it)."""
+        return self._available
+
+    @property
+    def all_available(self) -> bool:
+        return self.num_available == len(self._rows)
+
+    def available_ids(self) -> np.ndarray:
+        """The available replicas' ids, ascending; ``NoAvailableReplicaError`` if there are none."""
+        self.check_any_available()
+        return np.flatnonzero(self._available)
+
+    def check_any_available(self) -> None:
+        """Raise ``NoAvailableReplicaError`` unless some replica is available."""
+        if not self.num_available:
+            raise NoAvailableReplicaError(f"none of the {len(self._rows)} replicas is available")
 
     @property
     def num_running(self) -> np.ndarray:
@@ -186,4 +229,5 @@ class LoadTable(Sequence[ReplicaLoad]):
             num_total_blocks=row[5],
             num_running_tokens=row[6],
             num_queued_cached_tokens=row[7],
+            available=bool(self._available[index]),
         )

@@ -45,7 +45,8 @@ class RoutingPolicy(Protocol):
     """Chooses the replica for each request.
 
     ``replicas[i]`` is replica ``i``'s load (``replica_id == i``); the result
-    is a replica id in ``range(len(replicas))``.
+    is the id of an available replica (``replicas[i].available``).  With none
+    available, ``select`` raises ``NoAvailableReplicaError``.
     """
 
     name: str

@@ -2,8 +2,9 @@
 
 It owns the global prefix index (fed by every replica pool through
 ``observer_for``), the replicas' load table (fed by ``update_load`` whenever
-a replica's scheduler changes), and the policy.  The hashes it computes are
-stored on the ``Request``, so the chosen replica's cache manager reuses them.
+a replica's scheduler changes, and by ``set_available`` when a replica starts
+or fails), and the policy.  The hashes it computes are stored on the
+``Request``, so the chosen replica's cache manager reuses them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from kvserve.scheduler.block_hash import BlockHasher
 from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.request import Request
-from kvserve.scheduler.routing.load import LoadSnapshot, LoadTable
+from kvserve.scheduler.routing.load import LoadSnapshot, LoadTable, NoAvailableReplicaError
 from kvserve.scheduler.routing.policy import RoutingPolicy, RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 
@@ -24,7 +25,9 @@ class Router:
     """Routes requests among replicas ``0..num_replicas-1``.
 
     ``block_size`` and ``model_id`` must be the replicas' (``CacheConfig``),
-    so that the router's hashes are the pools' hashes.
+    so that the router's hashes are the pools' hashes.  Every replica starts
+    available; a caller that starts replicas one by one marks them
+    unavailable until they run (``set_available``).
     """
 
     def __init__(
@@ -54,8 +57,25 @@ class Router:
         """Record replica ``replica_id``'s load (``Scheduler.get_load()``) after it changed."""
         self.loads.set(replica_id, load)
 
+    def set_available(self, replica_id: int, available: bool) -> None:
+        """Whether requests may be routed to ``replica_id``.
+
+        Its cached blocks stay in the index (policies ignore them while it is
+        unavailable).  A replica that failed has lost its KV cache: reset its
+        pool's prefix cache (``KVCacheManager.reset_prefix_cache``), whose
+        event clears it from the index.
+        """
+        if not 0 <= replica_id < self.num_replicas:
+            raise ValueError(f"replica_id must be in [0, {self.num_replicas}), got {replica_id}")
+        self.loads.set_available(replica_id, available)
+
     def route(self, request: Request) -> int:
-        """The replica for ``request``; fills ``request.block_hashes`` if it is empty."""
+        """The available replica for ``request``; fills ``request.block_hashes`` if it is empty.
+
+        Raises ``NoAvailableReplicaError`` (a ``RuntimeError``) when no replica is available.
+        """
+        if not self.loads.num_available:
+            raise NoAvailableReplicaError(f"none of the {self.num_replicas} replicas is available")
         if not request.block_hashes:
             request.block_hashes.extend(
                 self.hasher.hash_token_ids(request.prompt_token_ids, request.cache_salt)
@@ -72,6 +92,8 @@ class Router:
             raise ValueError(
                 f"policy {self.policy.name!r} chose replica {replica_id} of {self.num_replicas}"
             )
+        if not self.loads.available[replica_id]:
+            raise RuntimeError(f"policy {self.policy.name!r} chose replica {replica_id}, which is unavailable")
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
         return replica_id

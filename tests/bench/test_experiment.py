@@ -62,11 +62,21 @@ def test_parallel_jobs_give_the_same_summary_as_one(tmp_path) -> None:  # noqa: 
     assert summaries[0] == summaries[1]
 
 
-def test_live_mode_is_not_yet_available(tmp_path, capsys) -> None:  # noqa: ANN001
-    args = parse([*TINY, "--live", "--qps", "1", "--out", str(tmp_path)])
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--sim", "--address", "auto"], "--address only apply to --live"),
+        (["--time-scale", "2"], "--time-scale only apply to --live"),
+        (["--live", "--jobs", "2"], "--jobs is for simulations"),
+        (["--live", "--time-scale", "0"], "--time-scale must be a positive number"),
+        (["--live", "--model", "/nonexistent/model"], "config.json"),
+    ],
+)
+def test_live_only_options_are_checked_before_anything_starts(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
+    args = parse([*TINY, *extra, "--qps", "1", "--out", str(tmp_path)])
 
     assert run_experiment(args) == 2
-    assert "not yet available" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -96,6 +96,13 @@ def test_serve_help_names_the_worker_resource_of_cpu_nodes(capsys):
         (["--tp", "0"], "tensor_parallel_size"),
         (["--port", "70000"], "port"),
         (["--model", "/nonexistent/model"], "config.json"),
+        (["--time-scale", "2", "--model", "/nonexistent/model"], "need --simulated"),
+        (["--simulated", "--model", "/nonexistent/model"], "num_blocks is required with simulation"),
+        (
+            ["--simulated", "--num-blocks", "64", "--cost-model", "/nonexistent/cost.json",
+             "--model", "/nonexistent/model"],
+            "--cost-model",
+        ),
     ],
 )
 def test_serve_rejects_a_bad_setting_before_starting_anything(capsys, args, message):

@@ -99,6 +99,9 @@ def served(ray_cluster, model_dir: Path) -> Iterator[Served]:
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_num_seqs=MAX_NUM_SEQS,
         undelivered_output_timeout_s=UNDELIVERED_OUTPUT_TIMEOUT_S,
+        # The tests below count on requests alternating between the replicas;
+        # test_routing.py covers the prefix-aware policies.
+        routing="round_robin",
     )
     handle = start_cluster(config)
     server = None

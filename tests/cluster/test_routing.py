@@ -1,0 +1,268 @@
+"""Routing in the cluster: the policy by name (config, CLI), the scheduler actor's router, live routing.
+
+The actor's tests run it on fake replicas, without Ray; one live test starts 2
+real replicas on the session's Ray cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import ray
+
+from kvserve.cluster.cli import build_parser, main
+from kvserve.cluster.config import ClusterConfig, ParallelConfig
+from kvserve.cluster.launcher import ClusterHandle, start_cluster
+from kvserve.cluster.messages import RequestDelta, RequestSpec
+from kvserve.cluster.scheduler_actor import SchedulerActor
+from kvserve.scheduler.executor import ReplicaFailedError
+from kvserve.scheduler.routing.cost_ttft import CostTTFTPolicy
+from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_result import StepResult
+from kvserve.worker.tiny_model import create_tiny_model
+
+BLOCK_SIZE = 8
+# Small steps, so that a prompt's uncached tokens cost several of them.
+MAX_NUM_BATCHED_TOKENS = 64
+TIMEOUT_S = 60.0
+
+# -- configuration ------------------------------------------------------------------
+
+
+def test_config_routes_with_the_default_policy_unless_told() -> None:
+    config = ClusterConfig(model_dir="m")
+
+    assert config.routing == DEFAULT_POLICY == "cost_ttft"
+    assert config.routing_args == {}
+
+
+def test_config_accepts_every_registered_policy_with_its_arguments() -> None:
+    for name in POLICIES:
+        assert ClusterConfig(model_dir="m", routing=name).routing_policy().name == name
+    policy = ClusterConfig(model_dir="m", routing="cache_aware", routing_args={"cache_threshold": 0.5}).routing_policy()
+    assert policy.cache_threshold == 0.5
+
+
+def test_cost_ttft_prices_steps_with_the_clusters_token_budget_unless_told() -> None:
+    config = ClusterConfig(model_dir="m", max_num_batched_tokens=512)
+    told = ClusterConfig(model_dir="m", max_num_batched_tokens=512, routing_args={"max_num_batched_tokens": 4096})
+
+    assert isinstance(policy := config.routing_policy(), CostTTFTPolicy)
+    assert policy.max_num_batched_tokens == 512
+    assert told.routing_policy().max_num_batched_tokens == 4096
+
+
+def test_config_rejects_an_unknown_routing_policy_naming_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"routing must be one of \['cache_aware', .*'round_robin'\], got 'random'"):
+        ClusterConfig(model_dir="m", routing="random")
+
+
+@pytest.mark.parametrize(
+    "routing, routing_args, message",
+    [
+        ("cost_ttft", {"no_such_arg": 1}, "routing_args: bad arguments for routing policy 'cost_ttft'.*no_such_arg"),
+        ("cache_aware", {"cache_threshold": 2.0}, r"routing_args: cache_threshold must be in \[0, 1\]"),
+        ("round_robin", {"seed": 3}, "routing_args: bad arguments for routing policy 'round_robin'"),
+        ("least_loaded", ["seed"], "routing_args must be a dict"),
+    ],
+)
+def test_config_rejects_a_bad_routing_argument_at_construction(routing, routing_args, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(model_dir="m", routing=routing, routing_args=routing_args)
+
+
+def test_config_keeps_its_own_copy_of_the_routing_arguments() -> None:
+    routing_args = {"cache_threshold": 0.5}
+    config = ClusterConfig(model_dir="m", routing="cache_aware", routing_args=routing_args)
+    routing_args["cache_threshold"] = 7.0
+
+    assert config.routing_args == {"cache_threshold": 0.5}
+
+
+# -- the command line -----------------------------------------------------------------
+
+
+def test_serve_rejects_an_unknown_routing_policy(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--routing", "random"])
+
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'random'" in capsys.readouterr().err
+
+
+def test_serve_reads_routing_arguments_as_literals() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--routing", "cache_aware", "--routing-arg", "cache_threshold=0.5", "--routing-arg", "x= None"]
+    )
+
+    assert args.routing == "cache_aware"
+    assert args.routing_args == [("cache_threshold", 0.5), ("x", None)]
+    assert build_parser().parse_args(["serve"]).routing == DEFAULT_POLICY
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--routing-arg", "cache_threshold"], "expected KEY=VALUE"),
+        (["--routing", "cache_aware", "--routing-arg", "cache_threshold=2"], "cache_threshold must be in [0, 1]"),
+        (["--routing-arg", "work_penalty=1", "--routing-arg", "work_penalty=2"], "given more than once"),
+    ],
+)
+def test_serve_rejects_a_bad_routing_argument_before_starting_anything(capsys, args, message) -> None:
+    try:
+        status = main(["serve", *args])
+    except SystemExit as exit_info:  # argparse's own errors
+        status = exit_info.code
+    assert status == 2
+    assert message in capsys.readouterr().err
+
+
+# -- the scheduler actor's router, on fake replicas (no Ray, no model) -------------------------
+
+
+class FakeExecutor:
+    """Samples token 7 for every row; raises ``ReplicaFailedError`` once told to fail."""
+
+    num_kv_blocks = 128
+
+    def __init__(self) -> None:
+        self.failed = False
+
+    async def execute(self, plan: StepPlan) -> StepResult:
+        await asyncio.sleep(0)
+        if self.failed:
+            raise ReplicaFailedError("the worker died")
+        return StepResult(plan.step_id, [7] * plan.num_sampled, [0.0] * plan.num_sampled)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def fake_actor(monkeypatch: pytest.MonkeyPatch, routing: str) -> tuple[SchedulerActor, list[FakeExecutor]]:
+    executors = [FakeExecutor(), FakeExecutor()]
+
+    async def launch_replica(replica_id: int, *args, **kwargs) -> SimpleNamespace:
+        async def shutdown() -> None:
+            pass
+
+        return SimpleNamespace(executor=executors[replica_id], placement_group=None, shutdown=shutdown)
+
+    monkeypatch.setattr("kvserve.cluster.scheduler_actor.launch_replica", launch_replica)
+    config = ClusterConfig(
+        model_dir="m",
+        parallel=ParallelConfig(num_replicas=2),
+        block_size=BLOCK_SIZE,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        routing=routing,
+    )
+    model = SimpleNamespace(model_dir="m", model_id="m", vocab_size=1000, max_model_len=1024, eos_token_ids=())
+    return SchedulerActor(config, model), executors
+
+
+async def run_to_the_end(actor: SchedulerActor, req_id: str, prompt: list[int]) -> RequestDelta:
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    await actor.add_request(RequestSpec(req_id, prompt, params))
+    while True:
+        for delta in await actor.poll_outputs(TIMEOUT_S):
+            if delta.req_id == req_id and delta.is_last:
+                return delta
+
+
+def test_the_actor_routes_to_started_replicas_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> None:
+        actor, _ = fake_actor(monkeypatch, "round_robin")
+        with pytest.raises(RuntimeError, match="none of the 2 replicas is available"):
+            await actor.add_request(RequestSpec("early", [1, 2, 3], SamplingParams()))
+        await actor.start_replica(1, "cpu")
+        replicas = [(await run_to_the_end(actor, f"r{k}", [1, 2, 3])).replica for k in range(3)]
+        await actor.shutdown()
+        assert replicas == [1, 1, 1]
+
+    asyncio.run(scenario())
+
+
+def test_the_actor_sends_a_shared_prefix_to_its_cache_and_forgets_a_failed_replicas_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    prefix = list(range(5, 5 + 10 * BLOCK_SIZE))
+
+    async def scenario() -> None:
+        actor, executors = fake_actor(monkeypatch, "cost_ttft")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        first = await run_to_the_end(actor, "first", prefix + [1])
+        second = await run_to_the_end(actor, "second", prefix + [2, 3])
+        assert second.replica == first.replica
+        assert second.num_cached_tokens == 10 * BLOCK_SIZE
+        index = actor._router.index  # what the router knows of the replicas' caches
+        assert index.num_blocks(first.replica) > 0
+
+        executors[first.replica].failed = True
+        lost = await run_to_the_end(actor, "lost", prefix + [4])
+        assert lost.replica == first.replica and lost.error is not None
+        assert index.num_blocks(first.replica) == 0
+        elsewhere = await run_to_the_end(actor, "elsewhere", prefix + [5])
+        await actor.shutdown()
+        assert (elsewhere.replica, elsewhere.num_cached_tokens) == (1 - first.replica, 0)
+
+    asyncio.run(scenario())
+
+
+# -- live: 2 replicas routed by cost_ttft ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
+    model_dir: Path = create_tiny_model(tmp_path_factory.mktemp("routing-model"), "llama", seed=0)
+    config = ClusterConfig(
+        model_dir=str(model_dir),
+        parallel=ParallelConfig(tensor_parallel_size=1, num_replicas=2),
+        block_size=BLOCK_SIZE,
+        num_blocks=128,
+        max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        device="cpu",
+        routing="cost_ttft",
+    )
+    handle = start_cluster(config)
+    try:
+        yield handle
+    finally:
+        handle.shutdown()
+
+
+def add(handle: ClusterHandle, req_id: str, prompt: list[int], max_tokens: int) -> int:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return ray.get(handle.scheduler.add_request.remote(RequestSpec(req_id, prompt, params)), timeout=TIMEOUT_S)
+
+
+def wait_for_last_delta(handle: ClusterHandle, req_id: str) -> RequestDelta:
+    deadline = time.monotonic() + TIMEOUT_S
+    while time.monotonic() < deadline:
+        for delta in ray.get(handle.scheduler.poll_outputs.remote(1.0), timeout=TIMEOUT_S):
+            if delta.req_id == req_id and delta.is_last:
+                return delta
+    pytest.fail(f"request {req_id} did not finish in {TIMEOUT_S} s")
+
+
+def test_a_prompt_sharing_a_long_prefix_goes_to_the_replica_that_cached_it(cluster: ClusterHandle) -> None:
+    prefix = [(7 * i) % 900 + 5 for i in range(40 * BLOCK_SIZE)]
+    first = add(cluster, "first", prefix + [11, 12, 13], max_tokens=2)
+    done = wait_for_last_delta(cluster, "first")
+    assert (done.replica, done.num_cached_tokens) == (first, 0)
+    # A long request keeps a replica busy, whichever it lands on: when it is the
+    # cached one, load balancing alone would send the next request elsewhere.
+    add(cluster, "busy", [3] * 50, max_tokens=500)
+
+    second = add(cluster, "second", prefix + [21, 22, 23, 24], max_tokens=2)
+    done = wait_for_last_delta(cluster, "second")
+    ray.get(cluster.scheduler.abort_requests.remote(["busy"]), timeout=TIMEOUT_S)
+
+    assert second == first == done.replica
+    assert done.num_cached_tokens == 40 * BLOCK_SIZE

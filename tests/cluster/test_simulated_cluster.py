@@ -1,0 +1,186 @@
+"""Live clusters of simulated replicas: real Ray and gRPC, no model, the simulator's figures.
+
+Steps here last tens of milliseconds (``COST_MODEL`` x ``TIME_SCALE``), so
+that Ray's and gRPC's few milliseconds per step are small against them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import sys
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import ray
+
+from kvserve.bench.experiment import add_experiment_parser
+from kvserve.bench.experiment_live import live_cluster_config, run_live
+from kvserve.bench.workloads import make_workload
+from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+from kvserve.cluster.launcher import start_cluster
+from kvserve.cluster.server import start_server
+from kvserve.cluster.worker_actor import RAY_NAMESPACE, worker_actor_name
+from kvserve.proto import generate_pb2, generate_pb2_grpc
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.routing.policies import make_policy
+from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_ids
+from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
+from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
+from kvserve.worker.model_config import ModelConfig
+from kvserve.worker.tiny_model import create_tiny_model
+
+COST_MODEL = StepCostModel(a=0.03, b=2e-4, c=1e-3, d=0.0)
+TIME_SCALE = 2.0
+NUM_REPLICAS = 4
+TOLERANCE = 0.15
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("simulated-model"), "llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def vocab_size(model_dir: Path) -> int:
+    return ModelConfig.from_pretrained(model_dir).vocab_size
+
+
+def shared_prefix_stream(vocab_size: int, num_requests: int, qps: float):  # noqa: ANN201
+    return make_workload(
+        "shared_prefix", num_requests, qps, seed=0, num_groups=6, system_prompt_len=256, question_len=32,
+        output_len=4, vocab_size=vocab_size,
+    )
+
+
+def figures(records) -> tuple[float, float]:  # noqa: ANN001
+    """Prefix-cache hit rate and TTFT p50."""
+    hit_rate = sum(r.num_cached_tokens for r in records) / sum(r.num_prompt_tokens for r in records)
+    return hit_rate, float(np.percentile([r.ttft for r in records], 50))
+
+
+def test_the_live_cluster_agrees_with_the_simulator_on_hit_rate_and_ttft(ray_cluster, model_dir, vocab_size):
+    stream = shared_prefix_stream(vocab_size, num_requests=80, qps=16.0)
+    fleet = FleetConfig(
+        num_replicas=NUM_REPLICAS,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=512),
+        # 63 blocks of 16 tokens: room for about 3 of the 6 prefixes, so replicas evict.
+        cache_config=CacheConfig(block_size=16, num_blocks=64),
+        cost_model=COST_MODEL,
+        vocab_size=vocab_size,
+    )
+    simulated = FleetSimulator(fleet, make_policy("round_robin")).run(stream)
+    config = live_cluster_config(
+        fleet, stream, model_dir=str(model_dir), policy="round_robin", time_scale=TIME_SCALE
+    )
+
+    live = run_live(stream, config, label="round_robin", report=lambda line: print(line, file=sys.stderr))
+
+    sim_hit_rate, sim_ttft = figures(simulated.records)
+    live_hit_rate, live_ttft = figures(live.records)
+    print(f"hit rate: sim {sim_hit_rate:.4f} live {live_hit_rate:.4f}; "
+          f"TTFT p50: sim {sim_ttft:.4f} s live {live_ttft:.4f} s", file=sys.stderr)
+    assert sim_hit_rate > 0.2
+    assert live_hit_rate == pytest.approx(sim_hit_rate, rel=TOLERANCE)
+    assert live_ttft == pytest.approx(sim_ttft, rel=TOLERANCE)
+    assert [r.replica_id for r in live.records] == [r.replica_id for r in simulated.records]
+    assert live.output_token_ids == [
+        synthetic_output_token_ids(str(i), item.num_prompt_tokens, item.output_len, vocab_size)
+        for i, item in enumerate(stream)
+    ]
+
+
+def test_simulated_ranks_load_no_torch_and_serve_prompts_beyond_the_models_length(ray_cluster, model_dir, vocab_size):
+    model_limit = ModelConfig.from_pretrained(model_dir).max_model_len
+    config = ClusterConfig(
+        model_dir=str(model_dir),
+        parallel=ParallelConfig(tensor_parallel_size=2, num_replicas=1),
+        block_size=16,
+        num_blocks=2 * model_limit // 16 + 8,
+        max_num_batched_tokens=4096,
+        max_model_len=2 * model_limit,
+        routing="round_robin",
+        simulation=SimulationConfig(cost_model=COST_MODEL, time_scale=0.1),
+    )
+    handle = start_cluster(config)
+    try:
+        for rank in range(2):
+            actor = ray.get_actor(worker_actor_name(0, rank), namespace=RAY_NAMESPACE)
+            assert not ray.get(actor.__ray_call__.remote(lambda _: "torch" in sys.modules))
+        assert handle.model_info.max_model_len == 2 * model_limit
+        prompt = [5] * (model_limit + 100)
+
+        async def generate() -> list[generate_pb2.GenerateResponse]:
+            server = await start_server(handle.scheduler, handle.model_info, ServerConfig(port=0))
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                    request = generate_pb2.GenerateRequest(
+                        token_ids=generate_pb2.TokenIds(ids=prompt), request_id="long",
+                        sampling_params=generate_pb2.SamplingParams(max_tokens=3, ignore_eos=True),
+                    )
+                    stub = generate_pb2_grpc.GenerationStub(channel)
+                    return [r async for r in stub.Generate(request, timeout=60)]
+            finally:
+                await server.stop(grace_s=1.0)
+
+        responses = asyncio.run(generate())
+    finally:
+        handle.shutdown()
+
+    tokens = [t for r in responses for t in r.token_ids]
+    assert tokens == synthetic_output_token_ids("long", len(prompt), 3, vocab_size)
+    assert responses[-1].usage.prompt_tokens == len(prompt)
+
+
+def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_rate(
+    ray_cluster, model_dir, vocab_size, tmp_path, capsys
+):
+    # Multi-turn: each turn's prompt repeats the previous answer, which hits
+    # the cache only if the live workers answered with the workload's tokens.
+    common = [
+        "--workload", "multi_turn", "--workload-arg", "system_prompt_len=32", "--workload-arg", "user_len=16",
+        "--workload-arg", "answer_len=8", "--workload-arg", "max_turns=3", "--workload-arg", "think_time=0.5",
+        "--replicas", "2", "--num-requests", "16", "--qps", "20", "--policies", "round_robin",
+        "--kv-blocks-per-replica", "64", "--cost-model", str(write_cost_model(tmp_path)), "--no-plots",
+    ]
+    live_out, sim_out = tmp_path / "live", tmp_path / "sim"
+
+    assert run_command([*common, "--live", "--model", str(model_dir), "--out", str(live_out)]) == 0
+    printed = capsys.readouterr()
+    assert run_command([*common, "--workload-arg", f"vocab_size={vocab_size}", "--out", str(sim_out)]) == 0
+
+    assert "100% (" in printed.err
+    assert "live, simulated replicas" in printed.out
+    with open(live_out / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(row["index"]) for row in rows] == list(range(len(rows)))
+    assert sum(int(row["measured"]) for row in rows) == 16
+    assert {row["replica_id"] for row in rows} == {"0", "1"}
+    assert all(float(row["ttft"]) > 0 for row in rows)
+    [live_summary], [sim_summary] = read_summary(live_out), read_summary(sim_out)
+    assert live_summary["policy"] == "round_robin"
+    assert 0.0 < float(sim_summary["hit_rate"]) < 1.0
+    assert float(live_summary["hit_rate"]) == pytest.approx(float(sim_summary["hit_rate"]), rel=TOLERANCE)
+    assert (live_out / "summary.md").read_text().startswith("multi_turn (live, simulated replicas)")
+
+
+def run_command(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve")
+    add_experiment_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["experiment", *argv])
+    return args.handler(args)
+
+
+def read_summary(out: Path) -> list[dict[str, str]]:
+    with open(out / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def write_cost_model(directory: Path) -> Path:
+    path = directory / "cost_model.json"
+    COST_MODEL.save(path)
+    return path
