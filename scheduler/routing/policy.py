@@ -30,6 +30,8 @@ class RoutingRequest:
     num_prompt_tokens: int
     block_size: int
     cache_salt: str | None = None
+    # The most tokens it may generate (``SamplingParams.max_tokens``); None when unknown.
+    max_output_tokens: int | None = None
 
     @property
     def max_cached_tokens(self) -> int:

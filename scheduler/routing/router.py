@@ -86,6 +86,7 @@ class Router:
             num_prompt_tokens=request.num_prompt_tokens,
             block_size=self.hasher.block_size,
             cache_salt=request.cache_salt,
+            max_output_tokens=request.sampling_params.max_tokens,
         )
         replica_id = self.policy.select(routing_request, self.loads, self.index)
         if not 0 <= replica_id < self.num_replicas:

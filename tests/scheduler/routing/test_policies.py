@@ -237,7 +237,28 @@ def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holdin
 
     assert policy.estimate_ttft(req, loads, index)[0] < policy.estimate_ttft(req, loads, index)[1]
     assert policy.select(req, loads, index) == 1
-    assert CostTTFTPolicy(StepCostModel.default(), tie_tolerance_steps=0).select(req, loads, index) == 0
+    ttft_only = CostTTFTPolicy(StepCostModel.default(), tie_tolerance_steps=0, decode_horizon=0)
+    assert ttft_only.select(req, loads, index) == 0
+
+
+def test_cost_ttft_spreads_a_hot_prefix_once_its_replica_decodes_a_far_bigger_batch() -> None:
+    req = request(prompt_len=2176)
+    index = index_with({0: 136}, req)  # replica 0 holds the whole 2048-token system prompt
+
+    def fleet(running_on_0: int, running_on_1: int) -> list[ReplicaLoad]:
+        return [
+            ReplicaLoad(r, num_running=n, num_running_tokens=n * 2300, num_free_blocks=1000, num_total_blocks=1000)
+            for r, n in enumerate((running_on_0, running_on_1))
+        ]
+
+    policy = CostTTFTPolicy(MODEL, decode_horizon=64, load_factor=None)
+    assert policy.select(req, fleet(12, 4), index) == 0  # a few more decodes: the hit wins
+    assert policy.select(req, fleet(200, 4), index) == 1  # a huge batch: decoding there costs more than the miss
+    assert CostTTFTPolicy(MODEL, load_factor=None).select(req, fleet(200, 4), index) == 0  # TTFT alone
+    one_token = RoutingRequest(req.req_id, req.block_hashes, req.num_prompt_tokens, BLOCK_SIZE, max_output_tokens=1)
+    assert policy.select(one_token, fleet(200, 4), index) == 0  # nothing to decode: TTFT alone decides
+    with pytest.raises(ValueError, match="decode_horizon"):
+        CostTTFTPolicy(MODEL, decode_horizon=-1)
 
 
 def test_cost_ttft_with_bounded_loads_skips_a_replica_over_the_bound() -> None:
@@ -245,8 +266,10 @@ def test_cost_ttft_with_bounded_loads_skips_a_replica_over_the_bound() -> None:
     index = index_with({0: 99}, req)
     loads = with_outstanding([6, 1, 1, 0])  # bound = ceil(1.25 * 9 / 4) = 3
 
-    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 0
+    assert CostTTFTPolicy(MODEL, load_factor=None).select(req, loads, index) == 0
     assert CostTTFTPolicy(MODEL, load_factor=1.25).select(req, loads, index) == 3
+    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 3  # the default 2x: ceil(2 * 9 / 4) = 5 < 6 + 1
+    assert CostTTFTPolicy(MODEL).select(req, with_outstanding([3, 2, 2, 1]), index) == 0  # 3 + 1 <= ceil(2 * 9 / 4)
 
 
 def test_cost_ttft_keeps_a_request_on_its_cached_replica_when_the_whole_fleet_is_backlogged() -> None:
