@@ -267,9 +267,14 @@ def test_cost_ttft_with_bounded_loads_skips_a_replica_over_the_bound() -> None:
     loads = with_outstanding([6, 1, 1, 0])  # bound = ceil(1.25 * 9 / 4) = 3
 
     assert CostTTFTPolicy(MODEL, load_factor=None).select(req, loads, index) == 0
-    assert CostTTFTPolicy(MODEL, load_factor=1.25).select(req, loads, index) == 3
-    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 3  # the default 2x: ceil(2 * 9 / 4) = 5 < 6 + 1
-    assert CostTTFTPolicy(MODEL).select(req, with_outstanding([3, 2, 2, 1]), index) == 0  # 3 + 1 <= ceil(2 * 9 / 4)
+    assert CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0).select(req, loads, index) == 3
+    assert CostTTFTPolicy(MODEL, load_slack=0).select(req, loads, index) == 3  # 2x: ceil(2 * 9 / 4) = 5 < 6 + 1
+    assert CostTTFTPolicy(MODEL, load_slack=0).select(req, with_outstanding([3, 2, 2, 1]), index) == 0  # 4 <= 5
+    # The default slack of 8 requests: small fleets' loads (and everyone's, at start-up) are never bound.
+    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 0
+    assert CostTTFTPolicy(MODEL).select(req, with_outstanding([20, 1, 1, 0]), index) == 3  # 21 > ceil(2 * 23 / 4) + 8
+    with pytest.raises(ValueError, match="load_slack"):
+        CostTTFTPolicy(MODEL, load_slack=-1)
 
 
 def test_cost_ttft_keeps_a_request_on_its_cached_replica_when_the_whole_fleet_is_backlogged() -> None:
