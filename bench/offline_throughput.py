@@ -1,14 +1,19 @@
 """Offline throughput: kvserve's ``LLM`` against transformers' batched ``generate()``.
 
-Both run the same prompts, greedy, EOS ignored, float32 on CPU, in one run:
+Both run the same prompts, greedy, EOS ignored, float32 on CPU with the same
+number of torch threads, in one run, each after a short warm-up:
 
 (a) 64 prompts of 32–512 tokens, each asking for 64–128 new tokens.
     transformers generates one left-padded batch for the longest request
     (static batching); only the tokens each request asked for are counted.
 (b) shared prefixes: 8 system prompts of 512 tokens, 64 questions (8 each).
 
-Figures: generated tokens per second for each engine and their ratio; for
-(b) also the prefill tokens kvserve computed against the prompt tokens.
+kvserve runs every request at once (``max_num_seqs`` 256) with a budget of
+4096 tokens per step (chunked prefill, prefix caching on, blocks of 16).
+
+Figures: generated tokens per second for each engine and their ratio, how many
+requests got the same tokens from both, and the prefill tokens kvserve computed
+against the prompt tokens.
 
     python -m kvserve.bench.offline_throughput [--model DIR] [--threads N]
 """
@@ -42,9 +47,15 @@ def workload_b(rng: random.Random, vocab: int) -> tuple[list[list[int]], list[in
     return prompts, [64] * len(prompts)
 
 
-def run_transformers(model, prompts: list[list[int]], max_new: list[int], batch_size: int) -> float:
-    """Seconds to generate, in left-padded batches of ``batch_size``."""
+KVSERVE_ARGS = {"block_size": 16, "num_blocks": 8192, "max_num_batched_tokens": 4096, "max_num_seqs": 256}
+
+
+def run_transformers(
+    model, prompts: list[list[int]], max_new: list[int], batch_size: int
+) -> tuple[float, list[list[int]]]:
+    """Seconds to generate, in left-padded batches of ``batch_size``, and the tokens each request asked for."""
     model.generation_config.eos_token_id = None
+    outputs = []
     start = time.perf_counter()
     for i in range(0, len(prompts), batch_size):
         batch = prompts[i : i + batch_size]
@@ -52,20 +63,21 @@ def run_transformers(model, prompts: list[list[int]], max_new: list[int], batch_
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(max_new[i : i + batch_size]),
-                           do_sample=False, pad_token_id=0)
-    return time.perf_counter() - start
+            generated = model.generate(ids, attention_mask=mask, max_new_tokens=max(max_new[i : i + batch_size]),
+                                       do_sample=False, pad_token_id=0)
+        outputs.extend(row[width : width + n] for row, n in zip(generated.tolist(), max_new[i : i + batch_size]))
+    return time.perf_counter() - start, outputs
 
 
-def run_kvserve(llm: LLM, prompts: list[list[int]], max_new: list[int]) -> tuple[float, int]:
-    """Seconds to generate, and prompt tokens served from the prefix cache."""
+def run_kvserve(llm: LLM, prompts: list[list[int]], max_new: list[int]) -> tuple[float, int, list[list[int]]]:
+    """Seconds to generate, prompt tokens served from the prefix cache, and the generated tokens."""
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_new]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - start
     if [len(o.token_ids) for o in outputs] != max_new:
         raise RuntimeError("kvserve generated a different number of tokens than asked")
-    return elapsed, sum(o.num_cached_tokens for o in outputs)
+    return elapsed, sum(o.num_cached_tokens for o in outputs), [o.token_ids for o in outputs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,18 +96,24 @@ def main(argv: list[str] | None = None) -> int:
             prompts, max_new = make(random.Random(0), vocab)
             num_generated = sum(max_new)
             num_prompt = sum(len(p) for p in prompts)
-            with LLM(model_dir, block_size=16, num_blocks=8192, max_num_batched_tokens=4096, seed=0) as llm:
-                run_kvserve(llm, prompts[:2], [4, 4])  # warm up
+            # Both engines warm up on the first two prompts (4 tokens each) before the timed run.
+            with LLM(model_dir, seed=0, **KVSERVE_ARGS) as llm:
+                run_kvserve(llm, prompts[:2], [4, 4])
                 llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
-                kv_s, num_cached = run_kvserve(llm, prompts, max_new)
-            hf_s = run_transformers(hf, prompts, max_new, args.hf_batch_size)
+                kv_s, num_cached, kv_tokens = run_kvserve(llm, prompts, max_new)
+            run_transformers(hf, prompts[:2], [4, 4], args.hf_batch_size)
+            hf_s, hf_tokens = run_transformers(hf, prompts, max_new, args.hf_batch_size)
+            num_same = sum(a == b for a, b in zip(kv_tokens, hf_tokens))
             rows.append([
                 name, num_generated, f"{num_generated / hf_s:.0f}", f"{num_generated / kv_s:.0f}",
-                f"{hf_s / kv_s:.2f}x", f"{num_prompt - num_cached} / {num_prompt}",
+                f"{hf_s / kv_s:.2f}x", f"{num_same} / {len(prompts)}", f"{num_prompt - num_cached} / {num_prompt}",
             ])
     print(f"offline generation, greedy, float32 CPU, {args.threads} threads, model {model_dir}")
+    print(f"kvserve: {', '.join(f'{k} {v}' for k, v in KVSERVE_ARGS.items())}; "
+          f"transformers: left-padded batches of {args.hf_batch_size}")
     print(format_table(
-        ["workload", "generated tok", "transformers tok/s", "kvserve tok/s", "ratio", "prefill computed / prompt"],
+        ["workload", "generated tok", "transformers tok/s", "kvserve tok/s", "ratio", "same tokens",
+         "prefill computed / prompt"],
         rows,
     ))
     return 0

@@ -1,7 +1,8 @@
 """kvserve.kernels: paged KV-cache writes and paged attention.
 
-A pure-torch reference for every kernel (``reference``), a C++ decode kernel
-for CPUs (``cpu_backend``) and, on GPUs, CUDA kernels behind the same
+A pure-torch reference for every kernel (``reference``), C++ kernels for CPUs
+(``cpu_backend``: cache writes, decode, and with AVX2 prefill chunks and
+shared-prefix cascades) and, on GPUs, CUDA kernels behind the same
 :class:`AttentionBackend` interface; pick one with :func:`get_attention_backend`.
 """
 

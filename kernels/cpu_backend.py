@@ -1,11 +1,19 @@
-"""The CPU attention backend: decode rows through a fused C++ kernel.
+"""The CPU attention backend: attention and cache writes through fused C++ kernels.
 
-The reference decode path gathers every decode request's K/V into a padded
-copy before attending; on CPU that copy costs more than the attention itself.
-The C++ kernel (``csrc/paged_attention_cpu.cpp``) reads K/V in place through
-the block tables instead.  Prefill chunks, which attend many query tokens to
-the same context, keep the reference path (SDPA amortises its gather), and so
-does the cache write.
+The reference path gathers every request's K/V into a padded copy before
+attending; on CPU that copy costs more than the attention itself.  The C++
+kernels (``csrc/paged_attention_cpu.cpp``) read K/V in place through the block
+tables, and read and write the rows of query and output in place, so a layer
+costs one call whatever the mix of its batch:
+
+* decode rows: per request, its GQA group of query heads together (AVX2 or
+  portable code);
+* prefill chunks and cascades (decode requests over a shared cached prefix): row
+  tiles of 16 query rows in vector lanes (AVX-512, or AVX2).  On a CPU without
+  AVX2 the kernel says so and prefill chunks take the reference path (SDPA).
+
+The cache write is one C++ call too: it copies rows, where ``index_copy_`` on the
+reference path costs two dispatches and two casts.
 """
 
 from __future__ import annotations
@@ -20,13 +28,14 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CpuAttentionBackend:
-    """Reference cache writes and prefill; decode attention in one C++ call per batch.
+    """C++ cache writes and attention, one call each per layer.
 
     Construction compiles the extension on first use on a machine (see
     :mod:`kvserve.kernels.cpu_build`) and raises
     :class:`~kvserve.kernels.cpu_build.CpuExtensionBuildError` when it cannot.
-    Tensors must be on the CPU and the caches contiguous; decode rows of a
-    dtype the kernel lacks (float64) fall back to the reference.
+    Tensors must be on the CPU and the caches contiguous; query, key and value
+    rows may be views of a fused projection (heads and dims dense).  A dtype the
+    kernels lack (float64) takes the reference path throughout.
     """
 
     __slots__ = ("_extension",)
@@ -43,7 +52,10 @@ class CpuAttentionBackend:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        if key.dtype == value.dtype == key_cache.dtype == value_cache.dtype and key.dtype in KERNEL_DTYPES:
+            self._extension.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        else:
+            reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def paged_attention(
         self,
@@ -53,39 +65,19 @@ class CpuAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if query.dtype not in KERNEL_DTYPES:
+            return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
         reference.check_shapes(query, key_cache, value_cache, metadata)
-        output = torch.empty_like(query)
-        decode_reqs, prefill_reqs = reference.split_decode_and_prefill(metadata)
-        if decode_reqs:
-            decode = self._decode_attention if query.dtype in KERNEL_DTYPES else reference.decode_attention
-            decode(query, key_cache, value_cache, metadata, scale, decode_reqs, output)
-        reference.prefill_attention(query, key_cache, value_cache, metadata, scale, prefill_reqs, output)
-        return output
-
-    def _decode_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-        decode_reqs: list[int],
-        output: torch.Tensor,
-    ) -> None:
-        """All decode rows in one kernel call, on views where the rows are one contiguous run."""
-        token_indices = [metadata.query_start_loc_cpu[r] for r in decode_reqs]
-        queries = reference.select_rows(query, token_indices).contiguous()
-        attended = torch.empty_like(queries)
-        self._extension.paged_decode_attention(
-            attended,
-            queries,
-            key_cache,
-            value_cache,
-            reference.select_rows(metadata.block_tables, decode_reqs).contiguous(),
-            reference.select_rows(metadata.seq_lens, decode_reqs).contiguous(),
-            float(scale),
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        # Every row in one call; without AVX2 the prefill chunks are left to the reference.
+        prefill_done = self._extension.paged_attention(
+            output, query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens, float(scale),
+            query_start_loc=None if metadata.max_query_len == 1 else metadata.query_start_loc,
         )
-        reference.write_rows(output, token_indices, attended)
+        if not prefill_done:
+            _, prefill_reqs = reference.split_decode_and_prefill(metadata)
+            reference.prefill_attention(query, key_cache, value_cache, metadata, scale, prefill_reqs, output)
+        return output
 
     def __repr__(self) -> str:
         return "CpuAttentionBackend()"

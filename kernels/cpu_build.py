@@ -27,9 +27,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["CACHE_DIR_ENV", "CpuExtensionBuildError", "build_directory", "check_toolchain", "load_cpu_extension"]
 
 EXTENSION_NAME = "kvserve_paged_attention_cpu"
-SOURCES = (Path(__file__).resolve().parent / "csrc" / "paged_attention_cpu.cpp",)
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+# The binding (ATen, pybind) and the vector code (no ATen: quick to compile) are
+# separate translation units, which ninja compiles in parallel.
+SOURCES = tuple(
+    CSRC_DIR / name
+    for name in ("paged_attention_cpu.cpp", "cpu_attention_plan.cpp", "cpu_row_ops.cpp", "cpu_row_tiles.cpp")
+)
+HEADERS = tuple(CSRC_DIR / name for name in ("cpu_attention.h", "cpu_attention_plan.h", "cpu_vector_math.h"))
 # NOTE: no -march=native: the build directory may be shared by machines with
-# different CPUs, and a library built for one would crash on another.
+# different CPUs, and a library built for one would crash on another.  The vector
+# code carries target attributes and is chosen at run time instead.
 # -fopenmp turns at::parallel_for (inlined from ATen's headers) parallel; it
 # links the libgomp.so.1 that torch has already loaded.
 EXTRA_CFLAGS = ("-O3", "-fopenmp")
@@ -85,7 +93,7 @@ def _build_and_load() -> ModuleType:
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     warn_if_stale_lock(directory / "lock")
-    if needs_compiling(directory, EXTENSION_NAME, SOURCES):
+    if needs_compiling(directory, EXTENSION_NAME, SOURCES + HEADERS):
         logger.info("building the C++ CPU attention kernels in %s (once per build directory; 10-30 s)", directory)
     try:
         return cpp_extension.load(

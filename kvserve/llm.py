@@ -147,9 +147,10 @@ class LLM:
         else:
             token_ids = [int(t) for t in prompt]
         vocab_size = self.model_config.vocab_size
-        for token_id in token_ids:
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(f"prompt token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        # NOTE: min/max run in C; the loop only runs to name the offending id.
+        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
         return token_ids
 
     def _result(self, request: Request, logprobs: list[float]) -> GenerationOutput:

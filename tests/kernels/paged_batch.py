@@ -34,8 +34,17 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     write_new_tokens: bool = True,
+    num_kv_heads: int = NUM_KV_HEADS,
+    head_dim: int = HEAD_DIM,
+    shared_prefix: tuple[int, int] | None = None,
 ) -> PagedBatch:
-    """Random K/V placed in shuffled, non-contiguous blocks of a NaN-filled cache."""
+    """Random K/V placed in shuffled, non-contiguous blocks of a NaN-filled cache.
+
+    ``shared_prefix=(num_blocks, every)``: requests taken ``every`` at a time share
+    the first full blocks of the first one of them (up to ``num_blocks``, and
+    always leaving each request at least one block of its own), as a prefix
+    cache would.
+    """
     generator = torch.Generator().manual_seed(seed)
     query_lens = [new for _, new in requests]
     seq_lens = [cached + new for cached, new in requests]
@@ -47,18 +56,30 @@ def make_batch(
     for count in blocks_per_req:
         block_tables.append(free_block_ids[:count])
         del free_block_ids[:count]
+    num_shared = [0] * len(requests)
+    if shared_prefix is not None:
+        max_shared, every = shared_prefix
+        for r, table in enumerate(block_tables):
+            lead = (r // every) * every
+            # Full blocks of the first request only, as a prefix cache shares them.
+            num_shared[r] = min(max_shared, seq_lens[lead] // block_size, -(-seq_lens[r] // block_size) - 1)
+            table[: num_shared[r]] = block_tables[lead][: num_shared[r]]
 
-    shape = (num_blocks, block_size, NUM_KV_HEADS, HEAD_DIM)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(shape, float("nan"), dtype=dtype)
     value_cache = torch.full(shape, float("nan"), dtype=dtype)
     keys, values = [], []
-    for (cached, new), seq_len, table in zip(requests, seq_lens, block_tables):
-        keys.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype))
-        values.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=generator).to(dtype))
+    for r, ((cached, new), seq_len, table) in enumerate(zip(requests, seq_lens, block_tables)):
+        keys.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype))
+        values.append(torch.randn(seq_len, num_kv_heads, head_dim, generator=generator).to(dtype))
+        if num_shared[r]:  # the shared blocks hold what the first request of the group wrote
+            lead, num_positions = (r // shared_prefix[1]) * shared_prefix[1], num_shared[r] * block_size
+            keys[-1][:num_positions] = keys[lead][:num_positions]
+            values[-1][:num_positions] = values[lead][:num_positions]
         for position in range(cached + new if write_new_tokens else cached):
             block_id, offset = table[position // block_size], position % block_size
             key_cache[block_id, offset] = keys[-1][position]
             value_cache[block_id, offset] = values[-1][position]
-    query = torch.randn(sum(query_lens), NUM_KV_HEADS * group, HEAD_DIM, generator=generator).to(dtype)
+    query = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=generator).to(dtype)
     metadata = build_attention_metadata(query_lens, seq_lens, block_tables, block_size, "cpu")
-    return PagedBatch(query, key_cache, value_cache, metadata, keys, values, scale=0.7 * HEAD_DIM**-0.5)
+    return PagedBatch(query, key_cache, value_cache, metadata, keys, values, scale=0.7 * head_dim**-0.5)

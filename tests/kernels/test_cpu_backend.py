@@ -1,4 +1,7 @@
-"""The C++ CPU decode kernel against the torch reference, its build, and backend selection on CPU.
+"""The C++ CPU kernels against the torch reference, their build, and backend selection on CPU.
+
+Equivalence tests run once per code path this CPU has (AVX-512, AVX2, portable),
+lowering the kernels' instruction set through ``set_cpu_capability``.
 
 The extension is built once for the whole file (a cold build compiles for
 10-30 s; later runs reuse the build directory).
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,7 +21,7 @@ from kvserve.kernels import build_attention_metadata, cpu_build, get_attention_b
 from kvserve.kernels.backend import BACKEND_ENV_VAR, AttentionBackend
 from kvserve.kernels.cpu_backend import CpuAttentionBackend
 from kvserve.kernels.cpu_build import CpuExtensionBuildError, build_directory, check_toolchain, load_cpu_extension
-from kvserve.kernels.reference import paged_attention
+from kvserve.kernels.reference import paged_attention, write_kv_cache
 from tests.kernels.paged_batch import HEAD_DIM, MIXED_BATCH, NUM_KV_HEADS, PagedBatch, make_batch
 
 # NOTE: both sides compute in float32 but sum in different orders; bfloat16 and
@@ -26,6 +30,10 @@ TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 # Decodes only: contexts of one token, ending just before, on and after a block
 # boundary, and long enough to span many blocks.
 DECODE_CONTEXTS = [1, 15, 16, 17, 40, 99, 700]
+# Prefill chunks of every length around the 8 positions of a tile and the 16 rows
+# of a row tile, over no context and over contexts ending mid-block.
+PREFILL_CHUNKS = [(0, n) for n in (2, 7, 8, 9, 16, 17, 33)] + [(c, n) for c, n in ((3, 5), (21, 8), (40, 19))]
+CAPABILITIES = ("avx512", "avx2", "portable")
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +43,20 @@ def backend() -> CpuAttentionBackend:
     except CpuExtensionBuildError as exc:
         pytest.skip(f"cannot build the C++ CPU kernels here: {exc}")
     return CpuAttentionBackend()
+
+
+@pytest.fixture(params=CAPABILITIES)
+def capability(request: pytest.FixtureRequest, backend: CpuAttentionBackend) -> Iterator[str]:
+    """Each code path this CPU can run: the kernels used at most ``request.param``."""
+    extension = load_cpu_extension()
+    detected = extension.cpu_capability()
+    if CAPABILITIES.index(request.param) < CAPABILITIES.index(detected):
+        pytest.skip(f"this CPU has no {request.param}")
+    extension.set_cpu_capability(request.param)
+    try:
+        yield request.param
+    finally:
+        extension.set_cpu_capability(detected)
 
 
 def run_both(backend: CpuAttentionBackend, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +76,7 @@ def assert_matches_reference(backend: CpuAttentionBackend, batch: PagedBatch) ->
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_mixed_batch_matches_reference(
-    backend: CpuAttentionBackend, group: int, block_size: int, dtype: torch.dtype
+    backend: CpuAttentionBackend, capability: str, group: int, block_size: int, dtype: torch.dtype
 ) -> None:
     batch = make_batch(MIXED_BATCH, block_size=block_size, group=group, dtype=dtype, seed=10 + group * block_size)
     assert_matches_reference(backend, batch)
@@ -64,14 +86,60 @@ def test_mixed_batch_matches_reference(
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize("group", [1, 4, 8])
 def test_decode_only_batch_matches_reference(
-    backend: CpuAttentionBackend, group: int, block_size: int, dtype: torch.dtype
+    backend: CpuAttentionBackend, capability: str, group: int, block_size: int, dtype: torch.dtype
 ) -> None:
     requests = [(context - 1, 1) for context in DECODE_CONTEXTS]
     batch = make_batch(requests, block_size=block_size, group=group, dtype=dtype, seed=20 + group * block_size)
     assert_matches_reference(backend, batch)
 
 
-def test_float16_decodes_match_reference(backend: CpuAttentionBackend) -> None:
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_head_dims_and_groups_match_reference(
+    backend: CpuAttentionBackend, capability: str, group: int, head_dim: int
+) -> None:
+    requests = MIXED_BATCH + [(context - 1, 1) for context in DECODE_CONTEXTS]
+    batch = make_batch(requests, block_size=16, group=group, head_dim=head_dim, seed=30 + group + head_dim)
+    assert_matches_reference(backend, batch)
+
+
+@pytest.mark.parametrize("head_dim", [12, 8])
+def test_head_dims_off_the_vector_width_match_reference(
+    backend: CpuAttentionBackend, capability: str, head_dim: int
+) -> None:
+    requests = MIXED_BATCH + [(context - 1, 1) for context in DECODE_CONTEXTS]
+    batch = make_batch(requests, block_size=16, group=2, head_dim=head_dim, seed=head_dim)
+    assert_matches_reference(backend, batch)
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 8, 32])
+@pytest.mark.parametrize("group", [1, 2, 3])
+def test_chunks_across_tiles_and_odd_blocks_match_reference(
+    backend: CpuAttentionBackend, capability: str, group: int, block_size: int
+) -> None:
+    requests = PREFILL_CHUNKS + [(context - 1, 1) for context in DECODE_CONTEXTS]
+    batch = make_batch(requests, block_size=block_size, group=group, seed=40 + group * block_size)
+    assert_matches_reference(backend, batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_decodes_over_shared_prefixes_match_reference(
+    backend: CpuAttentionBackend, capability: str, group: int, block_size: int, dtype: torch.dtype
+) -> None:
+    # Groups of 5 share up to 96 positions: cascades of 2 to 5 requests, prefixes cut
+    # short by a member's own short context, and a group of one.
+    contexts = [97, 98, 130, 99, 300, 40, 41, 33, 34, 35, 120, 121, 122, 123, 124, 200]
+    requests = [(context - 1, 1) for context in contexts] + PREFILL_CHUNKS[:3]
+    batch = make_batch(
+        requests, block_size=block_size, group=group, dtype=dtype, seed=50 + group + block_size,
+        shared_prefix=(96 // block_size, 5),
+    )
+    assert_matches_reference(backend, batch)
+
+
+def test_float16_decodes_match_reference(backend: CpuAttentionBackend, capability: str) -> None:
     batch = make_batch([(c - 1, 1) for c in DECODE_CONTEXTS], block_size=16, group=4, dtype=torch.float16, seed=3)
     assert_matches_reference(backend, batch)
 
@@ -82,18 +150,43 @@ def test_float64_decodes_fall_back_to_the_reference(backend: CpuAttentionBackend
     assert torch.equal(output, expected)
 
 
-def test_prefill_rows_are_the_reference_bit_for_bit(backend: CpuAttentionBackend) -> None:
+def test_views_of_a_fused_projection_give_the_contiguous_result(backend: CpuAttentionBackend, capability: str) -> None:
+    batch = make_batch(MIXED_BATCH + [(99, 1)], block_size=16, group=2, seed=8)
+    num_tokens, num_heads, head_dim = batch.query.shape
+    fused = torch.randn(num_tokens, (num_heads + 2 * NUM_KV_HEADS) * head_dim)
+    query_view = fused[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
+    query_view.copy_(batch.query)
+    args = (batch.key_cache, batch.value_cache, batch.metadata, batch.scale)
+    assert torch.equal(backend.paged_attention(query_view, *args), backend.paged_attention(batch.query, *args))
+
+
+def test_prefill_rows_take_the_reference_without_avx2(backend: CpuAttentionBackend, capability: str) -> None:
     batch = make_batch(MIXED_BATCH, block_size=16, group=4, seed=5)
     output, expected = run_both(backend, batch)
     starts = batch.metadata.query_start_loc_cpu
     prefill_rows = [slice(start, end) for start, end in zip(starts, starts[1:]) if end - start > 1]
     assert prefill_rows
     for rows in prefill_rows:
-        assert torch.equal(output[rows], expected[rows])
+        if capability != "portable":
+            torch.testing.assert_close(output[rows], expected[rows], atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(output[rows], expected[rows])
+
+
+def test_kernel_reports_whether_it_computed_the_prefill_rows(backend: CpuAttentionBackend, capability: str) -> None:
+    batch = make_batch(MIXED_BATCH, block_size=16, group=2, seed=9)
+    metadata = batch.metadata
+    out = torch.empty_like(batch.query)
+    computed = load_cpu_extension().paged_attention(
+        out, batch.query, batch.key_cache, batch.value_cache, metadata.block_tables, metadata.seq_lens,
+        batch.scale, query_start_loc=metadata.query_start_loc,
+    )
+    assert computed == (capability != "portable")
 
 
 def test_result_does_not_depend_on_the_number_of_threads(backend: CpuAttentionBackend) -> None:
-    batch = make_batch([(c - 1, 1) for c in DECODE_CONTEXTS] * 3, block_size=16, group=4, seed=6)
+    requests = [(c - 1, 1) for c in DECODE_CONTEXTS] * 3 + PREFILL_CHUNKS
+    batch = make_batch(requests, block_size=16, group=4, seed=6, shared_prefix=(4, 3))
     args = (batch.query, batch.key_cache, batch.value_cache, batch.metadata, batch.scale)
     num_threads = torch.get_num_threads()
     try:
@@ -123,7 +216,7 @@ def kernel_inputs(**overrides: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def test_kernel_writes_the_reference_result_into_out(backend: CpuAttentionBackend) -> None:
     inputs = kernel_inputs()
-    load_cpu_extension().paged_decode_attention(*inputs.values(), 0.25)
+    load_cpu_extension().paged_attention(*inputs.values(), 0.25)
     metadata = build_attention_metadata([1, 1], [6, 3], [[1, 2], [3]], block_size=4, device="cpu")
     expected = paged_attention(inputs["query"], inputs["key_cache"], inputs["value_cache"], metadata, 0.25)
     torch.testing.assert_close(inputs["out"], expected, atol=1e-5, rtol=1e-5)
@@ -142,14 +235,82 @@ def test_kernel_writes_the_reference_result_into_out(backend: CpuAttentionBacken
         ({"key_cache": torch.randn(4, 0, 2, HEAD_DIM), "value_cache": torch.randn(4, 0, 2, HEAD_DIM)}, "block_size"),
         ({"query": torch.randn(2, 4, HEAD_DIM, dtype=torch.float64)}, "float32, bfloat16 or float16"),
         ({"key_cache": torch.randn(4, NUM_KV_HEADS, 4, HEAD_DIM).transpose(1, 2)}, "contiguous"),
+        ({"query": torch.randn(2, HEAD_DIM, 4).transpose(1, 2)}, "contiguous heads and dims"),
         ({"out": torch.empty(3, 4, HEAD_DIM)}, "query's shape"),
+        ({"query": torch.randn(3, 4, HEAD_DIM), "out": torch.empty(3, 4, HEAD_DIM)}, "one row per request"),
     ],
 )
 def test_kernel_rejects_invalid_inputs(
     backend: CpuAttentionBackend, overrides: dict[str, torch.Tensor], message: str
 ) -> None:
     with pytest.raises(RuntimeError, match=message):
-        load_cpu_extension().paged_decode_attention(*kernel_inputs(**overrides).values(), 0.25)
+        load_cpu_extension().paged_attention(*kernel_inputs(**overrides).values(), 0.25)
+
+
+@pytest.mark.parametrize(
+    ("query_start_loc", "message"),
+    [
+        ([0, 1, 3], "run from 0 to 2"),
+        ([0, 2, 2], "increasing"),
+        ([0, 2], "3 entries"),
+        ([0, 0, 2], "increasing"),
+    ],
+)
+def test_kernel_rejects_invalid_query_start_loc(
+    backend: CpuAttentionBackend, query_start_loc: list[int], message: str
+) -> None:
+    inputs = kernel_inputs()
+    with pytest.raises(RuntimeError, match=message):
+        load_cpu_extension().paged_attention(
+            *inputs.values(), 0.25, query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32)
+        )
+
+
+def test_kernel_rejects_a_chunk_longer_than_its_context(backend: CpuAttentionBackend) -> None:
+    # Request 0 has 2 new tokens but a context of 1: its causal rows would see nothing.
+    inputs = kernel_inputs(
+        query=torch.randn(3, NUM_KV_HEADS * 2, HEAD_DIM),
+        out=torch.empty(3, NUM_KV_HEADS * 2, HEAD_DIM),
+        seq_lens=torch.tensor([1, 3], dtype=torch.int32),
+    )
+    with pytest.raises(RuntimeError, match="2 new tokens but seq_lens"):
+        load_cpu_extension().paged_attention(
+            *inputs.values(), 0.25, query_start_loc=torch.tensor([0, 2, 3], dtype=torch.int32)
+        )
+
+
+def test_capability_is_one_of_the_known_instruction_sets(backend: CpuAttentionBackend) -> None:
+    assert load_cpu_extension().cpu_capability() in CAPABILITIES
+
+
+def test_unknown_capability_is_rejected(backend: CpuAttentionBackend) -> None:
+    with pytest.raises(RuntimeError, match="unknown CPU capability 'sse9'"):
+        load_cpu_extension().set_cpu_capability("sse9")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_write_matches_the_reference(backend: CpuAttentionBackend, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(11)
+    shape = (6, 4, NUM_KV_HEADS, HEAD_DIM)
+    caches = [torch.randn(shape, generator=generator).to(dtype) for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    # Key and value as views of a fused projection, as the model passes them.
+    fused = torch.randn(5, 3 * NUM_KV_HEADS * HEAD_DIM, generator=generator).to(dtype)
+    key = fused[:, : NUM_KV_HEADS * HEAD_DIM].view(5, NUM_KV_HEADS, HEAD_DIM)
+    value = fused[:, 2 * NUM_KV_HEADS * HEAD_DIM :].view(5, NUM_KV_HEADS, HEAD_DIM)
+    slot_mapping = torch.tensor([23, 4, 5, 0, 17])
+    backend.write_kv_cache(key, value, *caches, slot_mapping)
+    write_kv_cache(key, value, *expected, slot_mapping)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
+@pytest.mark.parametrize("slot", [24, -1])
+def test_cache_write_rejects_a_slot_outside_the_cache(backend: CpuAttentionBackend, slot: int) -> None:
+    caches = [torch.zeros(6, 4, NUM_KV_HEADS, HEAD_DIM) for _ in range(2)]
+    rows = torch.ones(2, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="is not a slot of the cache"):
+        backend.write_kv_cache(rows, rows, *caches, torch.tensor([3, slot]))
+    assert not caches[0].any(), "nothing is written when a slot is invalid"
 
 
 def test_second_load_returns_the_loaded_module(backend: CpuAttentionBackend) -> None:

@@ -51,6 +51,13 @@ def test_greedy_batch_takes_argmax() -> None:
     assert torch.equal(out.token_ids, logits.argmax(dim=-1))
 
 
+def test_greedy_ties_go_to_the_first_best_token_as_with_argmax() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [5.0, 5.0, 5.0, 5.0], [0.0, 2.0, -1.0, 2.0]])
+    out = Sampler(seed=0)(logits, [GREEDY] * 3, [0, 0, 0])
+    assert out.token_ids.tolist() == [1, 0, 1]
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
+
+
 def test_all_greedy_batch_neither_sorts_nor_draws(monkeypatch: pytest.MonkeyPatch) -> None:
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("the all-greedy fast path must not sort or draw noise")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.worker.layers.linear import new_parameter
@@ -24,6 +25,11 @@ class RMSNorm(nn.Module):
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # NOTE: the same operations in the same order, in one call (bit for bit
+            # the code below in float32; not in half precision, where it rounds
+            # differently from Hugging Face's).
+            return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps)
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)

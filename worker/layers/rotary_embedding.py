@@ -66,13 +66,13 @@ def compute_inv_freq(head_dim: int, params: dict[str, Any], max_positions: int) 
     return inv_freq
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Rotates query and key heads by their token's position.
+
+    ``rotate`` works on any ``[n, heads, head_dim]`` tensor, so a layer whose q and
+    k heads are adjacent in memory rotates both in one call.  The result is bit for
+    bit Hugging Face's ``x * cos + rotate_half(x) * sin``: each half is
+    ``x1 * cos - x2 * sin`` and ``x2 * cos + x1 * sin``, the same products and sums.
 
     NOTE: ``inv_freq`` is a float32 buffer; build the model in its final dtype rather
     than casting it with ``.to(dtype)``, which would round the frequencies.
@@ -82,15 +82,42 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.register_buffer("inv_freq", inv_freq.to(torch.float32), persistent=False)
+        self._cached_positions: torch.Tensor | None = None
+        self._cached_cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def clear_cache(self) -> None:
+        """Forget the angles of the last ``positions``; call at the start of a forward pass."""
+        self._cached_positions = self._cached_cos_sin = None
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``cos`` and ``sin`` ``[n, 1, head_dim // 2]`` of ``positions [n]``.
+
+        NOTE: one module serves every layer, and every layer of a forward pass gets
+        the same ``positions`` tensor: the angles are computed for its first layer
+        and reused by the others, until :meth:`clear_cache` (so a positions buffer
+        rewritten in place between passes is safe; inference tensors carry no
+        version counter to tell).
+        """
+        if positions is not self._cached_positions or self._cached_cos_sin is None:
+            freqs = positions.unsqueeze(-1).float() * self.inv_freq.float()
+            self._cached_cos_sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
+            self._cached_positions = positions
+        return self._cached_cos_sin
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x [n, heads, head_dim]`` rotated by ``positions [n]``, as a new contiguous tensor."""
+        cos, sin = self.cos_sin(positions)
+        if cos.dtype != x.dtype:
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        half = self.head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [n]``, ``query [n, heads, head_dim]``, ``key [n, kv_heads, head_dim]``."""
-        freqs = positions.unsqueeze(-1).float() * self.inv_freq.float()
-        emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)
-        cos, sin = emb.cos().to(query.dtype), emb.sin().to(query.dtype)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
+        return self.rotate(positions, query), self.rotate(positions, key)
 
 
 def get_rope(head_dim: int, config: Any) -> RotaryEmbedding:

@@ -111,10 +111,18 @@ class LlamaAttention(nn.Module):
         attn_metadata: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
+        qkv = self.qkv_proj(hidden_states)
+        v = qkv[:, self.q_size + self.kv_size :]
+        if type(self).normalize_qk is LlamaAttention.normalize_qk:
+            # q and k heads are adjacent in qkv: one rotation for both.
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
+            qk = self.rotary_emb.rotate(positions, qk)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(num_tokens, self.num_heads, self.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+            q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
@@ -167,10 +175,11 @@ class LlamaModel(nn.Module):
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp, vocab_parallel)
-        # One RoPE module shared by every layer (its only state is a non-persistent buffer).
-        rotary_emb = get_rope(head_dim_of(config), config)
+        # One RoPE module shared by every layer (its state: a non-persistent buffer, and
+        # the angles of the current pass).
+        self.rotary_emb = get_rope(head_dim_of(config), config)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, tp, backend, rotary_emb, attention_cls)
+            LlamaDecoderLayer(config, tp, backend, self.rotary_emb, attention_cls)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -185,6 +194,7 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"expected {len(self.layers)} KV caches (one per layer), got {len(kv_caches)}")
         hidden_states, residual = self.embed_tokens(input_ids), None
+        self.rotary_emb.clear_cache()
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
