@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -154,15 +155,33 @@ def test_replica_that_fails_to_start_leaves_nothing_behind(
     assert group_removed()
 
 
+def kill_and_wait_for_exit(actor: ray.actor.ActorHandle) -> None:
+    """Kill ``actor`` and wait until its process is gone.
+
+    NOTE: Ray reports the actor dead before its process has exited; until
+    then the process's gRPC server may still answer a step.
+    """
+    pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
+    ray.kill(actor)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.ping.remote(), timeout=30)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    pytest.fail(f"worker process {pid} still alive 30 s after ray.kill")
+
+
 def test_killed_rank_fails_the_next_step_quickly_and_every_step_after(
     replica: ReplicaHandle, loop: asyncio.AbstractEventLoop
 ) -> None:
     scheduler = make_scheduler(NUM_BLOCKS)
     scheduler.add_request(Request("after-kill", [5, 6, 7, 8], GREEDY))
     victim = ray.get_actor(worker_actor_name(0, 1), namespace=RAY_NAMESPACE)
-    ray.kill(victim)
-    with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(victim.ping.remote(), timeout=30)
+    kill_and_wait_for_exit(victim)
 
     plan = scheduler.schedule()
     start = time.monotonic()
