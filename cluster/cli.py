@@ -164,9 +164,15 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="streams in flight before RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     parser.add_argument(
-        "--stream-interval", type=float, default=0.0, metavar="S",
-        help="fetch outputs at most every S seconds, so that the tokens of several steps travel in one "
-        "message: fewer messages, more latency (default: 0, every step)",
+        "--stream-interval", type=float, default=0.02, metavar="S",
+        help="at most one message per S seconds on each stream (first tokens and the end go out at once), "
+        "so that the tokens of several steps travel together: fewer messages, more latency "
+        "(default: %(default)s; 0: every fetch of outputs)",
+    )
+    parser.add_argument(
+        "--max-messages-per-s", type=int, default=1000, metavar="N",
+        help="the server's budget of stream messages per second: with many streams, each stream's "
+        "interval grows to streams / N (default: %(default)s; 0: no budget)",
     )
     parser.add_argument(
         "--simulated", action="store_true",
@@ -242,6 +248,7 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             max_concurrent_requests=args.max_concurrent_requests,
             stream_interval_s=args.stream_interval,
+            max_messages_per_s=args.max_messages_per_s or None,
         )
         parallel = ParallelConfig(tensor_parallel_size=args.tp, num_replicas=args.replicas)
         model_dir = args.model

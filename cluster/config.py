@@ -55,16 +55,25 @@ class ServerConfig:
     explicit limits in both directions; a request larger than
     ``max_message_bytes`` is refused by gRPC itself with ``RESOURCE_EXHAUSTED``.
     More than ``max_concurrent_requests`` streams in flight are refused with
-    ``RESOURCE_EXHAUSTED`` too.  ``stream_interval_s`` is the shortest time
-    between two fetches of outputs from the scheduler: the tokens of the steps
-    in between reach the client in one message (0: one message per step).
+    ``RESOURCE_EXHAUSTED`` too.
+
+    Streaming: a request's first tokens and its end go out at once; the tokens
+    in between travel together, at most one message per stream per interval,
+    because each message costs the server and the client tens of microseconds
+    whatever it carries.  The interval is ``stream_interval_s``, or, with many
+    streams in flight, ``num_streams / max_messages_per_s`` (the server's
+    budget of messages per second; ``None``: no budget).  Outputs are fetched
+    from the scheduler at that pace too, except while a stream awaits its
+    first tokens.  ``stream_interval_s`` 0 and no budget: every fetch of
+    outputs (about one per step) is sent at once.
     """
 
     host: str = "127.0.0.1"
     port: int = 50051
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_concurrent_requests: int = 1024
-    stream_interval_s: float = 0.0
+    stream_interval_s: float = 0.02
+    max_messages_per_s: int | None = 1000
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -76,6 +85,8 @@ class ServerConfig:
         interval = self.stream_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1:
             raise ValueError(f"stream_interval_s must be in [0, 1] seconds, got {interval!r}")
+        if self.max_messages_per_s is not None:
+            _require_positive_int("max_messages_per_s", self.max_messages_per_s)
 
     @property
     def address(self) -> str:

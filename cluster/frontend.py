@@ -4,9 +4,13 @@ This is the only module that converts between ``generate_pb2`` messages and
 the scheduler actor's dataclasses (``RequestSpec``, ``RequestDelta``,
 ``ReplicaStatsInfo``).  It tokenizes and validates each request, hands it to
 the scheduler actor, and streams the tokens back with their text, decoded
-incrementally.  One background task fetches the outputs of every request from
-the actor (``poll_outputs``, one call per batch of steps) and routes them to
-per-request queues.
+incrementally.  Remote calls to the actor are few and batched, because each
+costs both sides about a millisecond of CPU: the requests that arrive while
+one ``add_requests`` call is in flight go together in the next, and one
+background task fetches the outputs of every request (``poll_outputs``, one
+call per batch of steps) and routes them to per-request ``OutputStream``s,
+which pace the messages of each stream (see ``output_stream.py``).  Outputs
+are fetched at that pace too, except while a stream awaits its first tokens.
 
 Status codes: ``INVALID_ARGUMENT`` (naming the field) for bad input and
 duplicate request ids; ``RESOURCE_EXHAUSTED`` when ``max_concurrent_requests``
@@ -27,7 +31,8 @@ import grpc
 from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
-from kvserve.cluster.messages import ModelInfo, ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.output_stream import OutputStream, StreamPacing
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -52,7 +57,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     Call ``start()`` from the server's event loop before serving and
     ``stop()`` after.  ``on_scheduler_lost`` is called once if the scheduler
-    actor dies (the server then reports NOT_SERVING).
+    actor dies (the server then reports NOT_SERVING).  ``stream_interval_s``
+    and ``max_messages_per_s`` pace the messages of the streams, as
+    ``ServerConfig`` describes.
     """
 
     def __init__(
@@ -63,15 +70,21 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         *,
         max_concurrent_requests: int,
         stream_interval_s: float = 0.0,
+        max_messages_per_s: int | None = None,
         on_scheduler_lost: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._model_info = model_info
         self._tokenizer = tokenizer
         self._max_concurrent_requests = max_concurrent_requests
-        self._stream_interval_s = stream_interval_s
+        self._pacing = StreamPacing(stream_interval_s, max_messages_per_s)
         self._on_scheduler_lost = on_scheduler_lost
-        self._streams: dict[str, asyncio.Queue[RequestDelta]] = {}
+        self._streams: dict[str, OutputStream] = {}
+        # Streams that have not received a token yet: outputs are fetched without pause for them.
+        self._awaiting_first: set[str] = set()
+        self._pause: asyncio.Future[None] | None = None
+        self._to_add: list[tuple[RequestSpec, asyncio.Future[int]]] = []
+        self._adder: asyncio.Task[None] | None = None
         self._scheduler_error: str | None = None
         self._dispatcher: asyncio.Task[None] | None = None
 
@@ -80,10 +93,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._dispatcher = asyncio.create_task(self._dispatch_outputs(), name="output-dispatcher")
 
     async def stop(self) -> None:
-        if self._dispatcher is not None:
-            self._dispatcher.cancel()
-            await asyncio.gather(self._dispatcher, return_exceptions=True)
-            self._dispatcher = None
+        tasks = [task for task in (self._dispatcher, self._adder) if task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._dispatcher = self._adder = None
 
     # -- RPCs ------------------------------------------------------------------
 
@@ -106,14 +120,18 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 f"the server is at its limit of {self._max_concurrent_requests} concurrent requests",
             )
         req_id = spec.req_id
-        queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
-        self._streams[req_id] = queue
+        stream = OutputStream(req_id, self._pacing)
+        self._streams[req_id] = stream
+        self._pacing.set_num_streams(len(self._streams))
+        self._awaiting_first.add(req_id)
+        if self._pause is not None:
+            _resolve(self._pause)
         # Leaving before the last delta (cancelled, deadline expired, server
         # stopping) aborts the request, which frees its blocks.
         finished = False
         try:
             try:
-                await self._scheduler.add_request.remote(spec)
+                await self._add_request(spec)
             except ValueError as exc:  # Ray's error types also subclass the remote exception's
                 finished = True
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, remote_error_message(exc))
@@ -122,10 +140,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, remote_error_message(exc))
             detokenizer = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
             while not finished:
-                delta = await queue.get()
-                if not queue.empty():
-                    # This stream fell behind: its deltas travel as one message.
-                    delta = _merge_deltas([delta, *_drain(queue)])
+                delta = await stream.next_message()
                 if delta.error is not None:
                     finished = True
                     await context.abort(grpc.StatusCode.UNAVAILABLE, delta.error)
@@ -133,6 +148,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 yield self.to_response(req_id, delta, detokenizer)
         finally:
             del self._streams[req_id]
+            self._pacing.set_num_streams(len(self._streams))
+            self._awaiting_first.discard(req_id)
+            if self._pause is not None:
+                _resolve(self._pause)  # the interval is shorter now: the next fetch may be due
             if not finished:
                 logger.debug("request %s ended early: aborting it", req_id)
                 self._abort_quietly([req_id])
@@ -245,7 +264,36 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             response.usage.completion_tokens = delta.num_output_tokens
         return response
 
-    # -- outputs ---------------------------------------------------------------
+    # -- requests and outputs ----------------------------------------------------
+
+    async def _add_request(self, spec: RequestSpec) -> int:
+        """Queue ``spec`` for the scheduler; its replica, or the exception it was refused with."""
+        added: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._to_add.append((spec, added))
+        if self._adder is None or self._adder.done():
+            self._adder = asyncio.create_task(self._add_queued_requests(), name="request-adder")
+        # NOTE: a call cancelled here cancels ``added``: a request not sent yet
+        # is dropped; one in flight is aborted by Generate (a call sent after).
+        return await added
+
+    async def _add_queued_requests(self) -> None:
+        """Send the queued requests: all that came while the previous call was in flight go in one."""
+        while self._to_add:
+            batch = [(spec, added) for spec, added in self._to_add if not added.done()]
+            self._to_add = []
+            if not batch:
+                continue
+            try:
+                results = await self._scheduler.add_requests.remote([spec for spec, _ in batch])
+            except Exception as exc:  # noqa: BLE001 - every request of the call fails with it
+                results = [exc] * len(batch)
+            for (_, added), result in zip(batch, results, strict=True):
+                if added.done():
+                    continue
+                if isinstance(result, Exception):
+                    added.set_exception(result)
+                else:
+                    added.set_result(result)
 
     async def _dispatch_outputs(self) -> None:
         """Fetch every request's outputs from the scheduler and route them to their streams."""
@@ -253,7 +301,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         while True:
             poll_start = loop.time()
             try:
-                deltas: list[RequestDelta] = await self._scheduler.poll_outputs.remote(_POLL_TIMEOUT_S)
+                batch: OutputBatch = await self._scheduler.poll_outputs.remote(_POLL_TIMEOUT_S)
             except RayActorError as exc:
                 await self._lose_scheduler(f"the scheduler is gone: {remote_error_message(exc)}")
                 return
@@ -261,28 +309,50 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 logger.exception("fetching outputs from the scheduler failed")
                 await asyncio.sleep(_POLL_TIMEOUT_S)
                 continue
-            orphans: list[str] = []
-            streams = self._streams
-            for delta in deltas:
-                queue = streams.get(delta.req_id)
-                if queue is not None:
-                    queue.put_nowait(delta)
-                elif not delta.is_last:
-                    orphans.append(delta.req_id)
-            if orphans:
-                # Their streams ended before their outputs came: nobody reads them.
-                self._abort_quietly(orphans)
-            # NOTE: the tokens of the steps until the next poll travel together:
-            # a stream interval trades latency for fewer messages per token.
-            wait_s = poll_start + self._stream_interval_s - loop.time()
-            if wait_s > 0:
-                await asyncio.sleep(wait_s)
+            self._route(batch)
+            await self._pause_fetching(poll_start)
+
+    def _route(self, batch: OutputBatch) -> None:
+        streams = self._streams
+        orphans: list[str] = []
+        for req_id, token_ids, replica in zip(batch.req_ids, batch.token_ids, batch.replicas):
+            stream = streams.get(req_id)
+            if stream is None:
+                orphans.append(req_id)
+            else:
+                stream.add(token_ids, replica)
+        for delta in batch.last_deltas:
+            stream = streams.get(delta.req_id)
+            if stream is not None:
+                stream.end(delta)
+        if self._awaiting_first:
+            self._awaiting_first.difference_update(batch.req_ids)
+            self._awaiting_first.difference_update(delta.req_id for delta in batch.last_deltas)
+        if orphans:
+            # Their streams ended before their outputs came: nobody reads them.
+            self._abort_quietly(orphans)
+
+    async def _pause_fetching(self, since: float) -> None:
+        """Until the pacing interval after ``since`` (loop time) has passed, or a stream awaits its
+        first tokens.  NOTE: the interval shrinks as streams end: every end wakes the pause."""
+        loop = asyncio.get_running_loop()
+        while not self._awaiting_first:
+            delay = since + self._pacing.interval_s - loop.time()
+            if delay <= 0:
+                return
+            pause = self._pause = loop.create_future()
+            timer = loop.call_later(delay, _resolve, pause)
+            try:
+                await pause
+            finally:
+                self._pause = None
+                timer.cancel()
 
     async def _lose_scheduler(self, reason: str) -> None:
         logger.error("%s", reason)
         self._scheduler_error = reason
-        for req_id, queue in self._streams.items():
-            queue.put_nowait(RequestDelta(req_id, error=reason))
+        for req_id, stream in self._streams.items():
+            stream.end(RequestDelta(req_id, error=reason))
         if self._on_scheduler_lost is not None:
             await self._on_scheduler_lost()
 
@@ -295,23 +365,6 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             logger.warning("could not abort %d requests", len(req_ids), exc_info=True)
 
 
-def _drain(queue: asyncio.Queue[RequestDelta]) -> list[RequestDelta]:
-    deltas = []
-    while not queue.empty():
-        deltas.append(queue.get_nowait())
-    return deltas
-
-
-def _merge_deltas(deltas: list[RequestDelta]) -> RequestDelta:
-    """One delta with the tokens of ``deltas`` (in order) and the last one's end, if any."""
-    last = deltas[-1]
-    return RequestDelta(
-        req_id=last.req_id,
-        token_ids=[t for delta in deltas for t in delta.token_ids],
-        finish_reason=last.finish_reason,
-        error=last.error,
-        num_prompt_tokens=last.num_prompt_tokens,
-        num_cached_tokens=last.num_cached_tokens,
-        num_output_tokens=last.num_output_tokens,
-        replica=last.replica,
-    )
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

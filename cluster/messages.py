@@ -1,12 +1,13 @@
 """Dataclasses crossing the front end ↔ scheduler actor boundary (over Ray).
 
 The front end tokenizes and validates; the scheduler actor routes, schedules
-and streams back ``RequestDelta`` batches, one ``poll_outputs`` call per batch
-of steps (never one remote call per token).
+and streams back ``OutputBatch``es of ``RequestDelta``s, one ``poll_outputs``
+call per batch of steps (never one remote call per token).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -62,6 +63,45 @@ class RequestDelta:
                 self.replica,
             ),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class OutputBatch:
+    """What one ``poll_outputs`` returns: a delta per request, as columns.
+
+    A request still running has its new tokens at index ``i`` of the parallel
+    lists ``req_ids``, ``token_ids`` and ``replicas``; a request that ended is
+    one whole ``RequestDelta`` in ``last_deltas`` (its last tokens included).
+    Each request appears once.  Iterating yields every delta.
+
+    NOTE: a poll carries hundreds of requests: Ray pickles a few lists in tens
+    of microseconds, the same deltas as objects in about a millisecond.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+    last_deltas: list[RequestDelta] = field(default_factory=list)
+
+    @classmethod
+    def from_deltas(cls, deltas: Iterable[RequestDelta]) -> OutputBatch:
+        batch = cls()
+        for delta in deltas:
+            if delta.is_last:
+                batch.last_deltas.append(delta)
+            else:
+                batch.req_ids.append(delta.req_id)
+                batch.token_ids.append(delta.token_ids)
+                batch.replicas.append(delta.replica)
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.req_ids) + len(self.last_deltas)
+
+    def __iter__(self) -> Iterator[RequestDelta]:
+        for req_id, token_ids, replica in zip(self.req_ids, self.token_ids, self.replicas, strict=True):
+            yield RequestDelta(req_id, token_ids, replica=replica)
+        yield from self.last_deltas
 
 
 @dataclass(frozen=True, slots=True)

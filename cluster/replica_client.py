@@ -1,10 +1,13 @@
 """The scheduler side of the step protocol: one replica's ranks behind ``AsyncExecutor``.
 
 Every step goes to every rank of the replica at once (the ranks meet in
-their collectives), encoded and serialized once.  Rank 0 answers with the
-samples, the other ranks with an empty result.  The first rank that fails,
-or does not answer within the step deadline, fails the whole replica: the
-pending calls are cancelled (the other ranks may be stuck in a collective
+their collectives), encoded and serialized once, as the next message of one
+long-lived ``ExecuteSteps`` stream per rank (opened by the first step): a
+message on an open stream costs a fraction of a unary call, whose set-up
+would otherwise be a good part of a short decode step.  Rank 0 answers with
+the samples, the other ranks with an empty result.  The first rank that
+fails, or does not answer within the step deadline, fails the whole replica:
+the streams are cancelled (the other ranks may be stuck in a collective
 waiting for the dead one) and every later call raises at once.
 """
 
@@ -30,7 +33,7 @@ DEFAULT_STEP_TIMEOUT_S = 120.0
 _CONTROL_TIMEOUT_S = 60.0
 _SHUTDOWN_TIMEOUT_S = 5.0
 _SERVICE = step_pb2.DESCRIPTOR.services_by_name["StepWorker"]
-_EXECUTE_STEP_PATH = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['ExecuteStep'].name}"
+_EXECUTE_STEPS_PATH = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['ExecuteSteps'].name}"
 
 
 class GrpcReplicaExecutor:
@@ -38,7 +41,8 @@ class GrpcReplicaExecutor:
 
     ``addresses[r]`` is rank ``r``'s ``host:port``.  Create it, and use it,
     on one running event loop (``grpc.aio`` channels belong to their loop).
-    ``initialize_cache()`` must run once before the first ``execute``.
+    ``initialize_cache()`` must run once before the first ``execute``; steps
+    run one at a time (the scheduler's step loop awaits each one).
     """
 
     def __init__(
@@ -62,11 +66,14 @@ class GrpcReplicaExecutor:
         self._channels = [grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) for address in self.addresses]
         self._stubs = [step_pb2_grpc.StepWorkerStub(channel) for channel in self._channels]
         # NOTE: the plan is serialized once and the same bytes go to every rank,
-        # so ExecuteStep is called without a request serializer.
-        self._execute_calls = [
-            channel.unary_unary(_EXECUTE_STEP_PATH, response_deserializer=step_pb2.StepResult.FromString)
+        # so ExecuteSteps is opened without a request serializer.
+        self._open_calls = [
+            channel.stream_stream(_EXECUTE_STEPS_PATH, response_deserializer=step_pb2.StepResult.FromString)
             for channel in self._channels
         ]
+        self._streams: list[grpc.aio.StreamStreamCall] = []
+        self._step_in_flight = False
+        self._expired: str | None = None
         self._num_kv_blocks: int | None = None
         self._failure: str | None = None
         self._closed = False
@@ -104,17 +111,33 @@ class GrpcReplicaExecutor:
     async def execute(self, plan: StepPlan) -> StepResult:
         """Run ``plan`` on every rank; rank 0's samples. ``ReplicaFailedError`` if any rank fails."""
         self._check_usable()
+        if self._step_in_flight:
+            raise RuntimeError(f"replica {self.replica_id}: a step is already in flight")
+        what = f"step {plan.step_id}"
         data = encode_plan(plan).SerializeToString()
-        timeout = self.step_timeout_s
-        replies = await self._call_all(
-            f"step {plan.step_id}", [call(data, timeout=timeout) for call in self._execute_calls]
-        )
+        streams = self._streams or self._open_streams()
+        # NOTE: one timer for the step rather than a deadline per call: the
+        # streams outlive every step.
+        deadline = asyncio.get_running_loop().call_later(self.step_timeout_s, self._expire, what)
+        self._step_in_flight = True
+        try:
+            if len(streams) == 1:
+                replies = [await self._exchange_with_rank_0(what, data)]
+            else:
+                replies = await self._call_all(
+                    what, [_exchange(stream, channel, data) for stream, channel in zip(streams, self._channels)]
+                )
+        finally:
+            deadline.cancel()
+            self._step_in_flight = False
+        if self._expired is not None:  # the timer fired just as the answers came
+            self._fail(self._expired)
         try:
             result = decode_result(replies[0])
         except ValueError as exc:
-            self._fail(f"replica {self.replica_id} rank 0 answered step {plan.step_id} with a malformed result: {exc}")
+            self._fail(f"replica {self.replica_id} rank 0 answered {what} with a malformed result: {exc}")
         if result is None or result.step_id != plan.step_id:
-            self._fail(f"replica {self.replica_id} rank 0 did not answer step {plan.step_id} with its samples")
+            self._fail(f"replica {self.replica_id} rank 0 did not answer {what} with its samples")
         return result
 
     async def shutdown(self) -> None:
@@ -124,6 +147,9 @@ class GrpcReplicaExecutor:
         self._closed = True
         # A failed replica may have ranks stuck in a collective: they would not answer.
         if self._failure is None:
+            # A rank serves one call at a time: its step stream ends before Shutdown.
+            closing = [stream.done_writing() for stream in self._streams]
+            await asyncio.gather(*closing, return_exceptions=True)
             calls = [stub.Shutdown(step_pb2.Empty(), timeout=_SHUTDOWN_TIMEOUT_S) for stub in self._stubs]
             for rank, outcome in enumerate(await asyncio.gather(*calls, return_exceptions=True)):
                 if isinstance(outcome, BaseException):
@@ -142,7 +168,38 @@ class GrpcReplicaExecutor:
         if self._failure is None:
             self._failure = message
             logger.error("%s", message)
+        self._cancel_streams()
         raise ReplicaFailedError(message)
+
+    def _open_streams(self) -> list[grpc.aio.StreamStreamCall]:
+        self._streams = [open_call() for open_call in self._open_calls]
+        return self._streams
+
+    def _cancel_streams(self) -> None:
+        for stream in self._streams:
+            stream.cancel()
+
+    def _expire(self, what: str) -> None:
+        """The step deadline passed: fail the step (its awaits see their streams cancelled)."""
+        self._expired = f"replica {self.replica_id} did not answer {what} within {self.step_timeout_s:g} s"
+        self._cancel_streams()
+
+    async def _exchange_with_rank_0(self, what: str, data: bytes) -> step_pb2.StepResult:
+        """``_exchange`` for a replica of one rank, without a task per step."""
+        try:
+            return await _exchange(self._streams[0], self._channels[0], data)
+        except asyncio.CancelledError:
+            if self._expired is not None:
+                self._fail(self._expired)
+            self._cancelled_in_flight(what)
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure of the stream fails the replica
+            self._fail(f"replica {self.replica_id} rank 0 failed at {what}: {_describe(exc)}")
+
+    def _cancelled_in_flight(self, what: str) -> None:
+        # The workers may be ahead of the scheduler now: the replica cannot go on.
+        self._failure = self._failure or f"replica {self.replica_id}: {what} was cancelled in flight"
+        self._cancel_streams()
 
     async def _call_all(self, what: str, calls: Sequence[Awaitable]) -> list:
         """Await one call per rank; the first failure cancels the rest and fails the replica."""
@@ -150,15 +207,16 @@ class GrpcReplicaExecutor:
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
-            # The workers may be ahead of the scheduler now: the replica cannot go on.
             for task in tasks:
                 task.cancel()
-            self._failure = self._failure or f"replica {self.replica_id}: {what} was cancelled in flight"
+            self._cancelled_in_flight(what)
             raise
+        if self._expired is not None:
+            self._fail(self._expired)
         failures = [
             (rank, task.exception())
             for rank, task in enumerate(tasks)
-            if task.done() and task.exception() is not None
+            if task.done() and not task.cancelled() and task.exception() is not None
         ]
         if failures:
             for task in tasks:
@@ -168,7 +226,35 @@ class GrpcReplicaExecutor:
         return [task.result() for task in tasks]
 
 
+class _StreamBroken(Exception):
+    """A rank's step stream ended or broke; the message is ``CODE: details``."""
+
+
+async def _exchange(
+    stream: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel, data: bytes
+) -> step_pb2.StepResult:
+    """Send one serialized plan on ``stream`` (of ``channel``) and read its result."""
+    try:
+        if stream.done():
+            # It ended between two steps (the rank stopped or died): its status says why.
+            raise _StreamBroken(f"{(await stream.code()).name}: {await stream.details()}")
+        await stream.write(data)
+        reply = await stream.read()
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() is grpc.StatusCode.INTERNAL and channel.get_state() is not grpc.ChannelConnectivity.READY:
+            # NOTE: a write that races the loss of the connection fails with
+            # grpc's own INTERNAL "Internal error from Core": the cause is the
+            # lost connection.
+            raise _StreamBroken(f"UNAVAILABLE: the connection to the rank was lost ({exc.details()})") from exc
+        raise
+    if reply is grpc.aio.EOF:
+        raise _StreamBroken("UNAVAILABLE: the rank ended its step stream")
+    return reply
+
+
 def _describe(exc: BaseException) -> str:
     if isinstance(exc, grpc.aio.AioRpcError):
         return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, _StreamBroken):
+        return str(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from ray.util.placement_group import PlacementGroup
 
 from kvserve.cluster.config import ClusterConfig
-from kvserve.cluster.messages import ModelInfo, ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
 from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
 from kvserve.scheduler.request import Request
@@ -214,6 +214,19 @@ class SchedulerActor:
         replica.wakeup.set()
         return replica.replica_id
 
+    async def add_requests(self, specs: Sequence[RequestSpec]) -> list[int | Exception]:
+        """``add_request`` for each of ``specs`` in one remote call (a front end batches the
+        requests that arrive together): the replica id of each, or the ``ValueError`` /
+        ``RuntimeError`` it was refused with.
+        """
+        results: list[int | Exception] = []
+        for spec in specs:
+            try:
+                results.append(await self.add_request(spec))
+            except (ValueError, RuntimeError) as exc:
+                results.append(exc)
+        return results
+
     async def abort_requests(self, req_ids: Sequence[str]) -> None:
         """Stop these requests and free their blocks; unknown or finished ids are ignored.
 
@@ -221,10 +234,10 @@ class SchedulerActor:
         """
         self._abort(req_ids, deliver=True)
 
-    async def poll_outputs(self, timeout_s: float = 1.0) -> list[RequestDelta]:
+    async def poll_outputs(self, timeout_s: float = 1.0) -> OutputBatch:
         """Every request's new tokens since the previous poll, one delta per request.
 
-        Waits up to ``timeout_s`` for at least one; returns ``[]`` if none came.
+        Waits up to ``timeout_s`` for at least one; returns an empty batch if none came.
         """
         self._num_waiting_polls += 1
         try:
@@ -238,7 +251,7 @@ class SchedulerActor:
             self._num_waiting_polls -= 1
             self._last_poll_time = time.monotonic()
         pending, self._pending = self._pending, {}
-        return [output.to_delta(req_id) for req_id, output in pending.items()]
+        return OutputBatch.from_deltas(output.to_delta(req_id) for req_id, output in pending.items())
 
     async def get_stats(self) -> list[ReplicaStatsInfo]:
         return [self._replica_stats(replica) for _, replica in sorted(self._replicas.items())]

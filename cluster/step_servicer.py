@@ -1,18 +1,30 @@
-"""The worker side of the step protocol: a ``grpc.aio`` StepWorker server around one rank.
+"""The worker side of the step protocol: a StepWorker gRPC server around one rank.
 
-The servicer decodes each message, hands the work to the rank's single
-worker thread (torch.distributed collectives must always run on the same
-thread, and a forward pass must not block the event loop), and encodes the
-answer.  A malformed plan is answered ``INVALID_ARGUMENT``; a failing step
-``INTERNAL``; neither takes the server down.
+The server is grpc's threaded server, not ``grpc.aio``, and its only thread
+is the rank's worker thread: every RPC runs there, so a step reaches the
+worker without a hand-off between threads (which would cost about as much
+as the rest of the protocol), and every call into the worker comes from the
+same thread (torch.distributed collectives require it; so does the device
+context of a GPU)::
+
+    scheduler ──ExecuteSteps stream──▶ worker thread: parse, decode_plan,
+                                                      runner.execute (the forward pass),
+    scheduler ◀──── StepResult ─────── worker thread: encode_result
+
+NOTE: RPCs are therefore served one at a time.  The scheduler of the rank's
+replica keeps one ``ExecuteSteps`` stream open and ends it before it calls
+``Shutdown``; any other call waits until that stream ends.
+
+A malformed plan ends its stream with ``INVALID_ARGUMENT``, a failing step
+with ``INTERNAL``; neither takes the server down.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
 from typing import Protocol, TypeVar
 
 import grpc
@@ -34,7 +46,6 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 
-
 class StepRunner(Protocol):
     """What the servicer drives: a ``kvserve.worker.worker.Worker`` (or a stand-in in benchmarks)."""
 
@@ -48,53 +59,72 @@ class StepRunner(Protocol):
 
 
 class StepWorkerServicer(step_pb2_grpc.StepWorkerServicer):
-    """Serves one rank's ``StepRunner``; every call runs on ``thread`` (one worker thread)."""
+    """Serves one rank's ``StepRunner``; its methods run on the rank's worker thread."""
 
-    def __init__(self, runner: StepRunner, thread: ThreadPoolExecutor) -> None:
+    def __init__(self, runner: StepRunner) -> None:
         self._runner = runner
-        self._thread = thread
 
-    async def _run(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)`` on the worker thread; a failure is answered ``INTERNAL``."""
+    def _run(self, context: grpc.ServicerContext, fn: Callable[..., T], *args: object) -> T:
+        """``fn(*args)``; a failure is answered ``INTERNAL``."""
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+            return fn(*args)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the server keeps serving
             logger.exception("%s failed", getattr(fn, "__name__", fn))
-            await context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
-    async def DetermineNumBlocks(self, request: step_pb2.Empty, context: grpc.aio.ServicerContext) -> step_pb2.NumBlocks:
-        return step_pb2.NumBlocks(num_blocks=await self._run(context, self._runner.determine_num_blocks))
+    def DetermineNumBlocks(self, request: step_pb2.Empty, context: grpc.ServicerContext) -> step_pb2.NumBlocks:
+        return step_pb2.NumBlocks(num_blocks=self._run(context, self._runner.determine_num_blocks))
 
-    async def InitializeCache(self, request: step_pb2.NumBlocks, context: grpc.aio.ServicerContext) -> step_pb2.Empty:
+    def InitializeCache(self, request: step_pb2.NumBlocks, context: grpc.ServicerContext) -> step_pb2.Empty:
         if request.num_blocks < 2:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_blocks must be >= 2, got {request.num_blocks}")
-        await self._run(context, self._runner.initialize_cache, request.num_blocks)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_blocks must be >= 2, got {request.num_blocks}")
+        self._run(context, self._runner.initialize_cache, request.num_blocks)
         return step_pb2.Empty()
 
-    async def ExecuteStep(self, request: step_pb2.StepPlan, context: grpc.aio.ServicerContext) -> step_pb2.StepResult:
-        try:
-            plan = decode_plan(request)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {exc}")
-        result = await self._run(context, self._runner.execute, plan)
-        return encode_result(plan.step_id, result)
+    def ExecuteSteps(
+        self, request_iterator: Iterable[step_pb2.StepPlan], context: grpc.ServicerContext
+    ) -> Iterator[step_pb2.StepResult]:
+        execute = self._runner.execute
+        for request in request_iterator:
+            try:
+                plan = decode_plan(request)
+            except ValueError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {exc}")
+            yield encode_result(plan.step_id, self._run(context, execute, plan))
 
-    async def Shutdown(self, request: step_pb2.Empty, context: grpc.aio.ServicerContext) -> step_pb2.Empty:
-        await self._run(context, self._runner.shutdown)
+    def Shutdown(self, request: step_pb2.Empty, context: grpc.ServicerContext) -> step_pb2.Empty:
+        self._run(context, self._runner.shutdown)
         return step_pb2.Empty()
 
 
-async def start_step_server(runner: StepRunner, thread: ThreadPoolExecutor, host: str) -> tuple[grpc.aio.Server, str]:
-    """Start a StepWorker server for ``runner`` on ``host`` and a free port; returns it and ``host:port``."""
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    step_pb2_grpc.add_StepWorkerServicer_to_server(StepWorkerServicer(runner, thread), server)
+class StepServer:
+    """A started StepWorker server; ``stop`` it from the event loop that started it."""
+
+    def __init__(self, server: grpc.Server) -> None:
+        self._server = server
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Cancel the calls in flight after ``grace`` seconds (at once for ``None``) and close."""
+        await asyncio.to_thread(self._server.stop(grace).wait)
+
+
+async def start_step_server(runner: StepRunner, thread: ThreadPoolExecutor, host: str) -> tuple[StepServer, str]:
+    """Start a StepWorker server for ``runner`` on ``host`` and a free port; returns it and ``host:port``.
+
+    ``thread`` is the rank's worker thread, a ``ThreadPoolExecutor`` of one
+    thread: the server runs every RPC on it, so every call into ``runner``
+    runs there.
+    """
+    server = grpc.server(thread, options=GRPC_OPTIONS)
+    step_pb2_grpc.add_StepWorkerServicer_to_server(StepWorkerServicer(runner), server)
     port = server.add_insecure_port(join_host_port(host, 0))
     if port == 0:
         raise RuntimeError(f"could not bind a StepWorker server on {host}")
-    await server.start()
-    return server, join_host_port(host, port)
+    server.start()
+    return StepServer(server), join_host_port(host, port)
 
 
 def join_host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+

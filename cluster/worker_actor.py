@@ -1,13 +1,13 @@
 """One rank of one replica as a Ray actor, serving the StepWorker gRPC service.
 
 Ray places and names the rank; the steps themselves do not go through Ray:
-the scheduler sends them over gRPC straight to the actor's ``grpc.aio``
+the scheduler sends them over gRPC straight to the actor's StepWorker
 server, bound to the node's IP.  Lifecycle, driven by
 ``kvserve.cluster.replica_launcher``::
 
     address = await rank0.rendezvous_address.remote()     # for torch.distributed
     await asyncio.gather(*(a.start.remote(config_r) for each rank))   # -> "host:port"
-    then DetermineNumBlocks / InitializeCache / ExecuteStep / Shutdown over gRPC
+    then DetermineNumBlocks / InitializeCache / ExecuteSteps (a stream) / Shutdown over gRPC
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import socket
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import grpc
 import ray.util
 
-from kvserve.cluster.step_servicer import StepRunner, join_host_port, start_step_server
+from kvserve.cluster.step_servicer import StepRunner, StepServer, join_host_port, start_step_server
 from kvserve.scheduler.simulation.simulated_worker import SimulatedWorker, SimulatedWorkerConfig
 
 if TYPE_CHECKING:
@@ -58,7 +57,7 @@ class WorkerActor:
         self._host = ray.util.get_node_ip_address()
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvserve-r{replica_id}-t{rank}")
         self._worker: StepRunner | None = None
-        self._server: grpc.aio.Server | None = None
+        self._server: StepServer | None = None
 
     async def ping(self) -> bool:
         return True

@@ -30,15 +30,17 @@ class WireSamplingParams(_message.Message):
     seed: int
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class NewRequest(_message.Message):
-    __slots__ = ("req_id", "sampling_params", "num_prompt_tokens")
-    REQ_ID_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+class NewRequests(_message.Message):
+    __slots__ = ("req_ids", "num_prompt_tokens", "sampling_params_index", "sampling_params")
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    req_id: str
-    sampling_params: WireSamplingParams
-    num_prompt_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., sampling_params: _Optional[_Union[WireSamplingParams, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    SAMPLING_PARAMS_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_prompt_tokens: bytes
+    sampling_params_index: bytes
+    sampling_params: _containers.RepeatedCompositeFieldContainer[WireSamplingParams]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[bytes] = ..., sampling_params_index: _Optional[bytes] = ..., sampling_params: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "req_ids", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "num_new_block_ids", "new_block_ids", "sample", "new_requests", "finished_req_ids", "preempted_req_ids")
@@ -61,10 +63,10 @@ class StepPlan(_message.Message):
     num_new_block_ids: bytes
     new_block_ids: bytes
     sample: bytes
-    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    new_requests: NewRequests
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., num_new_block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., num_new_block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., new_requests: _Optional[_Union[NewRequests, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "logprobs", "has_samples")

@@ -44,8 +44,8 @@ class StepWorkerStub:
                 request_serializer=kvserve_dot_proto_dot_step__pb2.NumBlocks.SerializeToString,
                 response_deserializer=kvserve_dot_proto_dot_step__pb2.Empty.FromString,
                 _registered_method=True)
-        self.ExecuteStep = channel.unary_unary(
-                '/kvserve.internal.v1.StepWorker/ExecuteStep',
+        self.ExecuteSteps = channel.stream_stream(
+                '/kvserve.internal.v1.StepWorker/ExecuteSteps',
                 request_serializer=kvserve_dot_proto_dot_step__pb2.StepPlan.SerializeToString,
                 response_deserializer=kvserve_dot_proto_dot_step__pb2.StepResult.FromString,
                 _registered_method=True)
@@ -72,9 +72,14 @@ class StepWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def ExecuteStep(self, request, context):
-        """One forward pass.  Every rank of the replica receives the same plan;
-        only rank 0 returns sampled tokens.
+    def ExecuteSteps(self, request_iterator, context):
+        """The forward passes, one StepResult per StepPlan, in order.  The
+        scheduler keeps one stream open per rank and sends the next plan once
+        the previous result came (a message on an open stream costs a fraction
+        of a unary call).  Every rank of the replica receives the same plans;
+        only rank 0 returns sampled tokens.  A malformed plan ends the stream
+        with INVALID_ARGUMENT, a failing step with INTERNAL.  A rank serves one
+        call at a time, on its worker thread: other calls wait for the stream's end.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,8 +104,8 @@ def add_StepWorkerServicer_to_server(servicer, server):
                     request_deserializer=kvserve_dot_proto_dot_step__pb2.NumBlocks.FromString,
                     response_serializer=kvserve_dot_proto_dot_step__pb2.Empty.SerializeToString,
             ),
-            'ExecuteStep': grpc.unary_unary_rpc_method_handler(
-                    servicer.ExecuteStep,
+            'ExecuteSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExecuteSteps,
                     request_deserializer=kvserve_dot_proto_dot_step__pb2.StepPlan.FromString,
                     response_serializer=kvserve_dot_proto_dot_step__pb2.StepResult.SerializeToString,
             ),
@@ -175,7 +180,7 @@ class StepWorker:
             _registered_method=True)
 
     @staticmethod
-    def ExecuteStep(request,
+    def ExecuteSteps(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -185,10 +190,10 @@ class StepWorker:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/kvserve.internal.v1.StepWorker/ExecuteStep',
+            '/kvserve.internal.v1.StepWorker/ExecuteSteps',
             kvserve_dot_proto_dot_step__pb2.StepPlan.SerializeToString,
             kvserve_dot_proto_dot_step__pb2.StepResult.FromString,
             options,

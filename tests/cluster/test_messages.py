@@ -7,7 +7,7 @@ import pickle
 
 import ray.cloudpickle
 
-from kvserve.cluster.messages import RequestDelta
+from kvserve.cluster.messages import OutputBatch, RequestDelta
 
 
 def test_a_delta_with_every_field_set_round_trips_through_pickle():
@@ -19,3 +19,23 @@ def test_a_delta_with_every_field_set_round_trips_through_pickle():
     assert len(delta.__reduce__()[1]) == len(dataclasses.fields(RequestDelta))
     assert pickle.loads(pickle.dumps(delta)) == delta
     assert pickle.loads(ray.cloudpickle.dumps(delta)) == delta
+
+
+def test_an_output_batch_holds_each_request_once_and_yields_its_deltas():
+    running = RequestDelta("a", [1, 2], replica=0)
+    ended = RequestDelta("b", [3], finish_reason="stop", num_prompt_tokens=4, num_output_tokens=9, replica=1)
+    failed = RequestDelta("c", error="replica 1 failed", replica=1)
+    batch = OutputBatch.from_deltas([running, ended, failed])
+    assert (batch.req_ids, batch.token_ids, batch.replicas) == (["a"], [[1, 2]], [0])
+    assert batch.last_deltas == [ended, failed]
+    assert len(batch) == 3
+    assert list(batch) == [running, ended, failed]
+    assert list(OutputBatch()) == [] and len(OutputBatch()) == 0
+
+
+def test_an_output_batch_round_trips_through_rays_pickling():
+    batch = OutputBatch.from_deltas(
+        [RequestDelta(f"r{i}", [i, i + 1], replica=i % 2) for i in range(5)]
+        + [RequestDelta("done", [7], finish_reason="length", num_output_tokens=3)]
+    )
+    assert pickle.loads(ray.cloudpickle.dumps(batch)) == batch

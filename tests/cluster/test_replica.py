@@ -9,16 +9,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 import ray
 
 from kvserve import LLM, SamplingParams
 from kvserve.cluster.placement import PlacementError
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
-from kvserve.cluster.step_codec import encode_plan
 from kvserve.cluster.worker_actor import RAY_NAMESPACE, worker_actor_name
-from kvserve.proto import step_pb2, step_pb2_grpc
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
@@ -99,27 +96,6 @@ def test_rank_actors_are_found_by_name(replica: ReplicaHandle) -> None:
         assert found._actor_id == actor._actor_id
         assert ray.get(found.ping.remote(), timeout=10) is True
     assert worker_actor_name(0, 1) == "kvserve-worker-r0-t1"
-
-
-def test_malformed_plan_is_answered_invalid_argument_and_the_rank_keeps_serving(
-    replica: ReplicaHandle, loop: asyncio.AbstractEventLoop
-) -> None:
-    scheduler = make_scheduler(NUM_BLOCKS)
-    scheduler.add_request(Request("bad", [5, 6, 7], GREEDY))
-    message = encode_plan(scheduler.schedule())
-    message.token_ids = message.token_ids[:-4]
-
-    async def send() -> grpc.aio.AioRpcError:
-        async with grpc.aio.insecure_channel(replica.executor.addresses[1]) as channel:
-            stub = step_pb2_grpc.StepWorkerStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as error:
-                await stub.ExecuteStep(message, timeout=10)
-            assert await stub.DetermineNumBlocks(step_pb2.Empty(), timeout=10) == step_pb2.NumBlocks(num_blocks=NUM_BLOCKS)
-            return error.value
-
-    error = loop.run_until_complete(send())
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "token_ids has 2 entries but num_scheduled_tokens adds up to 3" in error.details()
 
 
 def test_unplaceable_replica_fails_naming_the_missing_resource(

@@ -21,7 +21,7 @@ from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_plan import NewRequestData, StepPlan
 from kvserve.scheduler.step_result import StepResult
 from tests.scheduler.paged_token_worker import PagedTokenWorker
 
@@ -159,15 +159,38 @@ def test_sample_flag_other_than_0_or_1_is_rejected(message: step_pb2.StepPlan) -
 
 
 def test_invalid_sampling_params_are_rejected_by_field(message: step_pb2.StepPlan) -> None:
-    message.new_requests[0].sampling_params.top_p = 1.5
-    with pytest.raises(ValueError, match=r"^new_requests\[0\]\.sampling_params: top_p"):
+    message.new_requests.sampling_params[0].top_p = 1.5
+    with pytest.raises(ValueError, match=r"^new_requests\.sampling_params\[0\]: top_p"):
         decode_plan(message)
 
 
-def test_new_request_without_sampling_params_is_rejected(message: step_pb2.StepPlan) -> None:
-    message.new_requests[0].ClearField("sampling_params")
-    with pytest.raises(ValueError, match=r"^new_requests\[0\]\.sampling_params is missing"):
+def test_new_request_pointing_past_the_sampling_params_is_rejected(message: step_pb2.StepPlan) -> None:
+    num_params = len(message.new_requests.sampling_params)
+    message.new_requests.sampling_params_index = int32([num_params]) + message.new_requests.sampling_params_index[4:]
+    with pytest.raises(
+        ValueError, match=rf"^new_requests\.sampling_params_index holds {num_params}, but there are {num_params}"
+    ):
         decode_plan(message)
+
+
+def test_new_requests_column_with_a_missing_request_is_rejected(message: step_pb2.StepPlan) -> None:
+    message.new_requests.num_prompt_tokens = message.new_requests.num_prompt_tokens[:-4]
+    pattern = r"^new_requests\.num_prompt_tokens has .* entries for .* new_requests\.req_ids"
+    with pytest.raises(ValueError, match=pattern):
+        decode_plan(message)
+
+
+def test_new_requests_send_each_distinct_sampling_params_once() -> None:
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    seeded = SamplingParams(max_tokens=8, temperature=0.7, seed=3)
+    new_requests = [
+        NewRequestData(f"r{i}", params, 5 + i) for i, params in enumerate([greedy, seeded, greedy, greedy])
+    ]
+    req_ids = [new.req_id for new in new_requests]
+    plan = StepPlan(1, req_ids, [1] * 4, [4, 5, 6, 7], [9] * 4, [0] * 4, [], [True] * 4, new_requests, [], [])
+    message = encode_plan(plan)
+    assert len(message.new_requests.sampling_params) == 2
+    assert over_the_wire(plan) == plan
 
 
 def test_result_with_unpaired_logprobs_is_rejected() -> None:

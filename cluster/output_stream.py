@@ -1,0 +1,127 @@
+"""One request's outputs on their way from the front end's dispatcher to its ``Generate`` call.
+
+Every message on a gRPC stream costs the server and the client tens of
+microseconds of CPU, whatever it carries: with a fast model, one message per
+token would cost more than computing the token.  So a stream sends at most
+one message per interval.  Its first tokens (time to first token) and its
+end go out as soon as they arrive; the tokens that arrive less than an
+interval after the previous message wait for the rest of it and travel
+together::
+
+    steps        t t t t t t t t t t t t t t t end
+    messages     ^ ·······^·······^·······^·····^
+                 first    every interval        end (at once)
+
+The interval is the server's ``StreamPacing``: a minimum, grown with the
+number of streams in flight so that the server sends at most its budget of
+messages per second.  An interval of 0 sends whatever arrived at once (one
+message per fetch of outputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvserve.cluster.messages import RequestDelta
+
+
+class StreamPacing:
+    """The interval between two messages of a stream, shared by every stream of one server.
+
+    ``interval_s`` is ``min_interval_s``, or ``num_streams / max_messages_per_s``
+    when that is longer (``max_messages_per_s`` ``None``: no budget).
+    """
+
+    __slots__ = ("min_interval_s", "max_messages_per_s", "interval_s")
+
+    def __init__(self, min_interval_s: float, max_messages_per_s: int | None) -> None:
+        self.min_interval_s = min_interval_s
+        self.max_messages_per_s = max_messages_per_s
+        self.interval_s = min_interval_s
+
+    def set_num_streams(self, num_streams: int) -> None:
+        budget = self.max_messages_per_s
+        self.interval_s = max(self.min_interval_s, num_streams / budget) if budget else self.min_interval_s
+
+
+class OutputStream:
+    """Tokens received and not yet sent, and the pacing of one request's messages.
+
+    The dispatcher calls ``add`` and ``end``; the request's ``Generate``
+    coroutine awaits ``next_message`` until it returns the last delta
+    (``is_last``).  Both run on the server's event loop.
+    """
+
+    __slots__ = (
+        "req_id", "_pacing", "_token_ids", "_replica", "_last", "_num_messages", "_last_message_time",
+        "_waiter", "_wake_on_data",
+    )
+
+    def __init__(self, req_id: str, pacing: StreamPacing) -> None:
+        self.req_id = req_id
+        self._pacing = pacing
+        self._token_ids: list[int] = []
+        self._replica = -1
+        self._last: RequestDelta | None = None
+        self._num_messages = 0
+        self._last_message_time = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+        self._wake_on_data = False
+
+    def add(self, token_ids: list[int], replica: int) -> None:
+        """New tokens of the running request."""
+        self._token_ids += token_ids
+        self._replica = replica
+        if self._wake_on_data and self._waiter is not None:
+            _resolve(self._waiter)
+
+    def end(self, delta: RequestDelta) -> None:
+        """The request's last delta (``is_last``): it goes out at once, with the tokens held back."""
+        self._last = delta
+        if self._waiter is not None:
+            _resolve(self._waiter)
+
+    async def next_message(self) -> RequestDelta:
+        """The next message once it is due: the tokens since the previous one, or the last delta
+        (with any tokens held back in front of its own)."""
+        loop = asyncio.get_running_loop()
+        interval_s = self._pacing.interval_s
+        if self._num_messages and interval_s and self._last is None:
+            await self._wait(loop, self._last_message_time + interval_s)
+        while not self._token_ids and self._last is None:
+            await self._wait(loop, None)
+        token_ids, self._token_ids = self._token_ids, []
+        self._num_messages += 1
+        self._last_message_time = loop.time()
+        last = self._last
+        if last is None:
+            return RequestDelta(self.req_id, token_ids, replica=self._replica)
+        if not token_ids:
+            return last
+        return RequestDelta(
+            last.req_id,
+            token_ids + last.token_ids,
+            finish_reason=last.finish_reason,
+            error=last.error,
+            num_prompt_tokens=last.num_prompt_tokens,
+            num_cached_tokens=last.num_cached_tokens,
+            num_output_tokens=last.num_output_tokens,
+            replica=last.replica,
+        )
+
+    async def _wait(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
+        """Until ``deadline`` (``end`` wakes it early), or, for ``None``, until ``add`` or ``end``."""
+        waiter = self._waiter = loop.create_future()
+        self._wake_on_data = deadline is None
+        timer = None if deadline is None else loop.call_at(deadline, _resolve, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+
+def _resolve(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

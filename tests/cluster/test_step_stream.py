@@ -1,0 +1,249 @@
+"""The step protocol's stream between a ``GrpcReplicaExecutor`` and StepWorker servers, without Ray.
+
+The ranks here are ``StepRunner`` stand-ins served in this process, so that
+a slow or failing step can be staged exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+
+from kvserve.cluster.replica_client import GrpcReplicaExecutor
+from kvserve.cluster.step_codec import decode_result, encode_plan
+from kvserve.cluster.step_servicer import start_step_server
+from kvserve.proto import step_pb2, step_pb2_grpc
+from kvserve.scheduler.executor import ReplicaFailedError
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.step_plan import NewRequestData, StepPlan
+from kvserve.scheduler.step_result import StepResult
+
+NUM_BLOCKS = 32
+
+
+def plan(step_id: int) -> StepPlan:
+    return StepPlan(
+        step_id=step_id,
+        req_ids=["a", "b"],
+        num_scheduled_tokens=[2, 1],
+        num_computed_tokens=[0, 4],
+        token_ids=[step_id, 7, 8],
+        num_new_block_ids=[1, 0],
+        new_block_ids=[3],
+        sample=[True, True],
+        new_requests=[NewRequestData("a", SamplingParams(max_tokens=4), 2)] if step_id == 0 else [],
+        finished_req_ids=[],
+        preempted_req_ids=[],
+    )
+
+
+class Rank:
+    """A rank without a model: answers each plan with its first token id, after ``execute_hook``."""
+
+    def __init__(self, sample: bool, execute_hook: Callable[[StepPlan], None] | None = None) -> None:
+        self.sample = sample
+        self.execute_hook = execute_hook
+        self.plans: list[StepPlan] = []
+        self.threads: set[int] = set()
+        self.shut_down = False
+
+    def determine_num_blocks(self) -> int:
+        self.threads.add(threading.get_ident())
+        return NUM_BLOCKS
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        self.threads.add(threading.get_ident())
+
+    def execute(self, plan: StepPlan) -> StepResult | None:
+        self.threads.add(threading.get_ident())
+        if self.execute_hook is not None:
+            self.execute_hook(plan)
+        self.plans.append(plan)
+        if not self.sample:
+            return None
+        return StepResult(plan.step_id, [plan.token_ids[0]] * plan.num_sampled, [-0.5] * plan.num_sampled)
+
+    def shutdown(self) -> None:
+        self.threads.add(threading.get_ident())
+        self.shut_down = True
+
+
+@asynccontextmanager
+async def replica(*ranks: Rank, step_timeout_s: float = 10.0) -> AsyncIterator[GrpcReplicaExecutor]:
+    servers = []
+    threads = []
+    for rank in ranks:
+        thread = ThreadPoolExecutor(max_workers=1)
+        server, address = await start_step_server(rank, thread, "127.0.0.1")
+        servers.append((server, address))
+        threads.append(thread)
+    executor = GrpcReplicaExecutor(0, [address for _, address in servers], step_timeout_s=step_timeout_s)
+    try:
+        await executor.initialize_cache()
+        yield executor
+    finally:
+        await executor.shutdown()
+        for server, _ in servers:
+            await server.stop(None)
+        for thread in threads:
+            thread.shutdown(wait=False, cancel_futures=True)
+
+
+def test_every_step_reaches_every_rank_in_order_and_rank_0_answers() -> None:
+    ranks = [Rank(sample=True), Rank(sample=False)]
+
+    async def scenario() -> list[StepResult]:
+        async with replica(*ranks) as executor:
+            return [await executor.execute(plan(i)) for i in range(20)]
+
+    results = asyncio.run(scenario())
+    assert [r.step_id for r in results] == list(range(20))
+    assert [r.sampled_token_ids for r in results] == [[i, i] for i in range(20)]
+    for rank in ranks:
+        assert [p.step_id for p in rank.plans] == list(range(20))
+        assert rank.plans[0].new_requests == plan(0).new_requests
+        assert rank.shut_down
+
+
+def test_every_call_into_a_rank_runs_on_its_one_worker_thread() -> None:
+    rank = Rank(sample=True)
+
+    async def scenario() -> None:
+        async with replica(rank) as executor:
+            for i in range(5):
+                await executor.execute(plan(i))
+
+    asyncio.run(scenario())
+    assert len(rank.threads) == 1
+
+
+def test_a_step_past_its_deadline_fails_the_replica_and_every_step_after() -> None:
+    release = threading.Event()
+    rank = Rank(sample=True, execute_hook=lambda p: p.step_id == 1 and release.wait(10))
+
+    async def scenario() -> None:
+        async with replica(rank, step_timeout_s=0.3) as executor:
+            await executor.execute(plan(0))
+            start = time.monotonic()
+            with pytest.raises(ReplicaFailedError, match=r"replica 0 did not answer step 1 within 0.3 s"):
+                await executor.execute(plan(1))
+            assert time.monotonic() - start < 2.0
+            assert executor.failed
+            release.set()
+            with pytest.raises(ReplicaFailedError, match="did not answer step 1"):
+                await executor.execute(plan(2))
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_step_is_internal_and_fails_the_replica() -> None:
+    def fail_step_3(p: StepPlan) -> None:
+        if p.step_id == 3:
+            raise RuntimeError("out of blocks")
+
+    rank = Rank(sample=True, execute_hook=fail_step_3)
+
+    async def scenario() -> None:
+        async with replica(rank) as executor:
+            for i in range(3):
+                await executor.execute(plan(i))
+            with pytest.raises(
+                ReplicaFailedError, match="replica 0 rank 0 failed at step 3: INTERNAL: RuntimeError: out of blocks"
+            ):
+                await executor.execute(plan(3))
+            with pytest.raises(ReplicaFailedError, match="failed at step 3"):
+                await executor.execute(plan(4))
+
+    asyncio.run(scenario())
+
+
+def test_a_failing_rank_of_two_fails_the_replica_naming_it() -> None:
+    def fail(p: StepPlan) -> None:
+        raise ValueError("bad shard")
+
+    ranks = [Rank(sample=True), Rank(sample=False, execute_hook=fail)]
+
+    async def scenario() -> None:
+        async with replica(*ranks) as executor:
+            failure = "replica 0 rank 1 failed at step 0: INTERNAL: ValueError: bad shard"
+            with pytest.raises(ReplicaFailedError, match=failure):
+                await executor.execute(plan(0))
+
+    asyncio.run(scenario())
+
+
+def test_a_cancelled_step_makes_the_replica_unusable() -> None:
+    release = threading.Event()
+    rank = Rank(sample=True, execute_hook=lambda p: release.wait(10))
+
+    async def scenario() -> None:
+        async with replica(rank) as executor:
+            step = asyncio.create_task(executor.execute(plan(0)))
+            await asyncio.sleep(0.2)
+            step.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await step
+            release.set()
+            with pytest.raises(ReplicaFailedError, match="step 0 was cancelled in flight"):
+                await executor.execute(plan(1))
+
+    asyncio.run(scenario())
+
+
+@asynccontextmanager
+async def served(rank: Rank) -> AsyncIterator[step_pb2_grpc.StepWorkerStub]:
+    """A stub to ``rank``'s own StepWorker server."""
+    thread = ThreadPoolExecutor(max_workers=1)
+    server, address = await start_step_server(rank, thread, "127.0.0.1")
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            yield step_pb2_grpc.StepWorkerStub(channel)
+    finally:
+        await server.stop(None)
+        thread.shutdown(wait=False, cancel_futures=True)
+
+
+def test_a_malformed_plan_ends_its_stream_invalid_argument_and_the_rank_keeps_serving() -> None:
+    async def scenario() -> None:
+        async with served(Rank(sample=True)) as stub:
+            message = encode_plan(plan(0))
+            message.token_ids = message.token_ids[:-4]
+            steps = stub.ExecuteSteps(timeout=10)
+            await steps.write(message)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await steps.read()
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "step 0: token_ids has 2 entries but num_scheduled_tokens adds up to 3" in error.value.details()
+            num_blocks = await stub.DetermineNumBlocks(step_pb2.Empty(), timeout=10)
+            assert num_blocks.num_blocks == NUM_BLOCKS
+            steps = stub.ExecuteSteps(timeout=10)
+            await steps.write(encode_plan(plan(0)))
+            assert decode_result(await steps.read()).sampled_token_ids == [0, 0]
+            await steps.done_writing()
+
+    asyncio.run(scenario())
+
+
+def test_a_rank_serves_one_call_at_a_time_so_a_second_stream_waits_for_the_first() -> None:
+    async def scenario() -> None:
+        async with served(Rank(sample=True)) as stub:
+            first = stub.ExecuteSteps(timeout=10)
+            await first.write(encode_plan(plan(0)))
+            assert decode_result(await first.read()).step_id == 0
+            second = stub.ExecuteSteps(timeout=10)
+            await second.write(encode_plan(plan(1)))
+            answer = asyncio.ensure_future(second.read())
+            await asyncio.sleep(0.3)
+            assert not answer.done()
+            await first.done_writing()
+            assert decode_result(await asyncio.wait_for(answer, 5)).step_id == 1
+            await second.done_writing()
+
+    asyncio.run(scenario())
