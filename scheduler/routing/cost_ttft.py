@@ -113,7 +113,7 @@ class CostTTFTPolicy:
     ) -> np.ndarray:
         """Estimated seconds to ``request``'s first token on each replica."""
         table = LoadTable.of(replicas)
-        return self._estimate(table, self._uncached_tokens(request, table, index))
+        return self._estimate(table, self._uncached_tokens(request, table, index), self._step_time(table))
 
     def select(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
@@ -122,7 +122,8 @@ class CostTTFTPolicy:
         table.check_any_available()
         available = None if table.all_available else table.available
         uncached = self._uncached_tokens(request, table, index)
-        score = self._estimate(table, uncached)
+        step_time = self._step_time(table)
+        score = self._estimate(table, uncached, step_time)
         waiting = table.num_waiting if available is None else table.num_waiting[available]
         min_waiting = int(waiting.min())
         if self.work_penalty and min_waiting:
@@ -134,7 +135,7 @@ class CostTTFTPolicy:
             model = self.cost_model
             # Its own decoding, the slowdown of the running decodes there, and
             # their stall while its uncached prompt is computed.
-            score += horizon * (self._step_time(table) + model.c * table.num_running)
+            score += horizon * (step_time + model.c * table.num_running)
             score += model.b * uncached * table.num_running
         outstanding = table.num_outstanding
         if self.load_factor is not None:
@@ -144,7 +145,7 @@ class CostTTFTPolicy:
         if available is not None:
             score[~available] = np.inf
         best = int(score.argmin())
-        tolerance = self.tie_tolerance_steps * float(self._step_time(table)[best]) + 1e-12
+        tolerance = self.tie_tolerance_steps * float(step_time[best]) + 1e-12
         ties = np.flatnonzero(score <= score[best] + tolerance)
         if len(ties) > 1:
             # Fewest outstanding requests first, then the lowest score (lexsort: last key first).
@@ -159,12 +160,12 @@ class CostTTFTPolicy:
             uncached[replica_id] -= request.cached_tokens(num_blocks)
         return uncached
 
-    def _estimate(self, table: LoadTable, uncached: np.ndarray) -> np.ndarray:
-        """The TTFT estimate of each replica, given the request's uncached tokens there."""
+    def _estimate(self, table: LoadTable, uncached: np.ndarray, step_time: np.ndarray) -> np.ndarray:
+        """The TTFT estimate of each replica, given the request's uncached tokens there and its step time."""
         model = self.cost_model
         prefill_budget = np.maximum(self.max_num_batched_tokens - table.num_running, 1)
         work = table.num_queued_prefill_tokens - table.num_queued_cached_tokens + uncached
-        return np.ceil(work / prefill_budget) * self._step_time(table) + model.b * work
+        return np.ceil(work / prefill_budget) * step_time + model.b * work
 
     def _step_time(self, table: LoadTable) -> np.ndarray:
         """Seconds of one step of each replica with its running decodes (no prefill)."""

@@ -64,12 +64,37 @@ def synthetic_step_result(plan: StepPlan, vocab_size: int) -> StepResult:
     return StepResult(plan.step_id, tokens, [0.0] * len(tokens))
 
 
-def _check_vocab_size(vocab_size: int) -> None:
-    if vocab_size <= FIRST_SYNTHETIC_TOKEN_ID:
-        raise ValueError(f"vocab_size must be > {FIRST_SYNTHETIC_TOKEN_ID}, got {vocab_size}")
+class _SimulatedSteps:
+    """What both simulated executors share: validation, the modelled step time, synthetic tokens."""
+
+    def __init__(self, cost_model: StepCostModel, num_kv_blocks: int, vocab_size: int, time_scale: float) -> None:
+        if vocab_size <= FIRST_SYNTHETIC_TOKEN_ID:
+            raise ValueError(f"vocab_size must be > {FIRST_SYNTHETIC_TOKEN_ID}, got {vocab_size}")
+        if num_kv_blocks < 2:
+            raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
+        if time_scale < 0:
+            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+        self.cost_model = cost_model
+        self.vocab_size = vocab_size
+        self.time_scale = time_scale
+        self._num_kv_blocks = num_kv_blocks
+        self._closed = False
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_kv_blocks
+
+    def _step_seconds(self, plan: StepPlan) -> float:
+        """Seconds ``plan`` lasts; ``RuntimeError`` once shut down."""
+        if self._closed:
+            raise RuntimeError("the simulated executor was shut down")
+        return self.time_scale * self.cost_model.step_time(plan)
+
+    def _result(self, plan: StepPlan) -> StepResult:
+        return synthetic_step_result(plan, self.vocab_size)
 
 
-class SimulatedExecutor:
+class SimulatedExecutor(_SimulatedSteps):
     """An ``Executor`` whose steps sleep ``time_scale * cost_model.step_time(plan)`` seconds."""
 
     def __init__(
@@ -81,35 +106,20 @@ class SimulatedExecutor:
         time_scale: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        _check_vocab_size(vocab_size)
-        if num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
-        if time_scale < 0:
-            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
-        self.cost_model = cost_model
-        self.vocab_size = vocab_size
-        self.time_scale = time_scale
-        self._num_kv_blocks = num_kv_blocks
+        super().__init__(cost_model, num_kv_blocks, vocab_size, time_scale)
         self._sleep = sleep
-        self._closed = False
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self._num_kv_blocks
 
     def execute(self, plan: StepPlan) -> StepResult:
-        if self._closed:
-            raise RuntimeError("the simulated executor was shut down")
-        seconds = self.time_scale * self.cost_model.step_time(plan)
+        seconds = self._step_seconds(plan)
         if seconds > 0:
             self._sleep(seconds)
-        return synthetic_step_result(plan, self.vocab_size)
+        return self._result(plan)
 
     def shutdown(self) -> None:
         self._closed = True
 
 
-class AsyncSimulatedExecutor:
+class AsyncSimulatedExecutor(_SimulatedSteps):
     """An ``AsyncExecutor`` whose steps ``asyncio.sleep`` for the modelled step time."""
 
     def __init__(
@@ -120,26 +130,11 @@ class AsyncSimulatedExecutor:
         vocab_size: int = 32_000,
         time_scale: float = 1.0,
     ) -> None:
-        _check_vocab_size(vocab_size)
-        if num_kv_blocks < 2:
-            raise ValueError(f"num_kv_blocks must be >= 2, got {num_kv_blocks}")
-        if time_scale < 0:
-            raise ValueError(f"time_scale must be >= 0, got {time_scale}")
-        self.cost_model = cost_model
-        self.vocab_size = vocab_size
-        self.time_scale = time_scale
-        self._num_kv_blocks = num_kv_blocks
-        self._closed = False
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self._num_kv_blocks
+        super().__init__(cost_model, num_kv_blocks, vocab_size, time_scale)
 
     async def execute(self, plan: StepPlan) -> StepResult:
-        if self._closed:
-            raise RuntimeError("the simulated executor was shut down")
-        await asyncio.sleep(self.time_scale * self.cost_model.step_time(plan))
-        return synthetic_step_result(plan, self.vocab_size)
+        await asyncio.sleep(self._step_seconds(plan))
+        return self._result(plan)
 
     async def shutdown(self) -> None:
         self._closed = True
