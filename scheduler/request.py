@@ -28,6 +28,9 @@ _FINISHED_STATUSES = frozenset(
 )
 
 
+_NO_STOP_TOKENS: frozenset[int] = frozenset()
+
+
 class FinishReason(enum.Enum):
     """Why a request stopped: a stop/EOS token, a length limit, or an abort."""
 
@@ -95,7 +98,9 @@ class Request:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(eos_token_ids)
-        self.stop_token_ids: frozenset[int] = frozenset(stop)
+        # NOTE: one shared empty set for the usual case, so that the per-token
+        # stop check reads memory that is already in cache.
+        self.stop_token_ids: frozenset[int] = frozenset(stop) if stop else _NO_STOP_TOKENS
         self.cache_salt = cache_salt
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING

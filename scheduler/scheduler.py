@@ -186,8 +186,10 @@ class Scheduler:
             request = running[req_index]
             start = request.num_computed_tokens
             num_tokens = len(request.all_token_ids)
-            num_new = min(num_tokens - start, budget, max_chunk)
-            if num_new <= 0:
+            num_new = num_tokens - start
+            if num_new > 1:
+                num_new = min(num_new, budget, max_chunk)
+            elif num_new <= 0:
                 req_index += 1
                 continue
             while True:
@@ -208,9 +210,11 @@ class Scheduler:
                 token_ids.append(request.all_token_ids[start])
             else:
                 token_ids.extend(request.all_token_ids[start : start + num_new])
-            num_new_block_ids.append(len(new_blocks))
-            for block in new_blocks:
-                new_block_ids.append(block.block_id)
+            if new_blocks:
+                num_new_block_ids.append(len(new_blocks))
+                new_block_ids.extend([block.block_id for block in new_blocks])
+            else:
+                num_new_block_ids.append(0)
             sample.append(start + num_new == num_tokens)
             request.num_computed_tokens = start + num_new
             budget -= num_new
@@ -282,6 +286,8 @@ class Scheduler:
         plan: StepPlan,
         sampled_token_ids: Sequence[int],
         logprobs: Sequence[float] | None = None,
+        *,
+        collect_outputs: bool = True,
     ) -> list[RequestOutput]:
         """Apply the tokens sampled for ``plan`` (one per ``plan.sample`` row, in order).
 
@@ -289,6 +295,9 @@ class Scheduler:
         finished carry their reason and have already freed their blocks.
         Requests aborted while the step was in flight are skipped.
         ``logprobs``, when given, parallels ``sampled_token_ids``.
+        ``collect_outputs=False`` returns ``[]`` instead (the state changes
+        are the same), for callers that follow requests themselves: the
+        simulator, where making an output per token costs a tenth of its time.
         """
         if hasattr(sampled_token_ids, "tolist"):
             sampled_token_ids = sampled_token_ids.tolist()  # type: ignore[union-attr]
@@ -327,7 +336,8 @@ class Scheduler:
             ):
                 reason = FinishReason.LENGTH
             else:
-                outputs.append(RequestOutput(req_id, token_id, None, logprob))
+                if collect_outputs:
+                    outputs.append(RequestOutput(req_id, token_id, None, logprob))
                 continue
             request.finish(reason)
             self._num_running_tokens -= request.num_computed_tokens
@@ -335,7 +345,8 @@ class Scheduler:
             del requests[req_id]
             self._finished_req_ids.append(req_id)
             any_finished = True
-            outputs.append(RequestOutput(req_id, token_id, reason, logprob))
+            if collect_outputs:
+                outputs.append(RequestOutput(req_id, token_id, reason, logprob))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs

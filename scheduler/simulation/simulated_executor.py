@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from array import array
 from collections.abc import Callable
 
 import numpy as np
@@ -45,11 +46,29 @@ def synthetic_token_id(req_id: str, position: int, vocab_size: int, seed: int | 
 
 def synthetic_output_token_ids(req_id: str, num_prompt_tokens: int, num_outputs: int, vocab_size: int) -> list[int]:
     """The first ``num_outputs`` synthetic tokens ``req_id`` samples (``synthetic_token_id``, vectorised)."""
+    return _synthetic_output_tokens(req_id, num_prompt_tokens, num_outputs, vocab_size).tolist()
+
+
+def synthetic_output_token_array(
+    req_id: str, num_prompt_tokens: int, num_outputs: int, vocab_size: int
+) -> array[int]:
+    """``synthetic_output_token_ids`` as a compact ``array('q')``.
+
+    NOTE: the simulator holds every live request's future tokens; as a list,
+    each token is a separate int object, and reading them scattered across
+    memory cost it a seventh of its time.
+    """
+    tokens = array("q")
+    tokens.frombytes(_synthetic_output_tokens(req_id, num_prompt_tokens, num_outputs, vocab_size).tobytes())
+    return tokens
+
+
+def _synthetic_output_tokens(req_id: str, num_prompt_tokens: int, num_outputs: int, vocab_size: int) -> np.ndarray:
     positions = np.arange(num_prompt_tokens, num_prompt_tokens + num_outputs, dtype=np.uint64)
     seed = np.uint64(request_token_seed(req_id))
     mixed = (seed + positions * np.uint64(_GOLDEN)) >> np.uint64(17)  # wraps mod 2**64, as intended
     span = np.uint64(vocab_size - FIRST_SYNTHETIC_TOKEN_ID)
-    return (mixed % span + np.uint64(FIRST_SYNTHETIC_TOKEN_ID)).tolist()
+    return (mixed % span + np.uint64(FIRST_SYNTHETIC_TOKEN_ID)).astype(np.int64)
 
 
 def synthetic_step_result(plan: StepPlan, vocab_size: int) -> StepResult:

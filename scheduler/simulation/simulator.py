@@ -20,10 +20,12 @@ heap, so each event costs O(log replicas), not O(replicas).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,7 +36,7 @@ from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.simulation.cost_model import StepCostModel
-from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_ids
+from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
 from kvserve.scheduler.step_plan import StepPlan
 
 logger = logging.getLogger(__name__)
@@ -139,10 +141,11 @@ class FleetSimulator:
             config.cache_config.block_size,
             model_id=config.cache_config.model_id,
         )
-        self.schedulers = [
-            Scheduler(config.scheduler_config, config.cache_config, observer=self.router.observer_for(r))
-            for r in range(config.num_replicas)
-        ]
+        with _cyclic_gc_paused():
+            self.schedulers = [
+                Scheduler(config.scheduler_config, config.cache_config, observer=self.router.observer_for(r))
+                for r in range(config.num_replicas)
+            ]
         for replica_id, scheduler in enumerate(self.schedulers):
             self.router.update_load(replica_id, scheduler.get_load())
         self._used = False
@@ -163,6 +166,15 @@ class FleetSimulator:
         if self._used:
             raise ValueError("a FleetSimulator runs once; make a new one")
         self._used = True
+        with _cyclic_gc_paused():
+            return self._run(requests, progress, progress_every)
+
+    def _run(
+        self,
+        requests: Sequence[SimulatedRequest],
+        progress: ProgressCallback | None,
+        progress_every: int,
+    ) -> SimulationResult:
         wall_start = time.perf_counter()
         num_requests = len(requests)
         num_replicas = self.config.num_replicas
@@ -226,7 +238,7 @@ class FleetSimulator:
                     entry.num_output_tokens = num_output
                     if num_output == entry.output_len:
                         finished.append(entry)
-            schedulers[replica_id].update(plan, tokens)
+            schedulers[replica_id].update(plan, tokens, collect_outputs=False)
             for entry in finished:
                 request = entry.request
                 if not request.is_finished:
@@ -256,7 +268,7 @@ class FleetSimulator:
             req_id = str(index)
             output_token_ids = item.output_token_ids
             if output_token_ids is None:
-                output_token_ids = synthetic_output_token_ids(
+                output_token_ids = synthetic_output_token_array(
                     req_id, len(item.prompt_token_ids), output_len, vocab_size
                 )
             elif len(output_token_ids) < output_len:
@@ -323,3 +335,22 @@ class FleetSimulator:
             end_time=now,
             wall_time=wall_time,
         )
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Pause Python's cycle collector for the duration (as it was, afterwards).
+
+    NOTE: a fleet is millions of long-lived objects (every replica's blocks),
+    and a simulation allocates a few per token, so the collector's periodic
+    full passes re-scan the fleet for nothing: a simulation makes no reference
+    cycles per step (refcounting frees its garbage).  Pausing it saves about
+    a tenth of the run.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

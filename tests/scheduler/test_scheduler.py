@@ -197,6 +197,34 @@ def test_preemption_and_resumption_give_identical_results() -> None:
     assert tight.kv_cache_manager.get_num_free_blocks() == 23
 
 
+def test_update_without_outputs_changes_state_exactly_as_with_them() -> None:
+    # Tight pool: preemptions; an EOS-stopping request among length-limited ones.
+    prompts = random_prompts(10, seed=5, shared_prefix=8)
+    schedulers = [make_scheduler(budget=48, num_blocks=24) for _ in range(2)]
+    workers = [PagedTokenWorker(24, 4) for _ in range(2)]
+    requests: list[list[Request]] = [[], []]
+    for side, scheduler in enumerate(schedulers):
+        for i, prompt in enumerate(prompts):
+            requests[side].append(add(scheduler, f"r{i}", prompt, max_tokens=30, ignore_eos=i % 3 != 0))
+    num_steps = 0
+    while schedulers[0].has_unfinished_requests():
+        plans = [scheduler.schedule() for scheduler in schedulers]
+        assert plans[0] == plans[1]
+        tokens = workers[0].execute(plans[0])
+        assert workers[1].execute(plans[1]) == tokens
+        assert schedulers[1].update(plans[1], tokens, collect_outputs=False) == []
+        assert schedulers[0].update(plans[0], tokens)  # the usual call still reports
+        assert schedulers[0].get_load() == schedulers[1].get_load()
+        num_steps += 1
+    assert not schedulers[1].has_unfinished_requests()
+    for with_outputs, without in zip(*requests):
+        assert without.output_token_ids == with_outputs.output_token_ids
+        assert without.finish_reason is with_outputs.finish_reason
+        assert without.num_preemptions == with_outputs.num_preemptions
+    assert sum(r.num_preemptions for r in requests[1]) > 0
+    assert {r.finish_reason for r in requests[1]} == {FinishReason.STOP, FinishReason.LENGTH}
+
+
 def test_preempted_request_goes_to_the_front_of_the_waiting_queue() -> None:
     scheduler = make_scheduler(budget=64, num_blocks=5, block_size=2, max_num_seqs=2)
     add(scheduler, "a", [1, 2, 3], max_tokens=6, ignore_eos=True)

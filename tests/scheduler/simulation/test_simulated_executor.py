@@ -15,6 +15,7 @@ from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulated_executor import (
     AsyncSimulatedExecutor,
     SimulatedExecutor,
+    synthetic_output_token_array,
     synthetic_output_token_ids,
     synthetic_token_id,
 )
@@ -47,6 +48,8 @@ def test_synthetic_tokens_are_deterministic_and_in_range() -> None:
     assert min(tokens) >= 3 and max(tokens) < 50
     assert len(set(tokens)) > 40
     assert synthetic_output_token_ids("req-7", 10, 20, 50) == tokens[10:30]
+    assert synthetic_output_token_array("req-7", 10, 20, 50).tolist() == tokens[10:30]
+    assert synthetic_output_token_array("req-7", 10, 0, 50).tolist() == []
 
 
 def test_an_engine_on_a_simulated_executor_runs_requests_to_completion() -> None:
