@@ -129,19 +129,13 @@ class KVCacheManager:
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if new_computed_blocks is None and request.num_computed_tokens + num_new_tokens <= request.kv_room:
+            # Fast path of a decode step: room left in the last block, and no
+            # block becomes full.
+            return []
         block_size = self.block_size
         req_id = request.req_id
         req_blocks = self.req_to_blocks.get(req_id)
-        if req_blocks is not None and new_computed_blocks is None:
-            # Fast path of a decode step: room left in the last block, and no
-            # block becomes full.
-            num_tokens_needed = request.num_computed_tokens + num_new_tokens
-            if num_tokens_needed <= len(req_blocks) * block_size and (
-                not self.enable_caching
-                or min(num_tokens_needed, len(request.all_token_ids)) // block_size
-                <= self.num_cached_blocks[req_id]
-            ):
-                return []
         computed = new_computed_blocks.blocks if new_computed_blocks is not None else ()
         num_computed_tokens = request.num_computed_tokens + len(computed) * block_size
         num_tokens_needed = num_computed_tokens + num_new_tokens
@@ -164,19 +158,24 @@ class KVCacheManager:
             req_blocks.extend(new_blocks)
         else:
             new_blocks = []
+        room = len(req_blocks) * block_size
         if self.enable_caching:
             num_full_blocks = min(num_tokens_needed, request.num_tokens) // block_size
             num_cached = self.num_cached_blocks[req_id]
             if num_full_blocks > num_cached:
                 self.update_block_hashes(request)
                 pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
-                self.num_cached_blocks[req_id] = num_full_blocks
+                self.num_cached_blocks[req_id] = num_cached = num_full_blocks
+            # Past this length the next uncached block would be full: it must be cached.
+            room = min(room, (num_cached + 1) * block_size - 1)
+        request.kv_room = room
         return new_blocks
 
     def free(self, request: Request) -> None:
         """Release every block of ``request``, last block first."""
         req_blocks = self.req_to_blocks.pop(request.req_id, None)
         self.num_cached_blocks.pop(request.req_id, None)
+        request.kv_room = 0
         if req_blocks:
             self.block_pool.free_blocks(reversed(req_blocks))
 

@@ -71,6 +71,7 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "block_hashes",
+        "kv_room",
     )
 
     def __init__(
@@ -110,6 +111,10 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = list(block_hashes)
+        # Set by its KVCacheManager: while the request holds at most this many
+        # tokens, its next token needs no new block and fills none (0 when it
+        # holds no blocks), so the scheduler schedules a decode without a call.
+        self.kv_room = 0
 
     @property
     def num_tokens(self) -> int:

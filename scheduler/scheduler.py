@@ -23,12 +23,15 @@ from dataclasses import dataclass
 
 from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.kv_cache_block import KVCacheBlock
 from kvserve.scheduler.kv_cache_manager import KVCacheManager
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.step_plan import NewRequestData, StepPlan
 
 logger = logging.getLogger(__name__)
+
+_NO_BLOCKS: list[KVCacheBlock] = []  # never appended to
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,17 +195,20 @@ class Scheduler:
             elif num_new <= 0:
                 req_index += 1
                 continue
-            while True:
-                new_blocks = allocate_slots(request, num_new)
-                if new_blocks is not None:
+            if num_new == 1 and start < request.kv_room:
+                new_blocks = _NO_BLOCKS  # what allocate_slots would say, without the call
+            else:
+                while True:
+                    new_blocks = allocate_slots(request, num_new)
+                    if new_blocks is not None:
+                        break
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted_req_ids.append(victim.req_id)
+                    if victim is request:
+                        break
+                if new_blocks is None:
                     break
-                victim = running.pop()
-                self._preempt(victim)
-                preempted_req_ids.append(victim.req_id)
-                if victim is request:
-                    break
-            if new_blocks is None:
-                break
             req_ids.append(request.req_id)
             num_scheduled.append(num_new)
             num_computed.append(start)

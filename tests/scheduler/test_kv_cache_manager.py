@@ -178,3 +178,29 @@ def test_negative_token_count_is_rejected() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=2)
     with pytest.raises(ValueError):
         manager.allocate_slots(Request("a", [1]), -1)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_kv_room_is_where_the_next_decode_needs_a_block_or_fills_one(enable_caching: bool) -> None:
+    manager = KVCacheManager(num_blocks=10, block_size=4, enable_caching=enable_caching)
+    request = Request("r", tokens("ABCDEF"))
+    assert request.kv_room == 0
+    schedule_prompt(manager, request)  # 6 tokens: block 0 full, block 1 half
+    # With caching, holding 7 tokens is free; the 8th fills block 1, which must be cached.
+    assert request.kv_room == (7 if enable_caching else 8)
+    num_cached_before = len(manager.block_pool.cached_block_hash_to_block)
+    for token in tokens("GHIJ"):
+        # The scheduler skips the call while num_computed_tokens < kv_room; below
+        # that line the call would allocate nothing, and it does not.
+        skippable = request.num_computed_tokens < request.kv_room
+        new_blocks = decode(manager, request, token)
+        if skippable:
+            assert new_blocks == []
+            assert len(manager.block_pool.cached_block_hash_to_block) == num_cached_before
+        assert request.num_computed_tokens <= request.kv_room
+        num_cached_before = len(manager.block_pool.cached_block_hash_to_block)
+    assert len(manager.get_block_ids("r")) == 3  # 10 tokens
+    if enable_caching:
+        assert len(manager.block_pool.cached_block_hash_to_block) == 2
+    manager.free(request)
+    assert request.kv_room == 0
