@@ -111,9 +111,9 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = list(block_hashes)
-        # Set by its KVCacheManager: while the request holds at most this many
-        # tokens, its next token needs no new block and fills none (0 when it
-        # holds no blocks), so the scheduler schedules a decode without a call.
+        # Set by its KVCacheManager: a step that leaves the request holding at
+        # most this many tokens needs no new block and fills none (0 when it
+        # holds no blocks), so the scheduler schedules it without a call.
         self.kv_room = 0
 
     @property

@@ -195,8 +195,9 @@ class Scheduler:
             elif num_new <= 0:
                 req_index += 1
                 continue
-            if num_new == 1 and start < request.kv_room:
-                new_blocks = _NO_BLOCKS  # what allocate_slots would say, without the call
+            if start + num_new <= request.kv_room:
+                # allocate_slots' own fast-path test, without the call (most decodes).
+                new_blocks = _NO_BLOCKS
             else:
                 while True:
                     new_blocks = allocate_slots(request, num_new)

@@ -86,7 +86,14 @@ def synthetic_step_result(plan: StepPlan, vocab_size: int) -> StepResult:
 class _SimulatedSteps:
     """What both simulated executors share: validation, the modelled step time, synthetic tokens."""
 
-    def __init__(self, cost_model: StepCostModel, num_kv_blocks: int, vocab_size: int, time_scale: float) -> None:
+    def __init__(
+        self,
+        cost_model: StepCostModel,
+        num_kv_blocks: int,
+        *,
+        vocab_size: int = 32_000,
+        time_scale: float = 1.0,
+    ) -> None:
         if vocab_size <= FIRST_SYNTHETIC_TOKEN_ID:
             raise ValueError(f"vocab_size must be > {FIRST_SYNTHETIC_TOKEN_ID}, got {vocab_size}")
         if num_kv_blocks < 2:
@@ -125,7 +132,7 @@ class SimulatedExecutor(_SimulatedSteps):
         time_scale: float = 1.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        super().__init__(cost_model, num_kv_blocks, vocab_size, time_scale)
+        super().__init__(cost_model, num_kv_blocks, vocab_size=vocab_size, time_scale=time_scale)
         self._sleep = sleep
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -140,16 +147,6 @@ class SimulatedExecutor(_SimulatedSteps):
 
 class AsyncSimulatedExecutor(_SimulatedSteps):
     """An ``AsyncExecutor`` whose steps ``asyncio.sleep`` for the modelled step time."""
-
-    def __init__(
-        self,
-        cost_model: StepCostModel,
-        num_kv_blocks: int,
-        *,
-        vocab_size: int = 32_000,
-        time_scale: float = 1.0,
-    ) -> None:
-        super().__init__(cost_model, num_kv_blocks, vocab_size, time_scale)
 
     async def execute(self, plan: StepPlan) -> StepResult:
         await asyncio.sleep(self._step_seconds(plan))

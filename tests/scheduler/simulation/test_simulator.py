@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -100,6 +101,21 @@ def test_progress_is_reported_as_requests_finish() -> None:
     FleetSimulator(config(2), make_policy("round_robin")).run(stream(20), progress=lambda d, n: seen.append((d, n)), progress_every=5)
 
     assert seen == [(5, 20), (10, 20), (15, 20), (20, 20)]
+
+
+@pytest.mark.parametrize("enabled_before", [True, False])
+def test_the_cycle_collector_is_paused_during_a_run_and_restored_after(enabled_before: bool) -> None:
+    enabled_during: list[bool] = []
+    was_enabled = gc.isenabled()
+    try:
+        (gc.enable if enabled_before else gc.disable)()
+        FleetSimulator(config(2), make_policy("round_robin")).run(
+            stream(10), progress=lambda d, n: enabled_during.append(gc.isenabled()), progress_every=5
+        )
+        assert gc.isenabled() is enabled_before
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+    assert enabled_during == [False, False]
 
 
 def test_a_thousand_replicas_route_and_finish_every_request() -> None:
