@@ -135,20 +135,27 @@ def kill_and_wait_for_exit(actor: ray.actor.ActorHandle) -> None:
     """Kill ``actor`` and wait until its process is gone.
 
     NOTE: Ray reports the actor dead before its process has exited; until
-    then the process's gRPC server may still answer a step.
+    then the process's gRPC server may still answer a step.  ``ray.kill``
+    returns before the kill is delivered, so a call made right after it may
+    still run; only once the process is gone must every call fail.
     """
     pid = ray.get(actor.__ray_call__.remote(lambda self: os.getpid()), timeout=30)
     ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while _process_alive(pid):
+        if time.monotonic() > deadline:
+            pytest.fail(f"worker process {pid} still alive 30 s after ray.kill")
+        time.sleep(0.05)
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.ping.remote(), timeout=30)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    pytest.fail(f"worker process {pid} still alive 30 s after ray.kill")
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_killed_rank_fails_the_next_step_quickly_and_every_step_after(
