@@ -57,7 +57,6 @@ class Request:
 
     __slots__ = (
         "req_id",
-        "prompt_token_ids",
         "num_prompt_tokens",
         "all_token_ids",
         "output_token_ids",
@@ -91,9 +90,8 @@ class Request:
             raise ValueError("prompt_token_ids must not be empty")
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.req_id = req_id
-        self.prompt_token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(self.all_token_ids)
         self.output_token_ids: list[int] = []
         self.sampling_params = params
         stop = set(params.stop_token_ids)
@@ -115,6 +113,11 @@ class Request:
         # most this many tokens needs no new block and fills none (0 when it
         # holds no blocks), so the scheduler schedules it without a call.
         self.kv_room = 0
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt, copied: ``all_token_ids`` holds the only list of it."""
+        return self.all_token_ids[: self.num_prompt_tokens]
 
     @property
     def num_tokens(self) -> int:

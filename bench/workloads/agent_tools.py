@@ -13,7 +13,7 @@ import numpy as np
 from kvserve.bench.workloads.arrivals import zipf_probabilities
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.sessions import session_requests
-from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+from kvserve.bench.workloads.tokens import TokenSegments, shared_tokens
 
 
 def agent_tools(
@@ -35,9 +35,9 @@ def agent_tools(
 ) -> list[WorkloadRequest]:
     """Agent tasks of several steps over Zipf-popular tools."""
     rng = np.random.default_rng([seed, 2])
-    system = random_tokens(rng, system_prompt_len, vocab_size)
+    system = shared_tokens(rng, system_prompt_len, vocab_size)
     contexts = [
-        TokenSegments((system, random_tokens(rng, tool_spec_len, vocab_size))) for _ in range(num_tools)
+        TokenSegments((system, shared_tokens(rng, tool_spec_len, vocab_size))) for _ in range(num_tools)
     ]
     return session_requests(
         num_requests, qps, seed=seed, burstiness=burstiness,

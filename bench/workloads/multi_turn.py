@@ -13,7 +13,7 @@ import numpy as np
 from kvserve.bench.workloads.arrivals import zipf_probabilities
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.sessions import session_requests
-from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+from kvserve.bench.workloads.tokens import TokenSegments, shared_tokens
 
 
 def multi_turn(
@@ -31,7 +31,7 @@ def multi_turn(
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """Multi-turn chat sessions over one shared system prompt."""
-    system = random_tokens(np.random.default_rng([seed, 2]), system_prompt_len, vocab_size)
+    system = shared_tokens(np.random.default_rng([seed, 2]), system_prompt_len, vocab_size)
     return session_requests(
         num_requests, qps, seed=seed, burstiness=burstiness,
         base_contexts=[TokenSegments((system,))], context_probabilities=np.ones(1),
@@ -58,7 +58,7 @@ def customer_contexts(
 ) -> list[WorkloadRequest]:
     """Users' conversations on top of their customer's long shared context."""
     rng = np.random.default_rng([seed, 2])
-    contexts = [TokenSegments((random_tokens(rng, context_len, vocab_size),)) for _ in range(num_customers)]
+    contexts = [TokenSegments((shared_tokens(rng, context_len, vocab_size),)) for _ in range(num_customers)]
     return session_requests(
         num_requests, qps, seed=seed, burstiness=burstiness,
         base_contexts=contexts, context_probabilities=zipf_probabilities(num_customers, zipf_exponent),

@@ -15,7 +15,7 @@ import numpy as np
 
 from kvserve.bench.workloads.arrivals import arrival_times, zipf_probabilities
 from kvserve.bench.workloads.request import WorkloadRequest
-from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+from kvserve.bench.workloads.tokens import TokenSegments, random_tokens, shared_tokens
 
 
 def shared_prefix(
@@ -75,7 +75,7 @@ def prefix_groups(
     if num_tenants < 0:
         raise ValueError(f"num_tenants must be >= 0, got {num_tenants}")
     content = np.random.default_rng([seed, 0])
-    prefixes = [random_tokens(content, prefix_len, vocab_size) for _ in range(num_groups)]
+    prefixes = [shared_tokens(content, prefix_len, vocab_size) for _ in range(num_groups)]
     if balanced:
         groups = content.permutation(np.repeat(np.arange(num_groups), num_requests // num_groups))
     else:

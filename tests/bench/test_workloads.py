@@ -15,6 +15,7 @@ from kvserve.bench.workloads.document_qa import document_qa
 from kvserve.bench.workloads.mooncake import mooncake_trace
 from kvserve.bench.workloads.multi_turn import customer_contexts, multi_turn
 from kvserve.bench.workloads.shared_prefix import shared_prefix
+from kvserve.scheduler.request import Request
 
 
 def is_sorted(requests: list[WorkloadRequest]) -> bool:
@@ -34,6 +35,26 @@ def test_shared_prefix_requests_are_a_group_prompt_then_a_question() -> None:
     assert len(by_group) == 4 and all(len(prefixes) == 1 for prefixes in by_group.values())
     questions = {tuple(list(r.prompt_token_ids)[64:]) for r in requests}
     assert len(questions) == 300
+
+
+@pytest.mark.parametrize(
+    ("requests", "shared_len"),
+    [
+        (shared_prefix(50, qps=10, num_groups=1, system_prompt_len=64, question_len=8), 64),
+        (multi_turn(50, qps=10, system_prompt_len=32, user_len=8, answer_len=6), 32),
+        (customer_contexts(50, qps=10, num_customers=1, context_len=48, user_len=8, answer_len=6), 48),
+        (agent_tools(50, qps=10, num_tools=1, system_prompt_len=24, tool_spec_len=16), 40),
+    ],
+    ids=["shared_prefix", "multi_turn", "customer_contexts", "agent_tools"],
+)
+def test_requests_built_from_shared_segments_share_their_token_objects(
+    requests: list[WorkloadRequest], shared_len: int
+) -> None:
+    # What keeps a large simulation's memory in check: a Request copies its
+    # prompt, and the shared prefix of two copies must be the same int objects.
+    first, second = (Request(str(i), r.prompt_token_ids) for i, r in enumerate(requests[:2]))
+    assert first.prompt_token_ids == list(requests[0].prompt_token_ids)
+    assert all(a is b for a, b in zip(first.all_token_ids[:shared_len], second.all_token_ids[:shared_len]))
 
 
 def test_groups_times_prompts_gives_every_group_the_same_number_of_requests() -> None:
