@@ -1,7 +1,7 @@
 """``kvserve experiment``: compare routing policies on one request stream.
 
     kvserve experiment --workload shared_prefix --policies round_robin,cache_aware,cost_ttft \\
-        --replicas 8 --qps 20,40,80 --sim --out results/ [--seed 0] [--num-requests 2000] \\
+        --replicas 8 --qps 20,40,80 --sim --out results/ [--seed 0] [--num-requests N] \\
         [--kv-fraction 0.25 | --kv-blocks-per-replica N] [--workload-arg num_groups=32]
 
 ``--live`` replays the stream instead on a live cluster of ``--replicas``
@@ -17,7 +17,9 @@ Every policy sees the same requests at each rate.  ``--qps knee`` finds the rate
 fraction of the stream's prefix working set (the blocks an infinite cache
 would reuse) unless ``--kv-blocks-per-replica`` is given.  Session workloads
 start in their steady state and mark a warm-up (served, not measured): the
-figures cover the measured requests, ``--num-requests`` of them.
+figures cover the measured requests, ``--num-requests`` of them (by
+default 250 per replica: with fewer, a big fleet's figures are its cold
+starts and sampling noise; see ``default_num_requests``).
 
 Writes to ``--out``: ``requests.csv`` (one row per request and run),
 ``summary.csv`` and ``summary.md`` (the table printed at the end, with the
@@ -51,9 +53,12 @@ from kvserve.bench.experiment_report import (
 from kvserve.bench.experiment_knee import find_knee_qps
 from kvserve.bench.experiment_setup import (
     DEFAULT_KV_FRACTION,
+    DEFAULT_NUM_REQUESTS_RANGE,
+    REQUESTS_PER_REPLICA,
     ExperimentError,
     StreamSpec,
     check_live_options,
+    default_num_requests,
     default_policy_kwargs,
     describe,
     fleet_config,
@@ -140,7 +145,11 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     )
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the policies (default 0)")
-    parser.add_argument("--num-requests", type=int, default=2000, help="requests per run (default 2000)")
+    low, high = DEFAULT_NUM_REQUESTS_RANGE
+    parser.add_argument(
+        "--num-requests", type=int,
+        help=f"requests per run (default {REQUESTS_PER_REPLICA} per replica, at least {low:,} and at most {high:,})",
+    )
     parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks-per-replica", type=int, help="KV blocks per replica")
@@ -173,6 +182,8 @@ def run_experiment(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.num_requests is None:
+        args.num_requests = default_num_requests(args.replicas)
     check_live_options(args)
     stream = stream_spec(args)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]

@@ -8,6 +8,7 @@ import csv
 import pytest
 
 from kvserve.bench.experiment import add_experiment_parser, run_experiment
+from kvserve.bench.experiment_setup import default_num_requests
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -16,11 +17,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["experiment", *argv])
 
 
-TINY = [
+TINY_WORKLOAD = [
     "--workload", "shared_prefix", "--workload-arg", "num_groups=6", "--workload-arg", "system_prompt_len=128",
     "--workload-arg", "question_len=16", "--workload-arg", "output_len=8",
-    "--replicas", "3", "--num-requests", "80",
 ]
+TINY = [*TINY_WORKLOAD, "--replicas", "3", "--num-requests", "80"]
 
 
 def test_a_tiny_experiment_writes_requests_summary_and_plots(tmp_path, capsys) -> None:  # noqa: ANN001
@@ -47,6 +48,18 @@ def test_a_tiny_experiment_writes_requests_summary_and_plots(tmp_path, capsys) -
         (p, q) for q in (5.0, 20.0) for p in ("round_robin", "cache_aware", "cost_ttft")
     ]
     assert all(0.0 <= float(s["hit_rate"]) <= 1.0 for s in summary)
+
+
+def test_without_num_requests_a_run_has_250_requests_per_replica_within_bounds(tmp_path) -> None:  # noqa: ANN001
+    assert [default_num_requests(n) for n in (1, 8, 9, 64, 400, 401, 1000)] == [
+        2000, 2000, 2250, 16000, 100000, 100000, 100000
+    ]
+    out = tmp_path / "run"
+    args = parse([*TINY_WORKLOAD, "--replicas", "9", "--policies", "round_robin",
+                  "--qps", "200", "--out", str(out), "--no-plots"])
+    assert run_experiment(args) == 0
+    with open(out / "requests.csv") as f:
+        assert sum(1 for _ in csv.DictReader(f)) == 2250
 
 
 def test_parallel_jobs_give_the_same_summary_as_one(tmp_path) -> None:  # noqa: ANN001
