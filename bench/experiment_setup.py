@@ -36,7 +36,7 @@ def default_num_requests(num_replicas: int) -> int:
     stream's 64 cold prefills were 3% of it: TTFT p99 was the cold-start time
     under every cache-aware policy, and a replica's request count was mostly
     the sampling noise of its group's popularity (load max/mean 1.3-1.5 for
-    any policy that keeps a group on one replica, 1.13 with 16,000 requests).
+    any policy that keeps a group on one replica; 1.11-1.16 with 16,000 requests).
     """
     low, high = DEFAULT_NUM_REQUESTS_RANGE
     return min(max(low, REQUESTS_PER_REPLICA * num_replicas), high)
