@@ -44,15 +44,11 @@ def synthetic_token_id(req_id: str, position: int, vocab_size: int, seed: int | 
     return FIRST_SYNTHETIC_TOKEN_ID + mixed % (vocab_size - FIRST_SYNTHETIC_TOKEN_ID)
 
 
-def synthetic_output_token_ids(req_id: str, num_prompt_tokens: int, num_outputs: int, vocab_size: int) -> list[int]:
-    """The first ``num_outputs`` synthetic tokens ``req_id`` samples (``synthetic_token_id``, vectorised)."""
-    return _synthetic_output_tokens(req_id, num_prompt_tokens, num_outputs, vocab_size).tolist()
-
-
 def synthetic_output_token_array(
     req_id: str, num_prompt_tokens: int, num_outputs: int, vocab_size: int
 ) -> array[int]:
-    """``synthetic_output_token_ids`` as a compact ``array('q')``.
+    """The first ``num_outputs`` synthetic tokens ``req_id`` samples (``synthetic_token_id``,
+    vectorised), as a compact ``array('q')``.
 
     NOTE: the simulator holds every live request's future tokens; as a list,
     each token is a separate int object, and reading them, scattered across

@@ -28,7 +28,7 @@ from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import make_policy
 from kvserve.scheduler.simulation.cost_model import StepCostModel
-from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_ids
+from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
 from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
 from kvserve.worker.model_config import ModelConfig
@@ -89,7 +89,7 @@ def test_the_live_cluster_agrees_with_the_simulator_on_hit_rate_and_ttft(ray_clu
     assert live_ttft == pytest.approx(sim_ttft, rel=TOLERANCE)
     assert [r.replica_id for r in live.records] == [r.replica_id for r in simulated.records]
     assert live.output_token_ids == [
-        synthetic_output_token_ids(str(i), item.num_prompt_tokens, item.output_len, vocab_size)
+        synthetic_output_token_array(str(i), item.num_prompt_tokens, item.output_len, vocab_size).tolist()
         for i, item in enumerate(stream)
     ]
 
@@ -132,7 +132,7 @@ def test_simulated_ranks_load_no_torch_and_serve_prompts_beyond_the_models_lengt
         handle.shutdown()
 
     tokens = [t for r in responses for t in r.token_ids]
-    assert tokens == synthetic_output_token_ids("long", len(prompt), 3, vocab_size)
+    assert tokens == synthetic_output_token_array("long", len(prompt), 3, vocab_size).tolist()
     assert responses[-1].usage.prompt_tokens == len(prompt)
 
 
@@ -165,6 +165,9 @@ def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_
     assert live_summary["policy"] == "round_robin"
     assert 0.0 < float(sim_summary["hit_rate"]) < 1.0
     assert float(live_summary["hit_rate"]) == pytest.approx(float(sim_summary["hit_rate"]), rel=TOLERANCE)
+    # A live run does not see its replicas' steps: no busy time, where the simulator has one.
+    assert live_summary["busy_imbalance"] == "nan"
+    assert float(sim_summary["busy_imbalance"]) >= 1.0
     assert (live_out / "summary.md").read_text().startswith("multi_turn (live, simulated replicas)")
 
 

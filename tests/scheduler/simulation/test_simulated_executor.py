@@ -16,7 +16,6 @@ from kvserve.scheduler.simulation.simulated_executor import (
     AsyncSimulatedExecutor,
     SimulatedExecutor,
     synthetic_output_token_array,
-    synthetic_output_token_ids,
     synthetic_token_id,
 )
 
@@ -47,7 +46,6 @@ def test_synthetic_tokens_are_deterministic_and_in_range() -> None:
     assert tokens == [synthetic_token_id("req-7", position, 50) for position in range(1000)]
     assert min(tokens) >= 3 and max(tokens) < 50
     assert len(set(tokens)) > 40
-    assert synthetic_output_token_ids("req-7", 10, 20, 50) == tokens[10:30]
     assert synthetic_output_token_array("req-7", 10, 20, 50).tolist() == tokens[10:30]
     assert synthetic_output_token_array("req-7", 10, 0, 50).tolist() == []
 

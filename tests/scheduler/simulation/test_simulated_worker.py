@@ -9,7 +9,7 @@ from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.simulation.cost_model import StepCostModel
-from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_ids
+from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
 from kvserve.scheduler.simulation.simulated_worker import (
     SimulatedWorker,
     SimulatedWorkerConfig,
@@ -69,9 +69,9 @@ def test_rank_zero_samples_the_tokens_the_simulator_samples() -> None:
     outputs = run_to_completion(scheduler, worker)
 
     assert outputs == {
-        "0": synthetic_output_token_ids("0", 10, 5, VOCAB_SIZE),
-        "1": synthetic_output_token_ids("1", 90, 4, VOCAB_SIZE),
-        "2": synthetic_output_token_ids("2", 7, 6, VOCAB_SIZE),
+        "0": synthetic_output_token_array("0", 10, 5, VOCAB_SIZE).tolist(),
+        "1": synthetic_output_token_array("1", 90, 4, VOCAB_SIZE).tolist(),
+        "2": synthetic_output_token_array("2", 7, 6, VOCAB_SIZE).tolist(),
     }
 
 
@@ -85,7 +85,8 @@ def test_every_rank_sleeps_the_scaled_step_time_and_only_rank_zero_answers() -> 
     results = [worker.execute(plan) for worker in workers]
 
     assert slept[0] == slept[1] == [pytest.approx(2.0 * MODEL.step_time(plan))]
-    assert results[0] is not None and results[0].sampled_token_ids == synthetic_output_token_ids("a", 10, 1, VOCAB_SIZE)
+    expected = synthetic_output_token_array("a", 10, 1, VOCAB_SIZE).tolist()
+    assert results[0] is not None and results[0].sampled_token_ids == expected
     assert results[1] is None
 
 
@@ -98,7 +99,7 @@ def test_a_scripted_request_answers_with_its_script_and_the_others_stay_syntheti
     outputs = run_to_completion(scheduler, worker)
 
     assert outputs["turn-2"] == [11, 12, 13, 14]
-    assert outputs["turn-1"] == synthetic_output_token_ids("turn-1", 20, 3, VOCAB_SIZE)
+    assert outputs["turn-1"] == synthetic_output_token_array("turn-1", 20, 3, VOCAB_SIZE).tolist()
 
 
 def test_a_step_before_initialize_cache_is_refused() -> None:
