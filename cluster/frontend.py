@@ -32,7 +32,7 @@ from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
-from kvserve.cluster.output_stream import OutputStream, StreamPacing
+from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -125,7 +125,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self._pacing.set_num_streams(len(self._streams))
         self._awaiting_first.add(req_id)
         if self._pause is not None:
-            _resolve(self._pause)
+            resolve_waiter(self._pause)
         # Leaving before the last delta (cancelled, deadline expired, server
         # stopping) aborts the request, which frees its blocks.
         finished = False
@@ -151,7 +151,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._pacing.set_num_streams(len(self._streams))
             self._awaiting_first.discard(req_id)
             if self._pause is not None:
-                _resolve(self._pause)  # the interval is shorter now: the next fetch may be due
+                resolve_waiter(self._pause)  # the interval is shorter now: the next fetch may be due
             if not finished:
                 logger.debug("request %s ended early: aborting it", req_id)
                 self._abort_quietly([req_id])
@@ -341,7 +341,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             if delay <= 0:
                 return
             pause = self._pause = loop.create_future()
-            timer = loop.call_later(delay, _resolve, pause)
+            timer = loop.call_later(delay, resolve_waiter, pause)
             try:
                 await pause
             finally:
@@ -363,8 +363,3 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._scheduler.abort_requests.remote(req_ids)
         except Exception:  # noqa: BLE001 - the scheduler going away is handled by the dispatcher
             logger.warning("could not abort %d requests", len(req_ids), exc_info=True)
-
-
-def _resolve(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)

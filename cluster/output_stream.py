@@ -21,6 +21,7 @@ message per fetch of outputs).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from kvserve.cluster.messages import RequestDelta
 
@@ -53,8 +54,7 @@ class OutputStream:
     """
 
     __slots__ = (
-        "req_id", "_pacing", "_token_ids", "_replica", "_last", "_num_messages", "_last_message_time",
-        "_waiter", "_wake_on_data",
+        "req_id", "_pacing", "_token_ids", "_replica", "_last", "_last_message_time", "_waiter", "_wake_on_data",
     )
 
     def __init__(self, req_id: str, pacing: StreamPacing) -> None:
@@ -63,8 +63,7 @@ class OutputStream:
         self._token_ids: list[int] = []
         self._replica = -1
         self._last: RequestDelta | None = None
-        self._num_messages = 0
-        self._last_message_time = 0.0
+        self._last_message_time: float | None = None  # None until the first message
         self._waiter: asyncio.Future[None] | None = None
         self._wake_on_data = False
 
@@ -73,47 +72,37 @@ class OutputStream:
         self._token_ids += token_ids
         self._replica = replica
         if self._wake_on_data and self._waiter is not None:
-            _resolve(self._waiter)
+            resolve_waiter(self._waiter)
 
     def end(self, delta: RequestDelta) -> None:
         """The request's last delta (``is_last``): it goes out at once, with the tokens held back."""
         self._last = delta
         if self._waiter is not None:
-            _resolve(self._waiter)
+            resolve_waiter(self._waiter)
 
     async def next_message(self) -> RequestDelta:
         """The next message once it is due: the tokens since the previous one, or the last delta
         (with any tokens held back in front of its own)."""
         loop = asyncio.get_running_loop()
         interval_s = self._pacing.interval_s
-        if self._num_messages and interval_s and self._last is None:
+        if self._last_message_time is not None and interval_s and self._last is None:
             await self._wait(loop, self._last_message_time + interval_s)
         while not self._token_ids and self._last is None:
             await self._wait(loop, None)
         token_ids, self._token_ids = self._token_ids, []
-        self._num_messages += 1
         self._last_message_time = loop.time()
         last = self._last
         if last is None:
             return RequestDelta(self.req_id, token_ids, replica=self._replica)
         if not token_ids:
             return last
-        return RequestDelta(
-            last.req_id,
-            token_ids + last.token_ids,
-            finish_reason=last.finish_reason,
-            error=last.error,
-            num_prompt_tokens=last.num_prompt_tokens,
-            num_cached_tokens=last.num_cached_tokens,
-            num_output_tokens=last.num_output_tokens,
-            replica=last.replica,
-        )
+        return dataclasses.replace(last, token_ids=token_ids + last.token_ids)
 
     async def _wait(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
         """Until ``deadline`` (``end`` wakes it early), or, for ``None``, until ``add`` or ``end``."""
         waiter = self._waiter = loop.create_future()
         self._wake_on_data = deadline is None
-        timer = None if deadline is None else loop.call_at(deadline, _resolve, waiter)
+        timer = None if deadline is None else loop.call_at(deadline, resolve_waiter, waiter)
         try:
             await waiter
         finally:
@@ -122,6 +111,7 @@ class OutputStream:
                 timer.cancel()
 
 
-def _resolve(waiter: asyncio.Future[None]) -> None:
+def resolve_waiter(waiter: asyncio.Future[None]) -> None:
+    """Wake whoever awaits ``waiter``, unless it is already done."""
     if not waiter.done():
         waiter.set_result(None)

@@ -113,7 +113,8 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
         num_new_block_ids=num_new_blocks.tolist(),
         new_block_ids=new_block_ids.tolist(),
         sample=sample.astype(bool).tolist(),
-        new_requests=_decode_new_requests(message.new_requests),
+        # NOTE: most steps bring no new request: an unset field skips its (empty) columns.
+        new_requests=_decode_new_requests(message.new_requests) if message.HasField("new_requests") else [],
         finished_req_ids=list(message.finished_req_ids),
         preempted_req_ids=list(message.preempted_req_ids),
     )

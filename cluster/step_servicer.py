@@ -46,6 +46,7 @@ GRPC_OPTIONS = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
 
+
 class StepRunner(Protocol):
     """What the servicer drives: a ``kvserve.worker.worker.Worker`` (or a stand-in in benchmarks)."""
 
@@ -127,4 +128,3 @@ async def start_step_server(runner: StepRunner, thread: ThreadPoolExecutor, host
 def join_host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 host in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-

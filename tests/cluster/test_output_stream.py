@@ -63,15 +63,20 @@ def test_after_a_quiet_interval_the_next_tokens_go_out_at_once() -> None:
     asyncio.run(scenario())
 
 
-def test_the_end_goes_out_at_once_with_the_tokens_held_back() -> None:
+@pytest.mark.parametrize("ends", ["while awaited", "before awaited"])
+def test_the_end_goes_out_at_once_with_the_tokens_held_back(ends: str) -> None:
     async def scenario() -> None:
         stream = OutputStream("r", StreamPacing(INTERVAL_S, None))
         stream.add([1], replica=2)
         await stream.next_message()
         stream.add([2, 3], replica=2)
+        end = RequestDelta("r", [4], finish_reason="length", num_prompt_tokens=7, num_output_tokens=4, replica=2)
+        if ends == "before awaited":
+            stream.end(end)
         waiting = asyncio.ensure_future(stream.next_message())
         await asyncio.sleep(0.01)
-        stream.end(RequestDelta("r", [4], finish_reason="length", num_prompt_tokens=7, num_output_tokens=4, replica=2))
+        if ends == "while awaited":
+            stream.end(end)
         last = await asyncio.wait_for(waiting, 0.05)
         assert last.token_ids == [2, 3, 4]
         assert (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, last.replica) == ("length", 7, 4, 2)

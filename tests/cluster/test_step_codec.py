@@ -164,11 +164,13 @@ def test_invalid_sampling_params_are_rejected_by_field(message: step_pb2.StepPla
         decode_plan(message)
 
 
-def test_new_request_pointing_past_the_sampling_params_is_rejected(message: step_pb2.StepPlan) -> None:
+@pytest.mark.parametrize("past", ["end", "start"])
+def test_new_request_pointing_past_the_sampling_params_is_rejected(message: step_pb2.StepPlan, past: str) -> None:
     num_params = len(message.new_requests.sampling_params)
-    message.new_requests.sampling_params_index = int32([num_params]) + message.new_requests.sampling_params_index[4:]
+    bad = num_params if past == "end" else -1
+    message.new_requests.sampling_params_index = int32([bad]) + message.new_requests.sampling_params_index[4:]
     with pytest.raises(
-        ValueError, match=rf"^new_requests\.sampling_params_index holds {num_params}, but there are {num_params}"
+        ValueError, match=rf"^new_requests\.sampling_params_index holds {bad}, but there are {num_params}"
     ):
         decode_plan(message)
 

@@ -26,6 +26,7 @@ from kvserve.scheduler.step_plan import NewRequestData, StepPlan
 from kvserve.scheduler.step_result import StepResult
 
 NUM_BLOCKS = 32
+WORKER_THREAD = "rank-worker"
 
 
 def plan(step_id: int) -> StepPlan:
@@ -51,18 +52,18 @@ class Rank:
         self.sample = sample
         self.execute_hook = execute_hook
         self.plans: list[StepPlan] = []
-        self.threads: set[int] = set()
+        self.threads: set[str] = set()  # the names of the threads that called it
         self.shut_down = False
 
     def determine_num_blocks(self) -> int:
-        self.threads.add(threading.get_ident())
+        self.threads.add(threading.current_thread().name)
         return NUM_BLOCKS
 
     def initialize_cache(self, num_blocks: int) -> None:
-        self.threads.add(threading.get_ident())
+        self.threads.add(threading.current_thread().name)
 
     def execute(self, plan: StepPlan) -> StepResult | None:
-        self.threads.add(threading.get_ident())
+        self.threads.add(threading.current_thread().name)
         if self.execute_hook is not None:
             self.execute_hook(plan)
         self.plans.append(plan)
@@ -71,7 +72,7 @@ class Rank:
         return StepResult(plan.step_id, [plan.token_ids[0]] * plan.num_sampled, [-0.5] * plan.num_sampled)
 
     def shutdown(self) -> None:
-        self.threads.add(threading.get_ident())
+        self.threads.add(threading.current_thread().name)
         self.shut_down = True
 
 
@@ -80,7 +81,7 @@ async def replica(*ranks: Rank, step_timeout_s: float = 10.0) -> AsyncIterator[G
     servers = []
     threads = []
     for rank in ranks:
-        thread = ThreadPoolExecutor(max_workers=1)
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=WORKER_THREAD)
         server, address = await start_step_server(rank, thread, "127.0.0.1")
         servers.append((server, address))
         threads.append(thread)
@@ -121,7 +122,7 @@ def test_every_call_into_a_rank_runs_on_its_one_worker_thread() -> None:
                 await executor.execute(plan(i))
 
     asyncio.run(scenario())
-    assert len(rank.threads) == 1
+    assert rank.threads == {f"{WORKER_THREAD}_0"}
 
 
 def test_a_step_past_its_deadline_fails_the_replica_and_every_step_after() -> None:
