@@ -118,14 +118,14 @@ class InputBatch:
         sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
         logits_indices = query_start_loc[1:][sample_rows] - 1
         device = self.device
-        seq_lens_list = seq_lens.tolist()  # NOTE: indexing the list, not numpy scalars, per sampled row
         return ModelInputs(
             input_ids=torch.from_numpy(np.asarray(plan.token_ids, dtype=np.int64)).to(device),
             positions=torch.from_numpy(positions).to(device),
             attn_metadata=attn_metadata,
             logits_indices=torch.from_numpy(logits_indices).to(device),
             sampling_params=[states[i].sampling_params for i in sample_rows],
-            output_indices=[seq_lens_list[i] - states[i].num_prompt_tokens for i in sample_rows],
+            # NOTE: the metadata's tuple of ints, not numpy scalars, per sampled row.
+            output_indices=[attn_metadata.seq_lens_cpu[i] - states[i].num_prompt_tokens for i in sample_rows],
         )
 
     def _release_row(self, row: int) -> None:

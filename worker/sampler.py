@@ -182,7 +182,5 @@ def _check_inputs(
         is_int = type(output_index) is int or (
             isinstance(output_index, Integral) and not isinstance(output_index, bool)
         )
-        if not is_int:
-            raise ValueError(f"output_indices must be non-negative integers, got {output_index!r}")
-        if output_index < 0:
+        if not is_int or output_index < 0:
             raise ValueError(f"output_indices must be non-negative integers, got {output_index!r}")

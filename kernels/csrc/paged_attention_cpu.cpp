@@ -255,10 +255,10 @@ void run_decodes(const Batch<scalar_t>& batch, const Plan& plan, std::vector<flo
   });
 }
 
+// `level`: the capability the plan was made for (read once per call).
 template <typename scalar_t>
-void run_plan(const Batch<scalar_t>& batch, const Plan& plan) {
+void run_plan(const Batch<scalar_t>& batch, const Plan& plan, Capability level) {
   std::vector<float> states(plan.num_states * batch.num_kv_heads * kTileRows * (batch.head_dim + 2));
-  const Capability level = capability();
   if (!plan.tiles.empty()) {
     run_tiles(batch, plan, states,
               level >= Capability::kAvx512 ? kvserve::cpu::attend_tile_avx512 : kvserve::cpu::attend_tile_avx2);
@@ -293,12 +293,13 @@ void check_query_start_loc(const at::Tensor& starts, const at::Tensor& seq_lens,
                   starts.dim() == 1 && starts.size(0) == num_reqs + 1,
               "query_start_loc must be a contiguous int32 CPU tensor of ", num_reqs + 1, " entries");
   const int32_t* loc = starts.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
   TORCH_CHECK(loc[0] == 0 && loc[num_reqs] == num_tokens, "query_start_loc must run from 0 to ", num_tokens,
               " (query's rows)");
   for (int64_t req = 0; req < num_reqs; ++req) {
     TORCH_CHECK(loc[req + 1] > loc[req], "query_start_loc must be increasing, got ", loc[req], " then ",
                 loc[req + 1], " at ", req);
-    const int64_t num_new = loc[req + 1] - loc[req], seq_len = seq_lens.data_ptr<int32_t>()[req];
+    const int64_t num_new = loc[req + 1] - loc[req], seq_len = lens[req];
     TORCH_CHECK(num_new <= seq_len, "request ", req, " has ", num_new, " new tokens but seq_lens[", req, "] = ",
                 seq_len);
   }
@@ -363,14 +364,15 @@ bool paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                          query_start_loc.has_value() ? query_start_loc->data_ptr<int32_t>() : nullptr,
                          seq_lens.data_ptr<int32_t>(),
                          block_tables.data_ptr<int32_t>()};
-  const Plan plan = kvserve::cpu::plan_batch(shape, capability() >= Capability::kAvx2);
+  const Capability level = capability();
+  const Plan plan = kvserve::cpu::plan_batch(shape, level >= Capability::kAvx2);
 
   AT_DISPATCH_V2(dtype, "paged_attention", AT_WRAP([&] {
     const Batch<scalar_t> batch{query.data_ptr<scalar_t>(), query.stride(0), out.data_ptr<scalar_t>(),
                                 out.stride(0), key_cache.data_ptr<scalar_t>(), value_cache.data_ptr<scalar_t>(),
                                 shape.tables, shape.seq_lens, shape.max_blocks, num_kv_heads, group,
                                 query.size(2), block_size, static_cast<float>(scale)};
-    run_plan(batch, plan);
+    run_plan(batch, plan, level);
   }), at::kFloat, at::kBFloat16, at::kHalf);
   return plan.prefill_done;
 }

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve.kernels import build_attention_metadata, cpu_build, get_attention_backend
+from kvserve.kernels import build_attention_metadata, cpu_build, get_attention_backend, reference
 from kvserve.kernels.backend import BACKEND_ENV_VAR, AttentionBackend
 from kvserve.kernels.cpu_backend import CpuAttentionBackend
 from kvserve.kernels.cpu_build import CpuExtensionBuildError, build_directory, check_toolchain, load_cpu_extension
@@ -173,6 +173,31 @@ def test_prefill_rows_take_the_reference_without_avx2(backend: CpuAttentionBacke
             assert torch.equal(output[rows], expected[rows])
 
 
+def test_backend_leaves_to_the_reference_only_the_prefill_rows_without_avx2(
+    backend: CpuAttentionBackend, capability: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batch = make_batch(MIXED_BATCH, block_size=16, group=2, seed=12)
+    _, expected = run_both(backend, batch)
+    prefill_calls: list[list[int]] = []
+    prefill_attention = reference.prefill_attention
+
+    def recording_prefill(*args: object) -> None:
+        prefill_calls.append(list(args[5]))
+        prefill_attention(*args)
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the kernel computes these rows")
+
+    monkeypatch.setattr(reference, "prefill_attention", recording_prefill)
+    monkeypatch.setattr(reference, "decode_attention", forbidden)
+    monkeypatch.setattr(reference, "paged_attention", forbidden)
+    output = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+    starts = batch.metadata.query_start_loc_cpu
+    prefill_reqs = [r for r in range(len(MIXED_BATCH)) if starts[r + 1] - starts[r] > 1]
+    assert prefill_calls == ([] if capability != "portable" else [prefill_reqs])
+
+
 def test_kernel_reports_whether_it_computed_the_prefill_rows(backend: CpuAttentionBackend, capability: str) -> None:
     batch = make_batch(MIXED_BATCH, block_size=16, group=2, seed=9)
     metadata = batch.metadata
@@ -289,7 +314,9 @@ def test_unknown_capability_is_rejected(backend: CpuAttentionBackend) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cache_write_matches_the_reference(backend: CpuAttentionBackend, dtype: torch.dtype) -> None:
+def test_cache_write_matches_the_reference(
+    backend: CpuAttentionBackend, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     generator = torch.Generator().manual_seed(11)
     shape = (6, 4, NUM_KV_HEADS, HEAD_DIM)
     caches = [torch.randn(shape, generator=generator).to(dtype) for _ in range(2)]
@@ -299,8 +326,13 @@ def test_cache_write_matches_the_reference(backend: CpuAttentionBackend, dtype: 
     key = fused[:, : NUM_KV_HEADS * HEAD_DIM].view(5, NUM_KV_HEADS, HEAD_DIM)
     value = fused[:, 2 * NUM_KV_HEADS * HEAD_DIM :].view(5, NUM_KV_HEADS, HEAD_DIM)
     slot_mapping = torch.tensor([23, 4, 5, 0, 17])
-    backend.write_kv_cache(key, value, *caches, slot_mapping)
     write_kv_cache(key, value, *expected, slot_mapping)
+
+    def forbidden(*args: object) -> None:
+        raise AssertionError("the kernel writes the cache")
+
+    monkeypatch.setattr(reference, "write_kv_cache", forbidden)
+    backend.write_kv_cache(key, value, *caches, slot_mapping)
     assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 

@@ -61,6 +61,16 @@ def test_angles_follow_a_positions_buffer_rewritten_between_passes() -> None:
     assert not torch.equal(rope.rotate(positions, x), first)
 
 
+def test_angles_reused_within_a_pass_follow_the_dtype_of_the_rotated_tensor() -> None:
+    rope = make_rope()
+    positions = torch.arange(3, 9)
+    x = torch.randn(6, 2, HEAD_DIM)
+    for dtype in (torch.float32, torch.bfloat16, torch.float32):
+        rotated = rope.rotate(positions, x.to(dtype))
+        assert rotated.dtype == dtype
+        assert torch.equal(rotated, make_rope().rotate(positions, x.to(dtype)))
+
+
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_float32_rms_norm_is_the_explicit_formula_bit_for_bit(with_residual: bool) -> None:
     generator = torch.Generator().manual_seed(2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -89,6 +90,21 @@ def test_logprobs_are_the_raw_log_softmax_at_the_sampled_ids() -> None:
     expected = torch.log_softmax(logits, dim=-1).gather(-1, out.token_ids[:, None]).squeeze(-1)
     assert out.logprobs.dtype == torch.float32
     torch.testing.assert_close(out.logprobs, expected)
+
+
+def test_all_greedy_logprobs_are_the_log_softmax_at_the_argmax() -> None:
+    # The all-greedy fast path computes its logprobs apart from the sampling path.
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(5)) * 3
+    out = Sampler(seed=0)(logits, [GREEDY] * 5, [0] * 5)
+    expected = torch.log_softmax(logits, dim=-1).max(dim=-1).values
+    assert out.logprobs.dtype == torch.float32 and bool((out.logprobs < 0).all())
+    torch.testing.assert_close(out.logprobs, expected)
+
+
+def test_output_indices_of_any_integer_type_are_accepted() -> None:
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(6))
+    out = Sampler(seed=0)(logits, [GREEDY] * 2, [np.int64(3), torch.tensor(2).item()])
+    assert torch.equal(out.token_ids, logits.argmax(dim=-1))
 
 
 def test_half_precision_logits_are_sampled_in_float32() -> None:
@@ -248,6 +264,8 @@ def test_empty_batch() -> None:
         (torch.zeros(2, 10), 2, [0], "output_indices must have one entry per logits row"),
         (torch.zeros(2, 10), 2, [0, -1], "output_indices must be non-negative integers"),
         (torch.zeros(2, 10), 2, [0, 1.0], "output_indices must be non-negative integers"),
+        (torch.zeros(2, 10), 2, [0, True], "output_indices must be non-negative integers"),
+        (torch.zeros(2, 10), 2, [np.int64(-2), 0], "output_indices must be non-negative integers"),
     ],
 )
 def test_rejects_bad_inputs(

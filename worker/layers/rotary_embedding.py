@@ -89,26 +89,28 @@ class RotaryEmbedding(nn.Module):
         """Forget the angles of the last ``positions``; call at the start of a forward pass."""
         self._cached_positions = self._cached_cos_sin = None
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 ``cos`` and ``sin`` ``[n, 1, head_dim // 2]`` of ``positions [n]``.
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` ``[n, 1, head_dim // 2]`` of ``positions [n]``: computed in
+        float32, then cast to ``dtype``.
 
         NOTE: one module serves every layer, and every layer of a forward pass gets
-        the same ``positions`` tensor: the angles are computed for its first layer
-        and reused by the others, until :meth:`clear_cache` (so a positions buffer
+        the same ``positions`` tensor: the angles are computed (and cast) for its first
+        layer and reused by the others, until :meth:`clear_cache` (so a positions buffer
         rewritten in place between passes is safe; inference tensors carry no
         version counter to tell).
         """
-        if positions is not self._cached_positions or self._cached_cos_sin is None:
+        cached = self._cached_cos_sin
+        if positions is not self._cached_positions or cached is None or cached[0].dtype != dtype:
             freqs = positions.unsqueeze(-1).float() * self.inv_freq.float()
-            self._cached_cos_sin = freqs.cos().unsqueeze(1), freqs.sin().unsqueeze(1)
-            self._cached_positions = positions
-        return self._cached_cos_sin
+            cached = freqs.cos().unsqueeze(1).to(dtype), freqs.sin().unsqueeze(1).to(dtype)
+            self._cached_positions, self._cached_cos_sin = positions, cached
+        return cached
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [n, heads, head_dim]`` rotated by ``positions [n]``, as a new contiguous tensor."""
-        cos, sin = self.cos_sin(positions)
-        if cos.dtype != x.dtype:
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        cos, sin = self.cos_sin(positions, x.dtype)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
