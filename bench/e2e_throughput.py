@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import multiprocessing as mp
 import os
 import random
@@ -124,19 +123,9 @@ def local_cluster(model_dir: Path, threads: int) -> Iterator[object]:
     import ray
 
     from kvserve.cluster.config import ClusterConfig
-    from kvserve.cluster.launcher import start_cluster
-    from kvserve.cluster.ray_loopback import keep_ray_on_loopback
-    from kvserve.cluster.worker_actor import RAY_NAMESPACE, WORKER_CPU_RESOURCE
+    from kvserve.cluster.launcher import init_local_ray, start_cluster
 
-    keep_ray_on_loopback()
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        namespace=RAY_NAMESPACE,
-        resources={WORKER_CPU_RESOURCE: 1},
-        logging_level=logging.WARNING,
-    )
+    init_local_ray(num_worker_slots=1)
     try:
         handle = start_cluster(
             ClusterConfig(

@@ -45,6 +45,7 @@ from kvserve.bench.experiment_report import (
     SUMMARY_HEADERS,
     RunSummary,
     plot_summaries,
+    progress_line,
     summarize,
     summary_rows,
     write_request_rows,
@@ -231,7 +232,7 @@ def _run(args: argparse.Namespace) -> int:
         rates = [
             find_knee_qps(
                 stream_at, stream.num_requests, fleet, lambda: make_policy(args.baseline, **baseline_kwargs),
-                args.knee_factor, report=lambda line: print(line, file=sys.stderr, flush=True),
+                args.knee_factor, report=_print_progress,
             )
         ]
     runs = [Run(qps, policy, kwargs_for(policy)) for qps in rates for policy in policies]
@@ -289,6 +290,10 @@ def _run(args: argparse.Namespace) -> int:
 # -- running ------------------------------------------------------------------------
 
 
+def _print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def simulate(
     stream: Sequence[WorkloadRequest],
     fleet: FleetConfig,
@@ -299,19 +304,14 @@ def simulate(
 ) -> SimulationResult:
     """One simulated run, reporting progress every 10% as a line."""
     start = time.perf_counter()
-    emit = report or (lambda line: print(line, file=sys.stderr, flush=True))
+    emit = report or _print_progress
 
     def progress(num_finished: int, num_requests: int) -> None:
-        emit(f"  {label}: {100 * num_finished // num_requests:3d}% ({num_finished}/{num_requests} requests, "
-             f"{time.perf_counter() - start:.1f} s)")
+        emit(progress_line(label, num_finished, num_requests, time.perf_counter() - start))
 
     return FleetSimulator(fleet, policy).run(
         stream, progress=progress, progress_every=max(1, len(stream) // 10)
     )
-
-
-def _print_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def _label(run: Run) -> str:
@@ -330,7 +330,7 @@ def _run_live_all(
     # NOTE: imported here: Ray and gRPC are not needed by simulated experiments.
     from kvserve.bench.experiment_live import live_cluster_config, ray_session, run_live
 
-    print(f"{len(runs)} live runs, {fleet.num_replicas} simulated replicas each", file=sys.stderr, flush=True)
+    _print_progress(f"{len(runs)} live runs, {fleet.num_replicas} simulated replicas each")
     results = []
     with ray_session(args.address, num_worker_slots=fleet.num_replicas):
         for run in runs:
@@ -349,7 +349,7 @@ def _run_live_all(
 def _simulate_all(
     runs: Sequence[Run], stream: StreamSpec, fleet: FleetConfig, jobs: int
 ) -> list[tuple[Run, SimulationResult]]:
-    print(f"{len(runs)} runs", file=sys.stderr, flush=True)
+    _print_progress(f"{len(runs)} runs")
     if jobs == 1 or len(runs) == 1:
         return [(run, _run_one(run, stream, fleet)) for run in runs]
     # NOTE: fork, so that children need not re-import; each regenerates its

@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 import ray
 
+from kvserve.bench.experiment_report import progress_line
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
 from kvserve.cluster.launcher import ClusterHandle, init_local_ray, start_cluster
@@ -172,10 +173,7 @@ async def _replay(
         nonlocal num_finished
         num_finished += 1
         if num_finished % every == 0 or num_finished == num_requests:
-            report(
-                f"  {label}: {100 * num_finished // num_requests:3d}% ({num_finished}/{num_requests} requests, "
-                f"{time.perf_counter() - wall_start:.1f} s)"
-            )
+            report(progress_line(label, num_finished, num_requests, time.perf_counter() - wall_start))
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:

@@ -48,6 +48,14 @@ class RunResult(Protocol):
     def wall_time(self) -> float: ...
 
 
+def progress_line(label: str, num_finished: int, num_requests: int, elapsed_s: float) -> str:
+    """The line a run (simulated or live) reports as its requests finish."""
+    return (
+        f"  {label}: {100 * num_finished // num_requests:3d}% ({num_finished}/{num_requests} requests, "
+        f"{elapsed_s:.1f} s)"
+    )
+
+
 REQUEST_CSV_FIELDS = (
     "policy", "qps", "index", "arrival_time", "ttft", "latency", "replica_id",
     "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "num_preemptions", "measured",

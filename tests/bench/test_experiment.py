@@ -80,6 +80,7 @@ def test_parallel_jobs_give_the_same_summary_as_one(tmp_path) -> None:  # noqa: 
     [
         (["--sim", "--address", "auto"], "--address only apply to --live"),
         (["--time-scale", "2"], "--time-scale only apply to --live"),
+        (["--model", "/nonexistent/model"], "--model only apply to --live"),
         (["--live", "--jobs", "2"], "--jobs is for simulations"),
         (["--live", "--time-scale", "0"], "--time-scale must be a positive number"),
         (["--live", "--model", "/nonexistent/model"], "config.json"),
