@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from kvserve.scheduler.block_hash import BlockHasher
@@ -275,6 +276,46 @@ def test_cost_ttft_with_bounded_loads_skips_a_replica_over_the_bound() -> None:
     assert CostTTFTPolicy(MODEL).select(req, with_outstanding([20, 1, 1, 0]), index) == 3  # 21 > ceil(2 * 23 / 4) + 8
     with pytest.raises(ValueError, match="load_slack"):
         CostTTFTPolicy(MODEL, load_slack=-1)
+
+
+def test_cost_ttft_with_a_share_bound_spreads_a_hot_prefix_once_its_replica_had_more_than_its_share() -> None:
+    req = request(prompt_len=1600)
+    index = index_with({0: 99}, req)  # only replica 0 holds the prompt; the loads stay idle
+    unbound = CostTTFTPolicy(MODEL, share_factor=None)
+    bound = CostTTFTPolicy(MODEL)  # share_factor=1.2
+
+    assert [unbound.select(req, idle(4), index) for _ in range(12)] == [0] * 12
+    # After 7 requests the mean is 1.75: 7 + 1 > 1.75 + 3 * sqrt(1.75) + 2 = 7.72.  The 8th goes to
+    # another replica; with it counted, replica 0 is within its share again.
+    assert [bound.select(req, idle(4), index) for _ in range(9)] == [0] * 7 + [1, 0]
+
+
+def test_cost_ttft_with_a_share_bound_keeps_prefixes_home_when_their_popularity_is_balanced() -> None:
+    prompts = [request(prompt_len=1600, seed=s) for s in range(4)]
+    index = GlobalPrefixIndex()
+    for replica_id, req in enumerate(prompts):
+        index.add_blocks(replica_id, list(req.block_hashes[:99]))
+    policy = CostTTFTPolicy(MODEL, share_factor=1.2)
+    draws = np.random.default_rng(0).integers(0, 4, size=2000)  # equal popularity, chance imbalance
+
+    choices = [policy.select(prompts[p], idle(4), index) for p in draws]
+
+    assert choices == draws.tolist()
+    with pytest.raises(ValueError, match="share factor"):
+        CostTTFTPolicy(MODEL, share_factor=1.0)
+
+
+def test_cost_ttft_share_bound_gives_way_when_the_other_bounds_leave_no_other_replica() -> None:
+    req = request(prompt_len=1600)
+    index = index_with({0: 99}, req)
+    policy = CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0, share_factor=1.2)
+    for _ in range(30):
+        policy.recent_share.record(0, 2)  # mean 15: 31 > 15 + 3 * sqrt(15) + 2 = 28.6
+
+    assert policy.recent_share.over_share(None, 2).tolist() == [True, False]
+    assert policy.select(req, idle(2), index) == 1  # over its share: spill
+    # Replica 1 is over the load bound (7 > ceil(1.25 * 7 / 2) = 5): the share bound gives way.
+    assert policy.select(req, with_outstanding([0, 6]), index) == 0
 
 
 def test_cost_ttft_keeps_a_request_on_its_cached_replica_when_the_whole_fleet_is_backlogged() -> None:

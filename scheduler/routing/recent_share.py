@@ -1,0 +1,66 @@
+"""Each replica's share of the requests routed lately, and a bound on it.
+
+A policy that follows the prefix cache sends every request of a popular
+prefix to the few replicas holding it.  Bounds on the *current* load (the
+outstanding requests) cap the worst pile-up, but under skewed popularity the
+holders of the hottest prefixes still serve far more requests than the rest
+over a run.  ``RecentShare`` counts the requests routed to each replica,
+exponentially decayed so that each count covers about the last ``window``
+requests per replica, and marks the replicas over their share::
+
+    count + 1 > mean + max((factor - 1) * mean, deviations * sqrt(mean)) + 2
+
+The ``sqrt`` term is chance: with every replica equally popular, counts
+scatter by about ``sqrt(mean)`` (Poisson), so a replica within
+``deviations`` of that is not over its share.  Without it, a fleet whose
+prefixes are balanced would be scattered by noise, and at start-up, when the
+mean is a handful of requests, by the first few arrivals (the 2 requests of
+slack keep the first of all from being bound).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class RecentShare:
+    """Decayed per-replica counts of routed requests."""
+
+    def __init__(self, factor: float, deviations: float, window: int) -> None:
+        if not factor > 1.0:
+            raise ValueError(f"share factor must be > 1, got {factor}")
+        if deviations < 0:
+            raise ValueError(f"share deviations must be >= 0, got {deviations}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"share window must be an integer >= 1, got {window!r}")
+        self.factor = factor
+        self.deviations = deviations
+        self.window = window
+        self.counts = np.zeros(0)
+
+    def over_share(self, available: np.ndarray | None, num_replicas: int) -> np.ndarray:
+        """Which replicas one more request would put over their share (a boolean mask).
+
+        ``available`` (or ``None``: all) names the replicas the mean is taken over.
+        """
+        self._resize(num_replicas)
+        counts = self.counts if available is None else self.counts[available]
+        mean = float(counts.mean())
+        bound = mean + max((self.factor - 1.0) * mean, self.deviations * math.sqrt(mean)) + 2.0
+        return self.counts + 1.0 > bound
+
+    def record(self, replica_id: int, num_replicas: int) -> None:
+        """One request was routed to ``replica_id``: decay every count, then count it."""
+        self._resize(num_replicas)
+        self.counts *= 1.0 - 1.0 / (self.window * num_replicas)
+        self.counts[replica_id] += 1.0
+
+    def _resize(self, num_replicas: int) -> None:
+        """New replicas start with no requests (so they take the next ones); removed ones are dropped."""
+        if len(self.counts) != num_replicas:
+            counts = np.zeros(num_replicas)
+            keep = min(num_replicas, len(self.counts))
+            counts[:keep] = self.counts[:keep]
+            self.counts = counts
