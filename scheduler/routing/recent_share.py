@@ -14,8 +14,8 @@ The ``sqrt`` term is chance: with every replica equally popular, counts
 scatter by about ``sqrt(mean)`` (Poisson), so a replica within
 ``deviations`` of that is not over its share.  Without it, a fleet whose
 prefixes are balanced would be scattered by noise, and at start-up, when the
-mean is a handful of requests, by the first few arrivals (the 2 requests of
-slack keep the first of all from being bound).
+mean is a handful of requests, by the first few arrivals.  The 2 requests of
+slack do the same while the mean is still near zero.
 """
 
 from __future__ import annotations
