@@ -44,7 +44,8 @@ def _tp_worker(rank: int, root: Path, jobs: list[dict[str, Any]]) -> None:
     # Once both ranks have written every result, exit without tearing the gloo group down.
     # In a full CI run rank 0 aborted in that teardown ("terminate called without an active
     # exception") with every result written, which failed the test (an earlier one-off
-    # failure here looked the same); 20 runs of this file alone on a busy machine never did.
+    # failure here may have been the same); 20 runs of this file alone on a busy machine
+    # never did.
     # The group dies with the process.  An error above still fails the test: spawn reports it.
     dist.barrier()
     sys.stdout.flush()
