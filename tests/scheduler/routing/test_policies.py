@@ -307,15 +307,18 @@ def test_cost_ttft_with_a_share_bound_keeps_prefixes_home_when_their_popularity_
 
 def test_cost_ttft_share_bound_gives_way_when_the_other_bounds_leave_no_other_replica() -> None:
     req = request(prompt_len=1600)
-    index = index_with({0: 99}, req)
+    index = index_with({2: 99}, req)
     policy = CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0, share_factor=1.2)
     for _ in range(30):
-        policy.recent_share.record(0, 2)  # mean 15: 31 > 15 + 3 * sqrt(15) + 2 = 28.6
+        policy.recent_share.record(2, 3)  # mean over replicas 1 and 2: 15; 31 > 15 + 3 * sqrt(15) + 2 = 28.6
+    loads = with_outstanding([0, 6, 1])
+    loads[0] = ReplicaLoad(0, available=False)  # the fewest outstanding, but out of the running
 
-    assert policy.recent_share.over_share(None, 2).tolist() == [True, False]
-    assert policy.select(req, idle(2), index) == 1  # over its share: spill
-    # Replica 1 is over the load bound (7 > ceil(1.25 * 7 / 2) = 5): the share bound gives way.
-    assert policy.select(req, with_outstanding([0, 6]), index) == 0
+    assert policy.recent_share.over_share(np.array([False, True, True]), 3).tolist() == [False, False, True]
+    assert policy.select(req, with_outstanding([0, 6, 1]), index) == 0  # all available: spill to the idle one
+    # Replica 1 is over the load bound (7 > ceil(1.25 * 8 / 2) = 5), replica 0 unavailable: the share bound
+    # gives way rather than leave no replica at all.
+    assert policy.select(req, loads, index) == 2
 
 
 def test_cost_ttft_keeps_a_request_on_its_cached_replica_when_the_whole_fleet_is_backlogged() -> None:

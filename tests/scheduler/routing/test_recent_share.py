@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.scheduler.routing.recent_share import RecentShare
 
-NO_DECAY = 10**12  # a window so long that counts are plain counts
+NO_DECAY = 10**20  # a window so long that the decay factor rounds to 1.0: counts are exact integers
 
 
 def share_with(counts: list[int], factor: float = 1.2, deviations: float = 0.0, window: int = NO_DECAY) -> RecentShare:
