@@ -47,22 +47,36 @@ idle.  Three remedies:
   start-up, do not scatter prefixes).  This rarely binds on a fleet whose
   prefixes outnumber its replicas, and caps the pile-up on one with far more
   replicas than prefixes; ``load_factor=None`` turns it off.
-* ``share_factor`` (default 1.2), ``share_deviations`` (3) and
-  ``share_window`` (1000) exclude replicas that were sent more than their
-  share of the last ``share_window`` requests per replica: more than
-  ``share_factor`` times the mean, or ``share_deviations`` chance deviations
-  above it while that is more (see ``RecentShare``).  The outstanding-load
+* ``share_factor`` (default 2), ``share_deviations`` (3),
+  ``share_window`` (1000) and ``share_slack`` (8) exclude replicas that were
+  sent more than their share of the last ``share_window`` requests per
+  replica: more than ``share_factor`` times the mean, or
+  ``share_deviations`` chance deviations above it while that is more, plus
+  ``share_slack`` requests (see ``RecentShare``).  The outstanding-load
   bound caps a moment's pile-up; this one the run's imbalance, which under
-  skewed prefix popularity the outstanding bound leaves at 2x.  The hottest
-  prefixes get more holders early, each at the price of one miss.  Measured
-  in simulation (seeds 0-2, 16,000 requests, 64 replicas, shared prefix with
-  Zipf 1.0 popularity): load max/mean 1.97-1.99 -> 1.21, TTFT p99
-  0.041-0.055 -> 0.077-0.099 s (the misses), e2e p99 3.2 -> 2.9 s; on 256
-  replicas and 64 equally popular prefixes (seeds 0-1, 64,000 requests):
-  load 1.92-1.95 -> 1.19-1.20, TTFT p99 0.033 -> 0.032-0.033 s, e2e p99
-  3.0 -> 2.7 s.  It did not bind on multi-turn chat or at 8 replicas with
-  equally popular prefixes; at 64 it bound on seed 0 of 0-3 (67 misses
-  against 64, TTFT p99 +0.03-0.17 ms).  ``share_factor=None`` turns it off.
+  skewed prefix popularity the outstanding bound leaves near 2x.  Each new
+  holder of a hot prefix costs one miss, and a miss of a long prefix is the
+  TTFT tail, so the factor trades TTFT p99 against balance.  Measured in
+  simulation, TTFT p99 in ms / e2e p99 in s / load max/mean, 64 replicas
+  and 16,000 requests unless said (cache_aware for comparison)::
+
+      factor, slack     Zipf 1.0 prefixes, seeds 0-2  document QA, seeds 0-2        256 replicas, 64k req
+      None              41-55 / 3.18-3.25 / 1.97-1.99  22 / 0.64 / 2.43 (seed 1)     33 / 2.98-3.02 / 1.92-1.95 (seeds 0-1)
+      2, 8 (default)    49-59 / 3.08-3.20 / 1.80-1.85  22-23 / 0.61-0.63 / 1.72-1.95  32 / 2.94 / 1.92 (seed 0)
+      1.5, 8            68-88 / 2.98-3.05 / 1.45-1.53  23-24 / 0.61-0.63 / 1.53 (seeds 1-2)  32 / 2.79 / 1.46 (seed 0)
+      1.2, 2            77-99 / 2.9 / 1.21             164 / 0.67 / 1.21 (seed 1)     32-33 / 2.66-2.69 / 1.19-1.20 (seeds 0-1)
+      cache_aware       71-123 / 3.42 (seed 0) / 1.49-1.81  44-201 / 0.86-0.90 / 1.72-3.21  35-43 / 3.42-3.52 / 1.59-2.18 (seeds 0-1)
+
+  A factor of 2 keeps the TTFT tail below cache_aware's on all of these;
+  smaller factors balance better and shorten e2e p99 a little, at a
+  higher TTFT p99 where prefixes are long (1.2: 7x on document QA).  The
+  slack matters at start-up (see ``RecentShare``): with 2, on 64 replicas
+  with equally popular prefixes, one early burst spilled a prefix to a
+  second, idle replica, so a prefix that first came later found none idle
+  and doubled up with another, and load max/mean ended at 1.30 (seed 1).  With 8 the bound does not bind there (TTFT p99 29.65 /
+  29.60 / 29.74 / 29.78 ms on seeds 0-3 against cache_aware's 29.65 /
+  29.60 / 29.74 / 29.69, the last from one outstanding-bound spill), at 8
+  replicas or on multi-turn chat.  ``share_factor=None`` turns it off.
 * ``decode_horizon`` (default 0: off) charges the decoding that follows,
   over that many tokens (or the request's ``max_tokens`` if fewer)::
 
@@ -104,9 +118,10 @@ class CostTTFTPolicy:
         load_slack: int = 8,
         work_penalty: float = 1.0,
         decode_horizon: int = 0,
-        share_factor: float | None = 1.2,
+        share_factor: float | None = 2.0,
         share_deviations: float = 3.0,
         share_window: int = 1000,
+        share_slack: float = 8.0,
     ) -> None:
         if max_num_batched_tokens < 2:
             raise ValueError(f"max_num_batched_tokens must be >= 2, got {max_num_batched_tokens}")
@@ -128,7 +143,7 @@ class CostTTFTPolicy:
         self.work_penalty = work_penalty
         self.decode_horizon = decode_horizon
         self.recent_share = (
-            None if share_factor is None else RecentShare(share_factor, share_deviations, share_window)
+            None if share_factor is None else RecentShare(share_factor, share_deviations, share_window, share_slack)
         )
 
     def estimate_ttft(

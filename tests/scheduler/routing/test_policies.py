@@ -282,12 +282,13 @@ def test_cost_ttft_with_a_share_bound_spreads_a_hot_prefix_once_its_replica_had_
     req = request(prompt_len=1600)
     index = index_with({0: 99}, req)  # only replica 0 holds the prompt; the loads stay idle
     unbound = CostTTFTPolicy(MODEL, share_factor=None)
-    bound = CostTTFTPolicy(MODEL)  # share_factor=1.2
+    bound = CostTTFTPolicy(MODEL)  # the defaults: factor 2, 3 deviations, slack 8
 
-    assert [unbound.select(req, idle(4), index) for _ in range(12)] == [0] * 12
-    # After 7 requests the mean is 1.75: 7 + 1 > 1.75 + 3 * sqrt(1.75) + 2 = 7.72.  The 8th goes to
-    # another replica; with it counted, replica 0 is within its share again.
-    assert [bound.select(req, idle(4), index) for _ in range(9)] == [0] * 7 + [1, 0]
+    assert [unbound.select(req, idle(4), index) for _ in range(24)] == [0] * 24
+    # After 18 requests the mean is 4.5: 18 + 1 > 4.5 + 3 * sqrt(4.5) + 8 = 18.86 (the chance term is
+    # more than 2 x the mean here).  The 19th goes to another replica; with it counted, replica 0 is
+    # within its share again.
+    assert [bound.select(req, idle(4), index) for _ in range(20)] == [0] * 18 + [1, 0]
 
 
 def test_cost_ttft_with_a_share_bound_keeps_prefixes_home_when_their_popularity_is_balanced() -> None:
@@ -295,7 +296,7 @@ def test_cost_ttft_with_a_share_bound_keeps_prefixes_home_when_their_popularity_
     index = GlobalPrefixIndex()
     for replica_id, req in enumerate(prompts):
         index.add_blocks(replica_id, list(req.block_hashes[:99]))
-    policy = CostTTFTPolicy(MODEL, share_factor=1.2)
+    policy = CostTTFTPolicy(MODEL, share_factor=1.2, share_slack=2.0)
     draws = np.random.default_rng(0).integers(0, 4, size=2000)  # equal popularity, chance imbalance
 
     choices = [policy.select(prompts[p], idle(4), index) for p in draws]
@@ -308,7 +309,7 @@ def test_cost_ttft_with_a_share_bound_keeps_prefixes_home_when_their_popularity_
 def test_cost_ttft_share_bound_gives_way_when_the_other_bounds_leave_no_other_replica() -> None:
     req = request(prompt_len=1600)
     index = index_with({2: 99}, req)
-    policy = CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0, share_factor=1.2)
+    policy = CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0, share_factor=1.2, share_slack=2.0)
     for _ in range(30):
         policy.recent_share.record(2, 3)  # mean over replicas 1 and 2: 15; 31 > 15 + 3 * sqrt(15) + 2 = 28.6
     loads = with_outstanding([0, 6, 1])

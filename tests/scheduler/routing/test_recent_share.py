@@ -10,8 +10,10 @@ from kvserve.scheduler.routing.recent_share import RecentShare
 NO_DECAY = 10**20  # a window so long that the decay factor rounds to 1.0: counts are exact integers
 
 
-def share_with(counts: list[int], factor: float = 1.2, deviations: float = 0.0, window: int = NO_DECAY) -> RecentShare:
-    share = RecentShare(factor, deviations, window)
+def share_with(
+    counts: list[int], factor: float = 1.2, deviations: float = 0.0, window: int = NO_DECAY, slack: float = 2.0
+) -> RecentShare:
+    share = RecentShare(factor, deviations, window, slack)
     for replica_id, count in enumerate(counts):
         for _ in range(count):
             share.record(replica_id, len(counts))
@@ -19,7 +21,7 @@ def share_with(counts: list[int], factor: float = 1.2, deviations: float = 0.0, 
 
 
 def test_counts_decay_to_cover_about_the_last_window_requests_per_replica() -> None:
-    share = RecentShare(1.2, 3.0, window=10)
+    share = RecentShare(1.2, 3.0, window=10, slack=2.0)
     share.record(0, 2)
     for _ in range(20):  # one window: 10 requests per replica x 2 replicas
         share.record(1, 2)
@@ -43,6 +45,16 @@ def test_chance_deviations_widen_the_bound_while_the_mean_is_small() -> None:
     assert share_with([3002, 2500, 2400, 2098], deviations=3.0).over_share(None, 4)[0]
 
 
+def test_the_slack_keeps_a_start_up_burst_within_its_share() -> None:
+    # The first 57 requests of 64 equally popular prefixes, one prefix drawing 5 of them (mean 0.89).
+    counts = [5] + [1] * 52 + [0] * 11
+    # 5 + 1 > 0.89 + 3 * sqrt(0.89) + 2 = 5.72: a slack of 2 would spill the prefix's 6th request ...
+    assert share_with(counts, deviations=3.0, slack=2.0).over_share(None, 64)[0]
+    # ... a slack of 8 (the policy's default) keeps it home: bound 11.72.
+    assert not share_with(counts, deviations=3.0, slack=8.0).over_share(None, 64).any()
+    assert share_with([11] + counts[1:], deviations=3.0, slack=8.0).over_share(None, 64).tolist() == [True] + [False] * 63
+
+
 def test_the_mean_is_taken_over_available_replicas_only() -> None:
     share = share_with([12, 12, 0, 0])  # mean 6 over all: bound 9.2; mean 12 over the first two: 16.4
     available = np.array([True, True, False, False])
@@ -62,9 +74,15 @@ def test_new_replicas_start_empty_and_removed_ones_are_dropped() -> None:
 
 
 @pytest.mark.parametrize(
-    "factor, deviations, window, match",
-    [(1.0, 3.0, 10, "factor"), (1.2, -1.0, 10, "deviations"), (1.2, 3.0, 0, "window"), (1.2, 3.0, 2.5, "window")],
+    "factor, deviations, window, slack, match",
+    [
+        (1.0, 3.0, 10, 2.0, "factor"),
+        (1.2, -1.0, 10, 2.0, "deviations"),
+        (1.2, 3.0, 0, 2.0, "window"),
+        (1.2, 3.0, 2.5, 2.0, "window"),
+        (1.2, 3.0, 10, -1.0, "slack"),
+    ],
 )
-def test_bad_settings_are_rejected(factor: float, deviations: float, window: int, match: str) -> None:
+def test_bad_settings_are_rejected(factor: float, deviations: float, window: int, slack: float, match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        RecentShare(factor, deviations, window)
+        RecentShare(factor, deviations, window, slack)
