@@ -73,10 +73,12 @@ idle.  Three remedies:
   slack matters at start-up (see ``RecentShare``): with 2, on 64 replicas
   with equally popular prefixes, one early burst spilled a prefix to a
   second, idle replica, so a prefix that first came later found none idle
-  and doubled up with another, and load max/mean ended at 1.30 (seed 1).  With 8 the bound does not bind there (TTFT p99 29.65 /
-  29.60 / 29.74 / 29.78 ms on seeds 0-3 against cache_aware's 29.65 /
-  29.60 / 29.74 / 29.69, the last from one outstanding-bound spill), at 8
-  replicas or on multi-turn chat.  ``share_factor=None`` turns it off.
+  and doubled up with another, and load max/mean ended at 1.30 (seed 1).
+  With 8 the bound does not bind there (TTFT p99 29.65 / 29.60 / 29.74 /
+  29.78 ms on seeds 0-3 against cache_aware's 29.65 / 29.60 / 29.74 /
+  29.69, the last from one outstanding-bound spill), at 8 replicas or on
+  multi-turn chat.  It costs some of the Zipf tail (35-39 ms with a slack
+  of 2).  ``share_factor=None`` turns it off.
 * ``decode_horizon`` (default 0: off) charges the decoding that follows,
   over that many tokens (or the request's ``max_tokens`` if fewer)::
 
