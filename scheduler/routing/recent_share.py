@@ -38,7 +38,7 @@ class RecentShare:
             raise ValueError(f"share deviations must be >= 0, got {deviations}")
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"share window must be an integer >= 1, got {window!r}")
-        if slack < 0:
+        if not slack >= 0:  # NaN too
             raise ValueError(f"share slack must be >= 0, got {slack}")
         self.factor = factor
         self.deviations = deviations

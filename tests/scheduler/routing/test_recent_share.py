@@ -52,6 +52,7 @@ def test_the_slack_keeps_a_start_up_burst_within_its_share() -> None:
     assert share_with(counts, deviations=3.0, slack=2.0).over_share(None, 64)[0]
     # ... a slack of 8 (the policy's default) keeps it home: bound 11.72.
     assert not share_with(counts, deviations=3.0, slack=8.0).over_share(None, 64).any()
+    # 11 of 63 (mean 0.98): 11 + 1 > 0.98 + 3 * sqrt(0.98) + 8 = 11.96.
     assert share_with([11] + counts[1:], deviations=3.0, slack=8.0).over_share(None, 64).tolist() == [True] + [False] * 63
 
 
@@ -81,6 +82,7 @@ def test_new_replicas_start_empty_and_removed_ones_are_dropped() -> None:
         (1.2, 3.0, 0, 2.0, "window"),
         (1.2, 3.0, 2.5, 2.0, "window"),
         (1.2, 3.0, 10, -1.0, "slack"),
+        (1.2, 3.0, 10, float("nan"), "slack"),
     ],
 )
 def test_bad_settings_are_rejected(factor: float, deviations: float, window: int, slack: float, match: str) -> None:
