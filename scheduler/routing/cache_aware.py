@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kvserve.scheduler.routing.arguments import check_number
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -30,13 +31,11 @@ class CacheAwarePolicy:
         balance_rel_threshold: float = 1.5,
         cache_threshold: float = 0.3,
     ) -> None:
-        if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
-            raise ValueError("balance thresholds must be >= 0 (absolute) and >= 1 (relative)")
-        if not 0.0 <= cache_threshold <= 1.0:
+        self.balance_abs_threshold = check_number("balance_abs_threshold", balance_abs_threshold, 0)
+        self.balance_rel_threshold = check_number("balance_rel_threshold", balance_rel_threshold, 1)
+        self.cache_threshold = check_number("cache_threshold", cache_threshold, 0)
+        if self.cache_threshold > 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
-        self.balance_abs_threshold = balance_abs_threshold
-        self.balance_rel_threshold = balance_rel_threshold
-        self.cache_threshold = cache_threshold
 
     def select(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex

@@ -4,8 +4,9 @@ Each replica owns ``virtual_nodes`` points on a 64-bit ring.  A request's key
 is its block hash number ``num_prefix_blocks - 1`` (the chain makes it a hash
 of every block up to it, salt included); the request goes to the first
 available replica clockwise from the key whose load is under the bound
-``ceil(load_factor * (total load + 1) / available replicas)`` (Mirrokni, Thorup, Zadimoghaddam,
-"Consistent Hashing with Bounded Loads", 2018).  Requests sharing a prefix
+``ceil(load_factor * (L + 1) / n)``, with ``L`` the outstanding requests of
+the ``n`` available replicas (Mirrokni, Thorup, Zadimoghaddam, "Consistent
+Hashing with Bounded Loads", 2018).  Requests sharing a prefix
 meet on one replica until it is overloaded, then spill to the next.  The
 ring holds every replica, available or not: when one fails, only its keys
 move (to the next replicas clockwise), and they come back when it returns.
@@ -23,6 +24,7 @@ from collections.abc import Sequence
 
 import xxhash
 
+from kvserve.scheduler.routing.arguments import check_int, check_number
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -40,15 +42,9 @@ class ConsistentHashPolicy:
         virtual_nodes: int = 64,
         seed: int = 0,
     ) -> None:
-        if num_prefix_blocks < 1:
-            raise ValueError(f"num_prefix_blocks must be >= 1, got {num_prefix_blocks}")
-        if not load_factor > 1.0:
-            raise ValueError(f"load_factor must be > 1, got {load_factor}")
-        if virtual_nodes < 1:
-            raise ValueError(f"virtual_nodes must be >= 1, got {virtual_nodes}")
-        self.num_prefix_blocks = num_prefix_blocks
-        self.load_factor = load_factor
-        self.virtual_nodes = virtual_nodes
+        self.num_prefix_blocks = check_int("num_prefix_blocks", num_prefix_blocks, 1)
+        self.load_factor = check_number("load_factor", load_factor, 1, above=True)
+        self.virtual_nodes = check_int("virtual_nodes", virtual_nodes, 1)
         self.seed = seed
         self._num_replicas = 0
         self._points: list[int] = []
@@ -79,7 +75,7 @@ class ConsistentHashPolicy:
         if num_replicas != self._num_replicas:
             self._build_ring(num_replicas)
         table.check_any_available()
-        bound = math.ceil(self.load_factor * (table.total_outstanding + 1) / table.num_available)
+        bound = math.ceil(table.bounded_load(self.load_factor))
         outstanding = table.num_outstanding
         available = table.available
         points, owners = self._points, self._owners
@@ -89,6 +85,6 @@ class ConsistentHashPolicy:
             owner = owners[(start + step) % num_points]
             if available[owner] and outstanding[owner] < bound:
                 return owner
-        # Unreachable: the bound times the available replicas exceeds the total load,
+        # Unreachable: the bound times the available replicas exceeds their load,
         # so an available replica is under it.
         raise RuntimeError(f"no available replica under the load bound {bound}")

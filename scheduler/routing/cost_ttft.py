@@ -99,6 +99,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kvserve.scheduler.routing.arguments import check_int, check_number
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -125,25 +126,15 @@ class CostTTFTPolicy:
         share_window: int = 1000,
         share_slack: float = 8.0,
     ) -> None:
-        if max_num_batched_tokens < 2:
-            raise ValueError(f"max_num_batched_tokens must be >= 2, got {max_num_batched_tokens}")
-        if tie_tolerance_steps < 0:
-            raise ValueError(f"tie_tolerance_steps must be >= 0, got {tie_tolerance_steps}")
-        if load_factor is not None and not load_factor > 1.0:
-            raise ValueError(f"load_factor must be > 1 (or None), got {load_factor}")
-        if isinstance(load_slack, bool) or not isinstance(load_slack, int) or load_slack < 0:
-            raise ValueError(f"load_slack must be an integer >= 0, got {load_slack!r}")
-        if work_penalty < 0:
-            raise ValueError(f"work_penalty must be >= 0, got {work_penalty}")
-        if isinstance(decode_horizon, bool) or not isinstance(decode_horizon, int) or decode_horizon < 0:
-            raise ValueError(f"decode_horizon must be an integer >= 0, got {decode_horizon!r}")
+        if cost_model is not None and not isinstance(cost_model, StepCostModel):
+            raise TypeError(f"cost_model must be a StepCostModel, got {cost_model!r}")
         self.cost_model = cost_model or StepCostModel.default()
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.tie_tolerance_steps = tie_tolerance_steps
-        self.load_factor = load_factor
-        self.load_slack = load_slack
-        self.work_penalty = work_penalty
-        self.decode_horizon = decode_horizon
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 2)
+        self.tie_tolerance_steps = check_number("tie_tolerance_steps", tie_tolerance_steps, 0)
+        self.load_factor = None if load_factor is None else check_number("load_factor", load_factor, 1, above=True)
+        self.load_slack = check_int("load_slack", load_slack, 0)
+        self.work_penalty = check_number("work_penalty", work_penalty, 0)
+        self.decode_horizon = check_int("decode_horizon", decode_horizon, 0)
         self.recent_share = (
             None if share_factor is None else RecentShare(share_factor, share_deviations, share_window, share_slack)
         )
@@ -179,8 +170,7 @@ class CostTTFTPolicy:
             score += model.b * uncached * table.num_running
         outstanding = table.num_outstanding
         if self.load_factor is not None:
-            mean = (table.total_outstanding + 1) / table.num_available
-            bound = math.ceil(self.load_factor * mean) + self.load_slack
+            bound = math.ceil(table.bounded_load(self.load_factor)) + self.load_slack
             score[outstanding + 1 > bound] = np.inf
         if available is not None:
             score[~available] = np.inf

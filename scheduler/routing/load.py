@@ -94,14 +94,14 @@ class LoadTable(Sequence[ReplicaLoad]):
     not carry it); every replica starts available.
     """
 
-    __slots__ = ("_rows", "_available", "total_outstanding", "num_available")
+    __slots__ = ("_rows", "_available", "available_outstanding", "num_available")
 
     def __init__(self, num_replicas: int) -> None:
         if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
             raise ValueError(f"num_replicas must be a positive integer, got {num_replicas!r}")
         self._rows = np.zeros((num_replicas, len(_COLUMNS)), dtype=np.int64)
-        # Sum of num_outstanding, kept so that the mean load is O(1).
-        self.total_outstanding = 0
+        # Sum of the available replicas' num_outstanding, kept so that their mean load is O(1).
+        self.available_outstanding = 0
         self._available = np.ones(num_replicas, dtype=bool)
         self.num_available = num_replicas
 
@@ -127,7 +127,8 @@ class LoadTable(Sequence[ReplicaLoad]):
         """Record ``replica_id``'s current load."""
         rows = self._rows
         outstanding = load.num_running + load.num_waiting
-        self.total_outstanding += outstanding - int(rows[replica_id, 2])
+        if self._available[replica_id]:
+            self.available_outstanding += outstanding - int(rows[replica_id, 2])
         rows[replica_id] = (
             load.num_running,
             load.num_waiting,
@@ -146,7 +147,9 @@ class LoadTable(Sequence[ReplicaLoad]):
         available = bool(available)
         if self._available[replica_id] != available:
             self._available[replica_id] = available
-            self.num_available += 1 if available else -1
+            sign = 1 if available else -1
+            self.num_available += sign
+            self.available_outstanding += sign * int(self._rows[replica_id, 2])
 
     @property
     def available(self) -> np.ndarray:
@@ -200,9 +203,14 @@ class LoadTable(Sequence[ReplicaLoad]):
     def num_queued_cached_tokens(self) -> np.ndarray:
         return self._rows[:, 7]
 
-    @property
-    def mean_outstanding(self) -> float:
-        return self.total_outstanding / len(self._rows)
+    def bounded_load(self, load_factor: float) -> float:
+        """``load_factor`` x the mean outstanding requests of the available replicas, one more counted.
+
+        The bound of consistent hashing with bounded loads, for the request
+        being placed; unavailable replicas' requests (a draining replica's)
+        count for nothing, as they cannot move.
+        """
+        return load_factor * (self.available_outstanding + 1) / self.num_available
 
     def __len__(self) -> int:
         return len(self._rows)

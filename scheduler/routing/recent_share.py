@@ -27,23 +27,17 @@ import math
 
 import numpy as np
 
+from kvserve.scheduler.routing.arguments import check_int, check_number
+
 
 class RecentShare:
     """Decayed per-replica counts of routed requests."""
 
     def __init__(self, factor: float, deviations: float, window: int, slack: float) -> None:
-        if not factor > 1.0:
-            raise ValueError(f"share factor must be > 1, got {factor}")
-        if deviations < 0:
-            raise ValueError(f"share deviations must be >= 0, got {deviations}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"share window must be an integer >= 1, got {window!r}")
-        if not slack >= 0:  # NaN too
-            raise ValueError(f"share slack must be >= 0, got {slack}")
-        self.factor = factor
-        self.deviations = deviations
-        self.window = window
-        self.slack = slack
+        self.factor = check_number("share_factor", factor, 1, above=True)
+        self.deviations = check_number("share_deviations", deviations, 0)
+        self.window = check_int("share_window", window, 1)
+        self.slack = check_number("share_slack", slack, 0)
         self.counts = np.zeros(0)
 
     def over_share(self, available: np.ndarray | None, num_replicas: int) -> np.ndarray:

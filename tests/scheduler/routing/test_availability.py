@@ -138,6 +138,10 @@ def test_cache_aware_balances_among_the_available_replicas_only() -> None:
     table = loads([100, 0, 100, 30], unavailable={1})
 
     assert CacheAwarePolicy().select(req, table, index) == 3
+    # Balanced among the available (90 - 40 <= 64), though not counting the idle one that is down,
+    # nor the busy one that is down (200 - 30 > 64 and 200 > 1.5 x 30).
+    assert CacheAwarePolicy().select(req, loads([90, 0, 60, 40], unavailable={1}), index) == 2
+    assert CacheAwarePolicy().select(req, loads([50, 200, 60, 30], unavailable={1}), index) == 2
 
 
 def test_cost_ttft_skips_the_unavailable_replica_with_the_lowest_estimate() -> None:
@@ -154,7 +158,24 @@ def test_cost_ttft_bounded_loads_count_only_the_available_replicas() -> None:
     # would exclude it; over the one available replica it cannot.
     table = loads([3, 0, 0, 0], unavailable={1, 2, 3})
 
-    assert CostTTFTPolicy(MODEL, load_factor=1.25).select(request(), table, GlobalPrefixIndex()) == 0
+    assert CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0).select(request(), table, GlobalPrefixIndex()) == 0
+
+
+def test_bounded_loads_ignore_the_requests_of_an_unavailable_replica() -> None:
+    # A draining replica's 200 requests cannot move: they must not raise the others' bound.
+    req = request(prompt_len=1600)
+    policy = ConsistentHashPolicy(load_factor=1.25)
+    home = policy.select(req, loads([0, 0, 0, 0], unavailable=set()), GlobalPrefixIndex())
+    draining = (home + 1) % 4
+    outstanding = [0, 0, 0, 0]
+    outstanding[home], outstanding[draining] = 5, 200
+    table = loads(outstanding, unavailable={draining})
+
+    # ceil(1.25 * (5 + 1) / 3) = 3: the home replica is over it (over all four, 86 is not).
+    assert policy.select(req, table, GlobalPrefixIndex()) not in (home, draining)
+    cost = CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0, share_factor=None)
+    assert cost.select(req, table, index_caching([home], [req])) not in (home, draining)
+    assert cost.select(req, loads(outstanding, unavailable=set()), index_caching([home], [req])) == home
 
 
 # -- the load table and the router ------------------------------------------------------
@@ -169,7 +190,13 @@ def test_load_table_counts_available_replicas_and_keeps_their_loads() -> None:
     table.set_available(1, True)
     table.set_available(1, True)
     assert table.num_available == 3 and table.all_available
-    assert table.total_outstanding == 6
+    assert table.available_outstanding == 6
+    table.set_available(2, False)
+    table.set(2, ReplicaLoad(2, num_running=10))
+    table.set(0, ReplicaLoad(0, num_waiting=4))
+    assert table.available_outstanding == 6  # replica 2's requests no longer count; replica 0's do
+    table.set_available(2, True)
+    assert table.available_outstanding == 16
 
 
 def fleet(policy: str, num_replicas: int = 3) -> tuple[Router, list[Scheduler]]:

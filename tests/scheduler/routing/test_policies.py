@@ -69,6 +69,13 @@ def test_least_loaded_never_picks_the_most_loaded_of_three() -> None:
     assert 1 not in choices and set(choices) == {0, 2}
 
 
+def test_least_loaded_breaks_a_tie_of_requests_by_queued_prefill_tokens() -> None:
+    loads = [ReplicaLoad(r, num_waiting=2, num_queued_prefill_tokens=q) for r, q in enumerate([500, 100])]
+    policy = LeastLoadedPolicy(seed=0)
+
+    assert {policy.select(request(), loads, GlobalPrefixIndex()) for _ in range(20)} == {1}
+
+
 def test_least_loaded_is_deterministic_for_a_seed() -> None:
     loads = with_outstanding([1, 1, 1, 1, 1, 1])
 
@@ -113,6 +120,24 @@ def test_consistent_hash_skips_a_replica_over_the_load_bound() -> None:
     choice = policy.select(req, with_outstanding(counts), GlobalPrefixIndex())
 
     assert choice != home
+    # It spills to the next replica clockwise, not to the least loaded: that one, with the home
+    # replica down, is where the request would go anyway (and stays under the bound).
+    table = LoadTable.of(idle(4))
+    table.set_available(home, False)
+    assert choice == policy.select(req, table, GlobalPrefixIndex())
+    counts = [0, 0, 0, 0]
+    counts[home], counts[choice] = 4, 1  # bound = ceil(1.25 * 6 / 4) = 2: the next one is still under it
+    assert policy.select(req, with_outstanding(counts), GlobalPrefixIndex()) == choice
+
+
+def test_consistent_hash_keys_on_the_whole_prefix_not_the_first_block() -> None:
+    policy = ConsistentHashPolicy(num_prefix_blocks=4)
+    shared = [3 + i for i in range(16)]  # only the first block is shared
+    requests = [
+        RoutingRequest(f"r{k}", HASHER.hash_token_ids(shared + [100 + k] * 48), 64, BLOCK_SIZE) for k in range(200)
+    ]
+
+    assert len({policy.select(r, idle(8), GlobalPrefixIndex()) for r in requests}) == 8  # keyed on block 0: 1
 
 
 # -- SGLang's cache-aware thresholds -------------------------------------------------------
@@ -143,6 +168,40 @@ def test_cache_aware_balances_when_both_thresholds_are_exceeded() -> None:
     assert CacheAwarePolicy().select(req, with_outstanding([100, 70, 80]), index) == 0
     # 20 > 1.5 x 1 but max - min = 19 < 64: only the relative one.
     assert CacheAwarePolicy().select(req, with_outstanding([20, 1, 5]), index) == 0
+
+
+def test_cache_aware_balances_only_when_both_thresholds_are_strictly_exceeded() -> None:
+    req = request()
+    index = index_with({0: 10}, req)
+    policy = CacheAwarePolicy()
+
+    assert policy.select(req, with_outstanding([94, 30, 40]), index) == 0  # max - min = 64: not over
+    assert policy.select(req, with_outstanding([95, 30, 40]), index) == 1
+    assert policy.select(req, with_outstanding([195, 130, 140]), index) == 0  # max = 1.5 x min: not over
+    assert policy.select(req, with_outstanding([196, 130, 140]), index) == 1
+
+
+def test_cache_aware_follows_a_match_of_exactly_the_cache_threshold() -> None:
+    req = request(prompt_len=160)
+    loads = with_outstanding([3, 0, 2])
+
+    assert CacheAwarePolicy(cache_threshold=0.3).select(req, loads, index_with({2: 3}, req)) == 2  # 48 / 160
+    assert CacheAwarePolicy(cache_threshold=0.3).select(req, loads, index_with({2: 2}, req)) == 1  # 32 / 160
+
+
+def test_cache_aware_counts_only_the_tokens_a_match_saves() -> None:
+    # A one-block prompt cached whole saves nothing: its last token is computed, so its block is.
+    req = request(prompt_len=16)
+
+    assert CacheAwarePolicy().select(req, with_outstanding([3, 0]), index_with({0: 1}, req)) == 1
+
+
+def test_cache_aware_sends_equal_matches_to_the_less_loaded_holder() -> None:
+    req = request(prompt_len=160)
+    index = index_with({0: 8, 2: 8}, req)
+
+    assert CacheAwarePolicy().select(req, with_outstanding([5, 0, 1]), index) == 2
+    assert CacheAwarePolicy().select(req, with_outstanding([1, 0, 5]), index) == 0
 
 
 def test_cache_aware_without_any_match_goes_to_the_least_loaded() -> None:
@@ -188,6 +247,28 @@ def test_cost_ttft_estimate_prices_steps_and_prefill_tokens() -> None:
     assert ttft[1] == pytest.approx(0.01 + 8e-4)
 
 
+def test_cost_ttft_estimate_leaves_a_prefill_budget_less_one_token_per_running_decode() -> None:
+    req = request(prompt_len=1000)
+    index = index_with({1: 62}, req)
+    model = StepCostModel(a=0.01, b=1e-4, c=0.0, d=0.0)
+    loads = [
+        # 2000 queued tokens of which 1000 were cached when queued, plus 1000 uncached of its own:
+        # 2000 tokens of work; with 49 decodes running, 1999 per step: 2 steps (2048 would take 1).
+        ReplicaLoad(0, num_running=49, num_queued_prefill_tokens=2000, num_queued_cached_tokens=1000),
+        # The whole prompt's 62 blocks are cached, but the last token is computed: 8 tokens.
+        ReplicaLoad(1),
+    ]
+
+    ttft = CostTTFTPolicy(model, max_num_batched_tokens=2048).estimate_ttft(req, loads, index)
+
+    assert ttft[0] == pytest.approx(2 * 0.01 + 2000e-4)
+    assert ttft[1] == pytest.approx(0.01 + 8e-4)
+    whole = request(prompt_len=992)  # exactly 62 blocks: the last one is recomputed
+    assert CostTTFTPolicy(model).estimate_ttft(whole, [ReplicaLoad(0)], index_with({0: 62}, whole))[0] == (
+        pytest.approx(0.01 + 16e-4)
+    )
+
+
 def test_cost_ttft_breaks_ties_by_fewest_outstanding_requests() -> None:
     # Equal estimates (no queued prefill, no running decodes) but different waiting counts.
     loads = [ReplicaLoad(r, num_waiting=w) for r, w in enumerate([2, 1, 0, 1])]
@@ -212,16 +293,42 @@ def test_make_policy_rejects_unknown_names_and_arguments() -> None:
         make_policy("round_robin", seed=3)
 
 
+@pytest.mark.parametrize(
+    ("name", "argument", "value"),
+    [
+        ("cost_ttft", "load_factor", float("inf")),
+        ("cost_ttft", "load_factor", 1.0),
+        ("cost_ttft", "work_penalty", float("inf")),
+        ("cost_ttft", "tie_tolerance_steps", float("nan")),
+        ("cost_ttft", "max_num_batched_tokens", 2.5),
+        ("cost_ttft", "load_slack", True),
+        ("cost_ttft", "share_deviations", float("inf")),
+        ("cost_ttft", "cost_model", 1),
+        ("consistent_hash", "num_prefix_blocks", 1.5),
+        ("consistent_hash", "virtual_nodes", 2.5),
+        ("consistent_hash", "load_factor", float("nan")),
+        ("cache_aware", "balance_abs_threshold", float("nan")),
+        ("cache_aware", "balance_rel_threshold", float("nan")),
+        ("cache_aware", "balance_rel_threshold", 0.5),
+        ("cache_aware", "cache_threshold", 1.5),
+        ("cache_aware", "cache_threshold", "0.3"),
+    ],
+)
+def test_a_bad_policy_argument_fails_when_given_not_at_the_first_request(name: str, argument: str, value: object) -> None:
+    with pytest.raises(ValueError, match=argument):
+        make_policy(name, **{argument: value})
+
+
 def test_load_table_requires_replica_ids_in_order() -> None:
     with pytest.raises(ValueError, match="ids must be 0..n-1"):
         LoadTable.of([ReplicaLoad(1), ReplicaLoad(0)])
 
 
-def test_load_table_keeps_the_total_outstanding_requests() -> None:
+def test_load_table_keeps_the_outstanding_requests_of_the_available_replicas() -> None:
     table = LoadTable.of(with_outstanding([1, 2, 3]))
     table.set(1, ReplicaLoad(1, num_running=5, num_waiting=5))
 
-    assert table.total_outstanding == 14
+    assert table.available_outstanding == 14
     assert table[1] == ReplicaLoad(1, num_running=5, num_waiting=5)
     assert list(table.num_outstanding) == [1, 10, 3]
 
@@ -302,7 +409,7 @@ def test_cost_ttft_with_a_share_bound_keeps_prefixes_home_when_their_popularity_
     choices = [policy.select(prompts[p], idle(4), index) for p in draws]
 
     assert choices == draws.tolist()
-    with pytest.raises(ValueError, match="share factor"):
+    with pytest.raises(ValueError, match="share_factor"):
         CostTTFTPolicy(MODEL, share_factor=1.0)
 
 

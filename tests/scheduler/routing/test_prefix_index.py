@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -126,6 +127,36 @@ def test_match_stops_walking_when_no_candidate_is_left() -> None:
     index._holders = CountingDict(index._holders)
     assert index.match(chain[:3] + [HASHES[0]] + chain[4:]) == {0: 3, 1: 3, 2: 2}
     assert CountingDict.lookups == 4  # blocks 0..3, then every candidate is gone
+
+
+@pytest.mark.parametrize("num_replicas", [3, 9, 200])  # few holders, more than 8 (a dense mask), many words
+def test_match_agrees_with_a_scan_of_every_replica_whatever_their_ids(num_replicas: int) -> None:
+    rng = random.Random(num_replicas)
+    chain = [bytes([1, i % 256, i // 256]) + bytes(13) for i in range(50)]
+    ids = rng.sample(range(1100), num_replicas)  # ids far beyond one machine word
+    held = {replica_id: [h for h in chain if rng.random() < 0.95] for replica_id in ids}
+    index = GlobalPrefixIndex()
+    for replica_id, hashes in held.items():
+        index.add_blocks(replica_id, hashes)
+    expected = {}
+    for replica_id, hashes in held.items():
+        count = next((i for i, h in enumerate(chain) if h not in hashes), len(chain))
+        if count:
+            expected[replica_id] = count
+
+    assert index.match(chain) == expected
+    assert index.replicas_holding(chain[0]) == {r for r, hashes in held.items() if chain[0] in hashes}
+
+
+def test_a_new_pool_of_a_replica_starts_with_nothing_cached() -> None:
+    index = GlobalPrefixIndex()
+    index.observer_for(0).blocks_stored(HASHES[:2], [1, 2])
+    index.add_blocks(1, HASHES[:1])
+
+    index.observer_for(0)  # replica 0 restarted with a fresh pool, without resetting the old one
+
+    assert index.match(HASHES[:2]) == {1: 1}
+    assert index.num_blocks(0) == 0
 
 
 def test_clearing_a_replica_forgets_only_its_blocks() -> None:
