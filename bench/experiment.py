@@ -21,9 +21,14 @@ figures cover the measured requests, ``--num-requests`` of them (by
 default 250 per replica: with fewer, a big fleet's figures are its cold
 starts and sampling noise; see ``default_num_requests``).
 
-Writes to ``--out``: ``requests.csv`` (one row per request and run),
-``summary.csv`` and ``summary.md`` (the table printed at the end, with the
-infinite-cache hit rate), ``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``.
+Writes to ``--out``: ``config.json`` (the settings) at the start; once
+every run has finished, ``requests.csv`` (one row per request and run),
+``summary.csv``, ``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``, then
+``summary.md`` (the table printed at the end, with the infinite-cache hit
+rate) last.  The result files of an earlier run in ``--out`` are removed at
+the start, and each file is written under a temporary name and renamed
+when complete: a folder without ``summary.md`` holds no finished run.
+Ctrl-C stops the experiment (exit status 130).
 """
 
 from __future__ import annotations
@@ -31,19 +36,23 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
+import math
+import multiprocessing
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.bench.experiment_report import (
+    PLOTS,
     REQUEST_CSV_FIELDS,
     SUMMARY_HEADERS,
     RunSummary,
+    atomic_open,
     plot_summaries,
     progress_line,
     summarize,
@@ -53,19 +62,25 @@ from kvserve.bench.experiment_report import (
 )
 from kvserve.bench.experiment_knee import find_knee_qps
 from kvserve.bench.experiment_setup import (
+    DEFAULT_BASELINE,
     DEFAULT_KV_FRACTION,
     DEFAULT_NUM_REQUESTS_RANGE,
     REQUESTS_PER_REPLICA,
     ExperimentError,
     StreamSpec,
     check_live_options,
+    check_options,
+    check_policies,
+    choose_baseline,
     default_num_requests,
     default_policy_kwargs,
     describe,
     fleet_config,
     live_model,
+    load_cost_model,
     parse_policy_args,
     parse_rates,
+    prepare_output,
     qps_label,
     stream_spec,
 )
@@ -75,11 +90,14 @@ from kvserve.bench.workloads.cache_reference import infinite_cache_reference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
-from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
 
 if TYPE_CHECKING:
     from kvserve.bench.experiment_live import LiveResult
+
+# What a run writes besides config.json; an earlier run's are removed at the start.
+RESULT_FILES = ("requests.csv", "summary.csv", "summary.md", *(filename for _, _, filename in PLOTS))
+
 
 @dataclass(frozen=True, slots=True)
 class Run:
@@ -123,7 +141,11 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "the mooncake workload also takes 'trace' (its own timing)",
     )
     parser.add_argument("--knee-factor", type=float, default=5.0, help="TTFT p99 multiple for --qps knee (default 5)")
-    parser.add_argument("--baseline", default="round_robin", help="the policy ratios are taken against")
+    parser.add_argument(
+        "--baseline",
+        help=f"the policy ratios are taken against, one of --policies (default {DEFAULT_BASELINE} if run, "
+        f"else the first); with --qps knee, the policy whose knee is found (default {DEFAULT_BASELINE})",
+    )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sim", action="store_true", help="simulate the fleet (the default)")
     mode.add_argument(
@@ -151,7 +173,10 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "--num-requests", type=int,
         help=f"requests per run (default {REQUESTS_PER_REPLICA} per replica, at least {low:,} and at most {high:,})",
     )
-    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of arrivals; 1 = Poisson")
+    parser.add_argument(
+        "--burstiness", type=float,
+        help="gamma shape of arrivals (default 1 = Poisson); not for a trace, whose arrivals keep their pattern",
+    )
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks-per-replica", type=int, help="KV blocks per replica")
     kv.add_argument(
@@ -175,6 +200,9 @@ def run_experiment(args: argparse.Namespace) -> int:
     except ExperimentError as exc:
         print(f"kvserve experiment: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("kvserve experiment: interrupted", file=sys.stderr)
+        return 130
     except (RuntimeError, ConnectionError) as exc:
         if not args.live:
             raise
@@ -186,15 +214,24 @@ def _run(args: argparse.Namespace) -> int:
     if args.num_requests is None:
         args.num_requests = default_num_requests(args.replicas)
     check_live_options(args)
+    check_options(args)
     stream = stream_spec(args)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]
     unknown = [name for name in policies if name not in POLICIES]
     if unknown or not policies:
         raise ExperimentError(f"unknown policies {unknown}; choose from {sorted(POLICIES)}")
-    if args.replicas < 1 or args.num_requests < 1 or args.jobs < 1:
-        raise ExperimentError("--replicas, --num-requests and --jobs must be >= 1")
-    cost_model = StepCostModel.load(args.cost_model) if args.cost_model else StepCostModel.default()
-    policy_args = parse_policy_args(args.policy_arg, policies)
+    rates = parse_rates(args.qps, stream)
+    knee = rates == ["knee"]
+    args.baseline = choose_baseline(args.baseline, policies, knee)
+    if knee:
+        if stream.workload == TRACE_WORKLOAD:
+            raise ExperimentError("--qps knee needs a generated workload, not a trace")
+        if not (args.knee_factor > 1 and math.isfinite(args.knee_factor)):
+            raise ExperimentError(f"--knee-factor must be a number > 1, got {args.knee_factor}")
+    # The knee's baseline runs too, whether or not it is one of the policies compared.
+    run_policies = list(dict.fromkeys([*policies, args.baseline] if knee else policies))
+    policy_args = parse_policy_args(args.policy_arg, run_policies)
+    cost_model = load_cost_model(args)
     model = None
     if args.live:
         model = live_model(args)
@@ -203,51 +240,46 @@ def _run(args: argparse.Namespace) -> int:
     reference_stream = stream.at(None if stream.workload == TRACE_WORKLOAD else 1.0)
     if not reference_stream:
         raise ExperimentError("the workload has no requests")
+    # A trace may hold fewer than --num-requests; session workloads add a warm-up.
+    num_measured = sum(r.measured for r in reference_stream)
     reference = infinite_cache_reference(reference_stream, args.block_size)
     fleet = fleet_config(args, reference_stream, reference, cost_model)
     if model is not None:
         # Synthetic tokens come from the model's vocabulary, live and simulated alike.
         fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
-    args.out.mkdir(parents=True, exist_ok=True)
-    describe(args, stream, reference, fleet)
+    policy_kwargs = {
+        policy: {**default_policy_kwargs(policy, args.seed, fleet), **policy_args.get(policy, {})}
+        for policy in run_policies
+    }
+    check_policies(policy_kwargs, policy_args)
+    prepare_output(args, RESULT_FILES, reference, fleet)
+    describe(stream, num_measured, reference, fleet)
 
-    def kwargs_for(policy: str) -> dict[str, Any]:
-        kwargs = default_policy_kwargs(policy, args.seed, fleet)
-        kwargs.update(policy_args.get(policy, {}))
-        return kwargs
-
-    rates = parse_rates(args.qps, stream)
-    if rates == ["knee"]:
-        if args.baseline not in POLICIES:
-            raise ExperimentError(f"unknown --baseline {args.baseline!r}")
-        if stream.workload == TRACE_WORKLOAD:
-            raise ExperimentError("--qps knee needs a generated workload, not a trace")
-        if not args.knee_factor > 1:
-            raise ExperimentError(f"--knee-factor must be > 1, got {args.knee_factor}")
-        baseline_kwargs = kwargs_for(args.baseline)
-
+    if knee:
         def stream_at(qps: float, num_requests: int) -> list[WorkloadRequest]:
             return dataclasses.replace(stream, num_requests=num_requests).at(qps)
 
+        baseline_kwargs = policy_kwargs[args.baseline]
         rates = [
             find_knee_qps(
                 stream_at, stream.num_requests, fleet, lambda: make_policy(args.baseline, **baseline_kwargs),
                 args.knee_factor, report=_print_progress,
             )
         ]
-    runs = [Run(qps, policy, kwargs_for(policy)) for qps in rates for policy in policies]
+    runs = [Run(qps, policy, policy_kwargs[policy]) for qps in rates for policy in policies]
+    if model is not None:
+        results = _run_live_all(runs, stream, fleet, model.model_dir, args)
+    else:
+        results = _simulate_all(runs, stream, fleet, args.jobs)
 
+    # Every run has finished: the results are written, summary.md last (see the module docstring).
     summaries: list[RunSummary] = []
+    infinite_hit_rates: dict[float | None, float] = {}
+    measured: dict[float | None, list[bool]] = {}
     request_csv = args.out / "requests.csv"
-    with open(request_csv, "w", newline="") as out:
+    with atomic_open(request_csv) as out:
         writer = csv.writer(out)
         writer.writerow(REQUEST_CSV_FIELDS)
-        infinite_hit_rates: dict[float | None, float] = {}
-        measured: dict[float | None, list[bool]] = {}
-        if model is not None:
-            results = _run_live_all(runs, stream, fleet, model.model_dir, args)
-        else:
-            results = _simulate_all(runs, stream, fleet, args.jobs)
         for run, result in results:
             if run.qps not in infinite_hit_rates:
                 # Per rate: a session workload's stream depends on it.
@@ -271,7 +303,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     mode = "live, simulated replicas" if args.live else "simulated"
     header = (
-        f"{stream.workload} ({mode}): {stream.num_requests} requests, {fleet.num_replicas} replicas x "
+        f"{stream.workload} ({mode}): {num_measured} requests, {fleet.num_replicas} replicas x "
         f"{fleet.cache_config.num_usable_blocks} KV blocks of {fleet.cache_config.block_size} tokens; "
         f"infinite-cache hit rate {infinite}; baseline {baseline}"
     )
@@ -279,10 +311,11 @@ def _run(args: argparse.Namespace) -> int:
     print(header)
     print(table)
     write_summary_csv(args.out / "summary.csv", summaries)
-    (args.out / "summary.md").write_text(f"{header}\n\n{table}\n")
     if not args.no_plots:
         for path in plot_summaries(summaries, args.out):
             print(f"wrote {path}")
+    with atomic_open(args.out / "summary.md") as out:
+        out.write(f"{header}\n\n{table}\n")
     print(f"wrote {request_csv}, {args.out / 'summary.csv'}, {args.out / 'summary.md'}")
     return 0
 
@@ -346,6 +379,10 @@ def _run_live_all(
     return results
 
 
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _simulate_all(
     runs: Sequence[Run], stream: StreamSpec, fleet: FleetConfig, jobs: int
 ) -> list[tuple[Run, SimulationResult]]:
@@ -354,9 +391,22 @@ def _simulate_all(
         return [(run, _run_one(run, stream, fleet)) for run in runs]
     # NOTE: fork, so that children need not re-import; each regenerates its
     # stream from the spec (deterministic) rather than receiving it pickled.
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("fork")) as pool:
+    # Workers ignore Ctrl-C (the terminal sends it to them too): the parent
+    # alone handles it, and stops them.
+    other_children = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(
+        max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=_ignore_interrupts
+    )
+    try:
         futures = [pool.submit(_run_one, run, stream, fleet) for run in runs]
         return [(run, future.result()) for run, future in zip(runs, futures)]
+    except BaseException:
+        # Without this, leaving would wait for the runs under way to finish.
+        for worker in set(multiprocessing.active_children()) - other_children:
+            worker.terminate()
+        raise
+    finally:
+        pool.shutdown(cancel_futures=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-from collections.abc import Iterable, Sequence
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import IO, Protocol
 
 import numpy as np
 
@@ -153,9 +155,25 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
     return rows
 
 
+@contextmanager
+def atomic_open(path: Path, mode: str = "w") -> Iterator[IO]:
+    """A file that appears at ``path`` only once written in full.
+
+    It is written as ``path.partial`` and renamed on success, so that an
+    interrupted or failed write never leaves a truncated file at ``path``.
+    """
+    partial = path.with_name(f"{path.name}.partial")
+    try:
+        with open(partial, mode, newline=None if "b" in mode else "") as file:
+            yield file
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
 def write_summary_csv(path: Path, summaries: Iterable[RunSummary]) -> None:
     fields = [f.name for f in dataclasses.fields(RunSummary)]
-    with open(path, "w", newline="") as out:
+    with atomic_open(path) as out:
         writer = csv.DictWriter(out, fieldnames=fields)
         writer.writeheader()
         for summary in summaries:
@@ -173,6 +191,13 @@ def write_request_rows(
         ])
 
 
+# (metric, axis label, file name) of each plot.
+PLOTS = (
+    ("hit_rate", "prefix cache hit rate", "hit_rate_vs_qps.png"),
+    ("ttft_p99", "TTFT p99 (s)", "ttft_p99_vs_qps.png"),
+)
+
+
 def plot_summaries(summaries: Sequence[RunSummary], out_dir: Path) -> list[Path]:
     """``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``: one line per policy.
 
@@ -186,10 +211,7 @@ def plot_summaries(summaries: Sequence[RunSummary], out_dir: Path) -> list[Path]
     policies = list(dict.fromkeys(s.policy for s in summaries))
     title = f"{summaries[0].workload}, {summaries[0].num_replicas} replicas"
     paths = []
-    for metric, label, filename in (
-        ("hit_rate", "prefix cache hit rate", "hit_rate_vs_qps.png"),
-        ("ttft_p99", "TTFT p99 (s)", "ttft_p99_vs_qps.png"),
-    ):
+    for metric, label, filename in PLOTS:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for policy in policies:
             points = sorted((s.qps, getattr(s, metric)) for s in summaries if s.policy == policy)
@@ -208,7 +230,8 @@ def plot_summaries(summaries: Sequence[RunSummary], out_dir: Path) -> list[Path]
         ax.legend(fontsize="small")
         fig.tight_layout()
         path = out_dir / filename
-        fig.savefig(path, dpi=110)
+        with atomic_open(path, "wb") as file:
+            fig.savefig(file, format="png", dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths

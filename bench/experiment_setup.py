@@ -1,4 +1,4 @@
-"""Setting up ``kvserve experiment``: the request stream, the fleet, the policies' arguments.
+"""Setting up ``kvserve experiment``: the request stream, the fleet, the policies, the output folder.
 
 Every helper turns a bad setting into an ``ExperimentError`` with a message
 that names the option, which the command prints without a traceback.
@@ -15,17 +15,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.bench.experiment_report import atomic_open
 from kvserve.bench.workloads import WorkloadRequest, make_workload
 from kvserve.bench.workloads.cache_reference import CacheReference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from kvserve.scheduler.routing.policies import POLICIES
+from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
 
 DEFAULT_KV_FRACTION = 0.25
 REQUESTS_PER_REPLICA = 250
 DEFAULT_NUM_REQUESTS_RANGE = (2_000, 100_000)
+DEFAULT_BASELINE = "round_robin"
+
+# Workload parameters that have an option of their own.
+WORKLOAD_ARG_OPTIONS = {
+    "seed": "--seed", "burstiness": "--burstiness", "num_requests": "--num-requests", "qps": "--qps",
+    "trace": "--trace",
+}
+
+# The policy arguments the experiment sets, by policy, and the options they come from.
+EXPERIMENT_POLICY_ARGS: dict[str, dict[str, str]] = {
+    "least_loaded": {"seed": "--seed"},
+    "consistent_hash": {"seed": "--seed"},
+    "cost_ttft": {"cost_model": "--cost-model", "max_num_batched_tokens": "--max-num-batched-tokens"},
+}
 
 
 def default_num_requests(num_replicas: int) -> int:
@@ -109,6 +124,32 @@ def check_live_options(args: argparse.Namespace) -> None:
         raise ExperimentError(f"{', '.join(given)} only apply to --live")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """``ExperimentError`` for a numeric option out of range (before anything is generated)."""
+    for option, value in (("--replicas", args.replicas), ("--num-requests", args.num_requests),
+                          ("--jobs", args.jobs), ("--block-size", args.block_size)):
+        if value < 1:
+            raise ExperimentError(f"{option} must be >= 1, got {value}")
+    if args.seed < 0:
+        raise ExperimentError(f"--seed must be >= 0, got {args.seed}")
+    if args.burstiness is not None and not (args.burstiness > 0 and math.isfinite(args.burstiness)):
+        raise ExperimentError(f"--burstiness must be a positive number, got {args.burstiness}")
+    if args.kv_fraction is not None and not (args.kv_fraction > 0 and math.isfinite(args.kv_fraction)):
+        raise ExperimentError(f"--kv-fraction must be a positive number, got {args.kv_fraction}")
+
+
+def load_cost_model(args: argparse.Namespace) -> StepCostModel:
+    """``--cost-model``'s model, or the default one."""
+    if args.cost_model is None:
+        return StepCostModel.default()
+    try:
+        return StepCostModel.load(args.cost_model)
+    except OSError as exc:
+        raise ExperimentError(f"--cost-model {args.cost_model}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ExperimentError(f"--cost-model {args.cost_model}: {exc}") from None
+
+
 def parse_value(text: str) -> Any:
     """An int, a float, a bool, ``None``, or else the text itself."""
     for convert in (int, float):
@@ -135,28 +176,70 @@ def parse_key_values(items: Sequence[str], what: str) -> list[tuple[str, Any]]:
 
 
 def parse_policy_args(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """``--policy-arg POLICY.KEY=VALUE`` items by policy; each policy must be one of ``policies``."""
     parsed: dict[str, dict[str, Any]] = {}
     for key, value in parse_key_values(items, "--policy-arg"):
         policy, dot, name = key.partition(".")
-        if not dot or policy not in POLICIES:
+        if not dot or policy not in POLICIES or not name:
             raise ExperimentError(f"--policy-arg must be POLICY.KEY=VALUE with a known policy, got {key!r}")
+        if policy not in policies:
+            raise ExperimentError(f"--policy-arg {key}: {policy} is not run (the policies: {', '.join(policies)})")
+        option = EXPERIMENT_POLICY_ARGS.get(policy, {}).get(name)
+        if option is not None:
+            raise ExperimentError(f"--policy-arg {key}: the experiment sets it from {option}")
         parsed.setdefault(policy, {})[name] = value
     return parsed
 
 
+def check_policies(kwargs_by_policy: dict[str, dict[str, Any]], policy_args: dict[str, dict[str, Any]]) -> None:
+    """Construct every policy once, so that a bad argument stops the experiment before it starts."""
+    for policy, kwargs in kwargs_by_policy.items():
+        try:
+            make_policy(policy, **kwargs)
+        except (ValueError, TypeError) as exc:
+            option = "--policy-arg " if policy in policy_args else ""
+            raise ExperimentError(f"{option}{policy}: {exc}") from None
+
+
+def choose_baseline(baseline: str | None, policies: Sequence[str], knee: bool) -> str:
+    """The policy ratios are taken against (with ``knee``, whose knee is found).
+
+    Given outside knee mode, it must be one of ``policies``; by default it is
+    round robin, or the first policy when round robin is not run.
+    """
+    if knee:
+        baseline = baseline or DEFAULT_BASELINE
+        if baseline not in POLICIES:
+            raise ExperimentError(f"unknown --baseline {baseline!r}; choose from {sorted(POLICIES)}")
+        return baseline
+    if baseline is None:
+        return DEFAULT_BASELINE if DEFAULT_BASELINE in policies else policies[0]
+    if baseline not in policies:
+        raise ExperimentError(f"--baseline {baseline} is not one of --policies ({', '.join(policies)})")
+    return baseline
+
+
 def stream_spec(args: argparse.Namespace) -> StreamSpec:
     params = dict(parse_key_values(args.workload_arg, "--workload-arg"))
+    for key in params:
+        if key in WORKLOAD_ARG_OPTIONS:
+            raise ExperimentError(f"--workload-arg {key}: use {WORKLOAD_ARG_OPTIONS[key]}")
     if args.workload == TRACE_WORKLOAD:
         if args.trace is None:
             raise ExperimentError("the mooncake workload needs --trace PATH")
+        if args.burstiness is not None:
+            raise ExperimentError("--burstiness does not apply to a trace: its arrivals keep the trace's pattern")
         params["trace"] = str(args.trace)
     elif args.workload not in WORKLOADS:
         raise ExperimentError(f"unknown workload {args.workload!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")
-    spec = StreamSpec(args.workload, args.num_requests, args.seed, args.burstiness, params)
+    elif args.trace is not None:
+        raise ExperimentError(f"--trace is for the {TRACE_WORKLOAD} workload, not {args.workload}")
+    burstiness = 1.0 if args.burstiness is None else args.burstiness
+    spec = StreamSpec(args.workload, args.num_requests, args.seed, burstiness, params)
     try:
         spec.at(None if args.workload == TRACE_WORKLOAD else 1.0)[:1]
-    except (ValueError, OSError) as exc:
-        raise ExperimentError(str(exc)) from None
+    except (ValueError, TypeError, OSError) as exc:
+        raise ExperimentError(f"--workload {args.workload}: {exc}") from None
     return spec
 
 
@@ -169,11 +252,13 @@ def parse_rates(text: str, stream: StreamSpec) -> list[Any]:
             raise ExperimentError("--qps trace replays a trace's own timing: only for the mooncake workload")
         return [None]
     try:
-        rates = [float(q) for q in text.split(",") if q.strip()]
+        rates = [float(q) for q in text.split(",")]
     except ValueError:
         raise ExperimentError(f"--qps must be comma-separated numbers, 'knee' or 'trace', got {text!r}") from None
-    if not rates or any(not (q > 0 and math.isfinite(q)) for q in rates):
+    if any(not (q > 0 and math.isfinite(q)) for q in rates):
         raise ExperimentError(f"--qps rates must be positive, got {text!r}")
+    if len(set(rates)) < len(rates):
+        raise ExperimentError(f"--qps rates must differ, got {text!r}")
     return rates
 
 
@@ -198,8 +283,6 @@ def fleet_config(
         num_usable = args.kv_blocks_per_replica
     else:
         fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
-        if not fraction > 0:
-            raise ExperimentError(f"--kv-fraction must be > 0, got {fraction}")
         num_usable = math.ceil(fraction * reference.num_reused_blocks)
     if num_usable < blocks_for_longest:
         raise ExperimentError(
@@ -222,20 +305,20 @@ def fleet_config(
 
 
 def default_policy_kwargs(policy: str, seed: int, fleet: FleetConfig) -> dict[str, Any]:
-    if policy in ("least_loaded", "consistent_hash"):
-        return {"seed": seed}
-    if policy == "cost_ttft":
-        return {
-            "cost_model": fleet.cost_model,
-            "max_num_batched_tokens": fleet.scheduler_config.max_num_batched_tokens,
-        }
-    return {}
+    """The arguments of ``EXPERIMENT_POLICY_ARGS`` for ``policy``."""
+    values = {
+        "seed": seed,
+        "cost_model": fleet.cost_model,
+        "max_num_batched_tokens": fleet.scheduler_config.max_num_batched_tokens,
+    }
+    return {name: values[name] for name in EXPERIMENT_POLICY_ARGS.get(policy, {})}
 
 
-def describe(args: argparse.Namespace, stream: StreamSpec, reference: CacheReference, fleet: FleetConfig) -> None:
+def describe(stream: StreamSpec, num_requests: int, reference: CacheReference, fleet: FleetConfig) -> None:
+    """Print the setup; ``num_requests`` is the measured requests of the stream."""
     cost = fleet.cost_model
     lines = [
-        f"workload {stream.workload} {stream.params or ''}: {stream.num_requests} requests, seed {stream.seed}",
+        f"workload {stream.workload} {stream.params or ''}: {num_requests} requests, seed {stream.seed}",
         f"prefix working set at 1 qps: {reference.num_reused_blocks} blocks reused "
         f"({reference.num_distinct_blocks} distinct; infinite-cache hit rate {reference.hit_rate:.3f})",
         f"fleet: {fleet.num_replicas} replicas x {fleet.cache_config.num_usable_blocks} KV blocks "
@@ -246,9 +329,25 @@ def describe(args: argparse.Namespace, stream: StreamSpec, reference: CacheRefer
     ]
     for line in lines:
         print(line)
+
+
+def prepare_output(
+    args: argparse.Namespace, result_files: Sequence[str], reference: CacheReference, fleet: FleetConfig
+) -> None:
+    """Create ``--out``, remove an earlier run's ``result_files`` there and write ``config.json``."""
+    out: Path = args.out
+    if out.exists() and not out.is_dir():
+        raise ExperimentError(f"--out {out} is not a directory")
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "handler"}
     config["kv_blocks_per_replica_used"] = fleet.cache_config.num_usable_blocks
     config["infinite_cache_hit_rate"] = reference.hit_rate
     config["prefix_working_set_blocks"] = reference.num_reused_blocks
-    (args.out / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name in result_files:
+            (out / name).unlink(missing_ok=True)
+        with atomic_open(out / "config.json") as file:
+            file.write(json.dumps(config, indent=2, default=str) + "\n")
+    except OSError as exc:
+        raise ExperimentError(f"--out {out}: {exc.strerror or exc}") from None

@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from kvserve.bench.workloads.arrivals import zipf_probabilities
+from kvserve.bench.workloads.checks import check_vocab_size
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.sessions import session_requests
 from kvserve.bench.workloads.tokens import TokenSegments, shared_tokens
+from kvserve.scheduler.checks import check_ints, check_numbers
 
 
 def agent_tools(
@@ -34,6 +36,13 @@ def agent_tools(
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """Agent tasks of several steps over Zipf-popular tools."""
+    check_ints(0, system_prompt_len=system_prompt_len, tool_spec_len=tool_spec_len)
+    check_ints(1, num_tools=num_tools, min_steps=min_steps, max_steps=max_steps, observation_len=observation_len,
+               action_len=action_len)
+    check_numbers(0, zipf_exponent=zipf_exponent, think_time=think_time)
+    check_vocab_size(vocab_size)
+    if min_steps > max_steps:
+        raise ValueError(f"need min_steps <= max_steps, got {min_steps}, {max_steps}")
     rng = np.random.default_rng([seed, 2])
     system = shared_tokens(rng, system_prompt_len, vocab_size)
     contexts = [

@@ -7,8 +7,10 @@ document dominates, so a miss costs far more than in chat.
 
 from __future__ import annotations
 
+from kvserve.bench.workloads.checks import check_vocab_size
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.shared_prefix import prefix_groups
+from kvserve.scheduler.checks import check_ints, check_numbers
 
 
 def document_qa(
@@ -25,6 +27,12 @@ def document_qa(
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """Questions about ``num_documents`` long documents."""
+    check_ints(1, num_documents=num_documents, output_len=output_len)
+    check_ints(0, document_len=document_len, question_len=question_len)
+    check_numbers(0, zipf_exponent=zipf_exponent)
+    check_vocab_size(vocab_size)
+    if document_len + question_len < 1:
+        raise ValueError("document_len + question_len must be >= 1: a prompt cannot be empty")
     return prefix_groups(
         num_requests, qps, seed=seed, burstiness=burstiness, num_groups=num_documents,
         prefix_len=document_len, question_len=question_len, output_len=output_len,

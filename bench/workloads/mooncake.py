@@ -14,13 +14,16 @@ sharing leading ids share those prompt tokens; the last block may be partial
 from __future__ import annotations
 
 import json
+import math
 from array import array
 from pathlib import Path
 
 import numpy as np
 
+from kvserve.bench.workloads.checks import check_vocab_size
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+from kvserve.scheduler.checks import check_ints
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -34,12 +37,18 @@ def mooncake_trace(
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
-    """The trace's requests in arrival order (the first ``num_requests`` when given).
+    """The trace's requests in arrival order (the earliest ``num_requests`` when given).
 
     Arrivals start at 0; with ``qps`` they are rescaled to that mean rate,
     otherwise they keep the trace's own timing.  Raises ``ValueError`` naming
     the line of a malformed record.
     """
+    check_ints(1, block_tokens=block_tokens)
+    check_vocab_size(vocab_size)
+    if num_requests is not None:
+        check_ints(0, num_requests=num_requests)
+    if qps is not None and not (qps > 0 and math.isfinite(qps)):
+        raise ValueError(f"qps must be a positive number, got {qps}")
     blocks: dict[int, array] = {}
 
     def block(hash_id: int) -> array:
@@ -49,48 +58,68 @@ def mooncake_trace(
             tokens = blocks[hash_id] = random_tokens(rng, block_tokens, vocab_size)
         return tokens
 
-    rows: list[tuple[float, TokenSegments, int]] = []
-    with open(path, encoding="utf-8") as trace:
-        for line_number, line in enumerate(trace, 1):
-            if not line.strip():
-                continue
-            if num_requests is not None and len(rows) >= num_requests:
-                break
-            try:
-                record = json.loads(line)
-                timestamp = float(record["timestamp"])
-                input_length = int(record["input_length"])
-                output_length = int(record["output_length"])
-                hash_ids = [int(h) for h in record["hash_ids"]]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{line_number}: not a Mooncake record: {exc}") from None
-            if input_length < 1 or output_length < 1:
-                raise ValueError(f"{path}:{line_number}: input_length and output_length must be >= 1")
-            num_blocks = -(-input_length // block_tokens)
-            if len(hash_ids) != num_blocks:
-                raise ValueError(
-                    f"{path}:{line_number}: {input_length} input tokens need {num_blocks} hash ids "
-                    f"of {block_tokens} tokens, got {len(hash_ids)}"
-                )
-            segments = [block(h) for h in hash_ids]
-            last_len = input_length - (num_blocks - 1) * block_tokens
-            if last_len < block_tokens:
-                segments[-1] = segments[-1][:last_len]
-            rows.append((timestamp, TokenSegments(segments), output_length))
-    if not rows:
+    records: list[tuple[float, int, int, list[int]]] = []
+    line_number = 0
+    try:
+        with open(path, encoding="utf-8") as trace:
+            for line_number, line in enumerate(trace, 1):
+                if line.strip():
+                    records.append(_parse_record(line, block_tokens))
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}:{line_number}: not a Mooncake record: {exc}") from None
+    # The earliest requests, not the first lines: a trace need not be sorted (the sort is stable).
+    records.sort(key=lambda record: record[0])
+    if num_requests is not None:
+        del records[num_requests:]
+    if not records:
         return []
-    rows.sort(key=lambda row: row[0])
-    start = rows[0][0]
-    times = [(timestamp - start) / 1000.0 for timestamp, _, _ in rows]
+    start = records[0][0]
+    times = [(timestamp - start) / 1000.0 for timestamp, _, _, _ in records]
     if qps is not None:
-        if not qps > 0:
-            raise ValueError(f"qps must be > 0, got {qps}")
         span = times[-1]
         # Mean rate = (n - 1) arrivals over the span; a single instant trace keeps its times.
         if span > 0 and len(times) > 1:
             factor = (len(times) - 1) / (qps * span)
             times = [t * factor for t in times]
-    return [
-        WorkloadRequest(arrival_time=t, prompt_token_ids=prompt, output_len=output_len, group="trace")
-        for t, (_, prompt, output_len) in zip(times, rows)
-    ]
+    requests = []
+    for arrival_time, (_, input_length, output_length, hash_ids) in zip(times, records):
+        segments = [block(h) for h in hash_ids]
+        last_len = input_length - (len(hash_ids) - 1) * block_tokens
+        if last_len < block_tokens:
+            segments[-1] = segments[-1][:last_len]
+        requests.append(
+            WorkloadRequest(
+                arrival_time=arrival_time, prompt_token_ids=TokenSegments(segments), output_len=output_length,
+                group="trace",
+            )
+        )
+    return requests
+
+
+def _parse_record(line: str, block_tokens: int) -> tuple[float, int, int, list[int]]:
+    """``(timestamp, input_length, output_length, hash_ids)`` of one line; ``ValueError`` if malformed."""
+    record = json.loads(line)
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    missing = [key for key in ("timestamp", "input_length", "output_length", "hash_ids") if key not in record]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
+    timestamp = record["timestamp"]
+    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
+        raise ValueError(f"timestamp must be a finite number, got {timestamp!r}")
+    check_ints(1, input_length=record["input_length"], output_length=record["output_length"])
+    hash_ids = record["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise ValueError(f"hash_ids must be a list of integers >= 0, got {type(hash_ids).__name__}")
+    bad = [h for h in hash_ids if isinstance(h, bool) or not isinstance(h, int) or h < 0]
+    if bad:
+        raise ValueError(f"hash_ids must be integers >= 0, got {bad[0]!r}")
+    num_blocks = -(-record["input_length"] // block_tokens)
+    if len(hash_ids) != num_blocks:
+        raise ValueError(
+            f"{record['input_length']} input tokens need {num_blocks} hash ids of {block_tokens} tokens, "
+            f"got {len(hash_ids)}"
+        )
+    return float(timestamp), record["input_length"], record["output_length"], hash_ids

@@ -11,9 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from kvserve.bench.workloads.arrivals import zipf_probabilities
+from kvserve.bench.workloads.checks import check_vocab_size
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.sessions import session_requests
 from kvserve.bench.workloads.tokens import TokenSegments, shared_tokens
+from kvserve.scheduler.checks import check_ints, check_numbers
 
 
 def multi_turn(
@@ -31,6 +33,10 @@ def multi_turn(
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """Multi-turn chat sessions over one shared system prompt."""
+    check_ints(0, system_prompt_len=system_prompt_len)
+    check_ints(1, min_turns=min_turns, max_turns=max_turns, user_len=user_len, answer_len=answer_len)
+    check_numbers(0, think_time=think_time)
+    check_vocab_size(vocab_size)
     system = shared_tokens(np.random.default_rng([seed, 2]), system_prompt_len, vocab_size)
     return session_requests(
         num_requests, qps, seed=seed, burstiness=burstiness,
@@ -57,6 +63,11 @@ def customer_contexts(
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """Users' conversations on top of their customer's long shared context."""
+    check_ints(0, context_len=context_len)
+    check_ints(1, num_customers=num_customers, min_turns=min_turns, max_turns=max_turns, user_len=user_len,
+               answer_len=answer_len)
+    check_numbers(0, zipf_exponent=zipf_exponent, think_time=think_time)
+    check_vocab_size(vocab_size)
     rng = np.random.default_rng([seed, 2])
     contexts = [TokenSegments((shared_tokens(rng, context_len, vocab_size),)) for _ in range(num_customers)]
     return session_requests(

@@ -32,6 +32,7 @@ import numpy as np
 from kvserve.bench.workloads.arrivals import arrival_times, check_rate
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+from kvserve.scheduler.checks import check_numbers
 
 
 def session_requests(
@@ -57,8 +58,8 @@ def session_requests(
         raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
     if user_len < 1 or answer_len < 1:
         raise ValueError("user_len and answer_len must be >= 1")
-    if think_time < 0:
-        raise ValueError(f"think_time must be >= 0, got {think_time}")
+    # NOTE: an infinite think time would start sessions at -inf and never end the loop below.
+    check_numbers(0, think_time=think_time)
     check_rate(qps, burstiness)
     content = np.random.default_rng([seed, 0])
     timing = np.random.default_rng([seed, 1])

@@ -14,8 +14,10 @@ from __future__ import annotations
 import numpy as np
 
 from kvserve.bench.workloads.arrivals import arrival_times, zipf_probabilities
+from kvserve.bench.workloads.checks import check_vocab_size
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.tokens import TokenSegments, random_tokens, shared_tokens
+from kvserve.scheduler.checks import check_ints, check_numbers
 
 
 def shared_prefix(
@@ -34,6 +36,14 @@ def shared_prefix(
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """Requests sharing one of ``num_groups`` long prefixes each."""
+    check_ints(1, num_groups=num_groups, output_len=output_len)
+    check_ints(0, system_prompt_len=system_prompt_len, question_len=question_len, num_tenants=num_tenants)
+    check_numbers(0, zipf_exponent=zipf_exponent)
+    check_vocab_size(vocab_size)
+    if system_prompt_len + question_len < 1:
+        raise ValueError("system_prompt_len + question_len must be >= 1: a prompt cannot be empty")
+    if prompts_per_group is not None:
+        check_ints(1, prompts_per_group=prompts_per_group)
     if prompts_per_group is not None and num_requests != num_groups * prompts_per_group:
         raise ValueError(
             f"num_requests ({num_requests}) must be num_groups x prompts_per_group "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.scheduler.routing.arguments import check_number
+from kvserve.scheduler.checks import check_numbers
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -31,11 +31,13 @@ class CacheAwarePolicy:
         balance_rel_threshold: float = 1.5,
         cache_threshold: float = 0.3,
     ) -> None:
-        self.balance_abs_threshold = check_number("balance_abs_threshold", balance_abs_threshold, 0)
-        self.balance_rel_threshold = check_number("balance_rel_threshold", balance_rel_threshold, 1)
-        self.cache_threshold = check_number("cache_threshold", cache_threshold, 0)
-        if self.cache_threshold > 1:
+        check_numbers(0, balance_abs_threshold=balance_abs_threshold, cache_threshold=cache_threshold)
+        check_numbers(1, balance_rel_threshold=balance_rel_threshold)
+        if cache_threshold > 1:
             raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.cache_threshold = cache_threshold
 
     def select(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex

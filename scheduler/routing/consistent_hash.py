@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvserve.scheduler.routing.arguments import check_int, check_number
+from kvserve.scheduler.checks import check_ints, check_numbers
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -42,9 +42,11 @@ class ConsistentHashPolicy:
         virtual_nodes: int = 64,
         seed: int = 0,
     ) -> None:
-        self.num_prefix_blocks = check_int("num_prefix_blocks", num_prefix_blocks, 1)
-        self.load_factor = check_number("load_factor", load_factor, 1, above=True)
-        self.virtual_nodes = check_int("virtual_nodes", virtual_nodes, 1)
+        check_ints(1, num_prefix_blocks=num_prefix_blocks, virtual_nodes=virtual_nodes)
+        check_numbers(1, above=True, load_factor=load_factor)
+        self.num_prefix_blocks = num_prefix_blocks
+        self.load_factor = load_factor
+        self.virtual_nodes = virtual_nodes
         self.seed = seed
         self._num_replicas = 0
         self._points: list[int] = []

@@ -99,7 +99,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvserve.scheduler.routing.arguments import check_int, check_number
+from kvserve.scheduler.checks import check_ints, check_numbers
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -129,12 +129,17 @@ class CostTTFTPolicy:
         if cost_model is not None and not isinstance(cost_model, StepCostModel):
             raise TypeError(f"cost_model must be a StepCostModel, got {cost_model!r}")
         self.cost_model = cost_model or StepCostModel.default()
-        self.max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 2)
-        self.tie_tolerance_steps = check_number("tie_tolerance_steps", tie_tolerance_steps, 0)
-        self.load_factor = None if load_factor is None else check_number("load_factor", load_factor, 1, above=True)
-        self.load_slack = check_int("load_slack", load_slack, 0)
-        self.work_penalty = check_number("work_penalty", work_penalty, 0)
-        self.decode_horizon = check_int("decode_horizon", decode_horizon, 0)
+        check_ints(2, max_num_batched_tokens=max_num_batched_tokens)
+        check_ints(0, load_slack=load_slack, decode_horizon=decode_horizon)
+        check_numbers(0, tie_tolerance_steps=tie_tolerance_steps, work_penalty=work_penalty)
+        if load_factor is not None:
+            check_numbers(1, above=True, load_factor=load_factor)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.tie_tolerance_steps = tie_tolerance_steps
+        self.load_factor = load_factor
+        self.load_slack = load_slack
+        self.work_penalty = work_penalty
+        self.decode_horizon = decode_horizon
         self.recent_share = (
             None if share_factor is None else RecentShare(share_factor, share_deviations, share_window, share_slack)
         )

@@ -27,17 +27,21 @@ import math
 
 import numpy as np
 
-from kvserve.scheduler.routing.arguments import check_int, check_number
+from kvserve.scheduler.checks import check_ints, check_numbers
 
 
 class RecentShare:
     """Decayed per-replica counts of routed requests."""
 
     def __init__(self, factor: float, deviations: float, window: int, slack: float) -> None:
-        self.factor = check_number("share_factor", factor, 1, above=True)
-        self.deviations = check_number("share_deviations", deviations, 0)
-        self.window = check_int("share_window", window, 1)
-        self.slack = check_number("share_slack", slack, 0)
+        # Named as cost_ttft's arguments, which users give.
+        check_numbers(1, above=True, share_factor=factor)
+        check_numbers(0, share_deviations=deviations, share_slack=slack)
+        check_ints(1, share_window=window)
+        self.factor = factor
+        self.deviations = deviations
+        self.window = window
+        self.slack = slack
         self.counts = np.zeros(0)
 
     def over_share(self, available: np.ndarray | None, num_replicas: int) -> np.ndarray:

@@ -137,10 +137,19 @@ class StepCostModel:
 
     @classmethod
     def from_json(cls, text: str) -> StepCostModel:
-        data = json.loads(text)
+        """The model ``to_json`` wrote; ``ValueError`` for anything else."""
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"cost model is not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"cost model JSON must be an object with keys a, b, c, d, got {type(data).__name__}")
         missing = {"a", "b", "c", "d"} - set(data)
         if missing:
             raise ValueError(f"cost model JSON lacks {sorted(missing)}")
+        for key in ("a", "b", "c", "d"):
+            if isinstance(data[key], bool) or not isinstance(data[key], (int, float)):
+                raise ValueError(f"cost model coefficient {key} must be a number, got {data[key]!r}")
         return cls(**{key: float(data[key]) for key in ("a", "b", "c", "d")})
 
     def save(self, path: str | Path) -> None:

@@ -1,13 +1,22 @@
-"""``kvserve experiment --sim`` on a tiny run: files, table, same stream for every policy."""
+"""``kvserve experiment --sim`` on a tiny run: files, table, same stream for every policy, bad setups."""
 
 from __future__ import annotations
 
 import argparse
 import csv
+import functools
+import json
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 
+from kvserve.bench import experiment
 from kvserve.bench.experiment import add_experiment_parser, run_experiment
+from kvserve.bench.experiment_report import atomic_open
 from kvserve.bench.experiment_setup import default_num_requests
 
 
@@ -106,3 +115,193 @@ def test_bad_setups_are_reported_without_a_traceback(tmp_path, capsys, extra, me
 
     assert run_experiment(args) == 2
     assert message in capsys.readouterr().err
+
+
+def run_bad(argv: list[str], capsys) -> str:  # noqa: ANN001
+    """The one-line error of a setup that must fail with exit status 2."""
+    assert run_experiment(parse(argv)) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    return err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--qps", "1,,2"], "--qps must be comma-separated numbers"),
+        (["--qps", "1,1"], "--qps rates must differ"),
+        (["--qps", "0"], "--qps rates must be positive"),
+        (["--qps", "knee", "--knee-factor", "0"], "--knee-factor must be a number > 1"),
+        (["--qps", "1", "--block-size", "0"], "--block-size must be >= 1"),
+        (["--qps", "1", "--block-size", "-16"], "--block-size must be >= 1"),
+        (["--qps", "1", "--kv-fraction", "inf"], "--kv-fraction must be a positive number"),
+        (["--qps", "1", "--seed", "-1"], "--seed must be >= 0"),
+        (["--qps", "1", "--burstiness", "nan"], "--burstiness must be a positive number"),
+        (["--qps", "1", "--baseline", "cache_aware", "--policies", "round_robin"], "--baseline cache_aware is not"),
+        (["--qps", "1", "--trace", "trace.jsonl"], "--trace is for the mooncake workload"),
+        (["--qps", "1", "--workload-arg", "seed=1"], "--workload-arg seed: use --seed"),
+        (["--qps", "1", "--workload-arg", "burstiness=2"], "--workload-arg burstiness: use --burstiness"),
+        (["--qps", "1", "--workload-arg", "num_requests=3"], "--workload-arg num_requests: use --num-requests"),
+        (["--qps", "1", "--workload-arg", "qps=3"], "--workload-arg qps: use --qps"),
+        (["--qps", "1", "--workload-arg", "zipf_exponent=nan"], "zipf_exponent must be a finite number"),
+        (["--qps", "1", "--workload-arg", "num_groups=2.5"], "num_groups must be an integer"),
+    ],
+)
+def test_bad_options_are_reported_before_the_output_folder_is_made(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+
+    assert message in run_bad([*TINY, *extra, "--out", str(out)], capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--policy-arg", "cache_aware.bogus=1"], "--policy-arg cache_aware: bad arguments"),
+        (["--policy-arg", "cache_aware.=1"], "--policy-arg must be POLICY.KEY=VALUE"),
+        (["--policy-arg", "cache_aware.cache_threshold=abc"], "--policy-arg cache_aware: "),
+        (["--policy-arg", "cache_aware.cache_threshold=-5"], "--policy-arg cache_aware: "),
+        (["--policy-arg", "cost_ttft.cost_model=1"], "the experiment sets it from --cost-model"),
+        (["--policy-arg", "least_loaded.seed=1"], "the experiment sets it from --seed"),
+        (["--policy-arg", "consistent_hash.load_factor=2", "--policies", "round_robin"], "consistent_hash is not run"),
+        (["--policy-arg", "round_robin.x=1", "--jobs", "2"], "--policy-arg round_robin: bad arguments"),
+    ],
+)
+def test_every_policy_is_built_before_the_first_run(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+    policies = [] if "--policies" in extra else ["--policies", "round_robin,least_loaded,cache_aware,cost_ttft"]
+
+    assert message in run_bad([*TINY, *policies, "--qps", "1,2", *extra, "--out", str(out)], capsys)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "No such file or directory"),
+        ("", "cost model is not JSON"),
+        ("[1, 2]", "must be an object"),
+        ('{"a": 0.01}', "lacks ['b', 'c', 'd']"),
+        ('{"a": "fast", "b": 0, "c": 0, "d": 0}', "coefficient a must be a number"),
+        ('{"a": true, "b": 0, "c": 0, "d": 0}', "coefficient a must be a number"),
+        ('{"a": -0.01, "b": 0, "c": 0, "d": 0}', "coefficient a must be finite and >= 0"),
+        ('{"a": NaN, "b": 0, "c": 0, "d": 0}', "coefficient a must be finite and >= 0"),
+        ('{"a": 0, "b": 0, "c": 0, "d": 0}', "must not all be zero"),
+    ],
+)
+def test_a_bad_cost_model_file_is_reported_without_a_traceback(tmp_path, capsys, content, message) -> None:  # noqa: ANN001
+    path = tmp_path / "cost.json"
+    if content is not None:
+        path.write_text(content)
+
+    err = run_bad([*TINY, "--qps", "1", "--cost-model", str(path), "--out", str(tmp_path / "run")], capsys)
+    assert f"--cost-model {path}: " in err and message in err
+
+
+def test_an_out_that_is_a_file_or_under_one_is_reported(tmp_path, capsys) -> None:  # noqa: ANN001
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+
+    assert "is not a directory" in run_bad([*TINY, "--qps", "1", "--out", str(a_file)], capsys)
+    assert "Not a directory" in run_bad([*TINY, "--qps", "1", "--out", str(a_file / "sub")], capsys)
+
+
+@pytest.mark.parametrize("think_time", ["inf", "nan", "-1"])
+@pytest.mark.parametrize("workload", ["multi_turn", "customer_contexts", "agent_tools"])
+def test_a_session_workload_rejects_a_think_time_that_is_not_finite(tmp_path, capsys, workload, think_time) -> None:  # noqa: ANN001
+    argv = ["--workload", workload, "--workload-arg", f"think_time={think_time}", "--replicas", "2",
+            "--num-requests", "20", "--qps", "1", "--out", str(tmp_path / "run")]
+
+    assert "think_time must be a finite number >= 0" in run_bad(argv, capsys)
+
+
+def write_trace(path: Path, timestamps: list[int]) -> None:
+    path.write_text("".join(
+        json.dumps({"timestamp": t, "input_length": 40, "output_length": 4, "hash_ids": [i % 2]}) + "\n"
+        for i, t in enumerate(timestamps)
+    ))
+
+
+def trace_args(trace: Path, out: Path) -> list[str]:
+    return ["--workload", "mooncake", "--trace", str(trace), "--replicas", "2", "--kv-blocks-per-replica", "16",
+            "--policies", "round_robin", "--no-plots", "--out", str(out)]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--qps", "1", "--workload-arg", "block_tokens=0"], "block_tokens must be an integer >= 1"),
+        (["--qps", "1", "--workload-arg", "block_tokens=-4"], "block_tokens must be an integer >= 1"),
+        (["--qps", "trace", "--burstiness", "0.5"], "--burstiness does not apply to a trace"),
+    ],
+)
+def test_bad_trace_settings_are_reported(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
+    write_trace(tmp_path / "trace.jsonl", [0, 100, 200])
+
+    assert message in run_bad([*trace_args(tmp_path / "trace.jsonl", tmp_path / "run"), *extra], capsys)
+
+
+def test_a_trace_run_reports_the_requests_it_has_not_the_default_count(tmp_path, capsys) -> None:  # noqa: ANN001
+    write_trace(tmp_path / "trace.jsonl", [0, 300, 100, 200, 400])
+
+    assert run_experiment(parse([*trace_args(tmp_path / "trace.jsonl", tmp_path / "run"), "--qps", "trace"])) == 0
+
+    printed = capsys.readouterr().out
+    assert "workload mooncake" in printed and ": 5 requests, seed 0" in printed
+    assert "mooncake (simulated): 5 requests, 2 replicas" in printed
+
+
+def test_a_failed_run_leaves_no_result_files_of_an_earlier_one(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+    out.mkdir()
+    for name in experiment.RESULT_FILES:
+        (out / name).write_text("an earlier run")
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(experiment, "_simulate_all", interrupted)
+
+    assert run_experiment(parse([*TINY, "--qps", "1", "--out", str(out)])) == 130
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "kvserve experiment: interrupted"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json"]
+
+
+def _interrupt_the_parent(pid_dir: Path, *run: object) -> None:
+    (pid_dir / str(os.getpid())).touch()
+    os.kill(os.getppid(), signal.SIGINT)
+    time.sleep(600)
+
+
+def test_ctrl_c_stops_the_worker_processes_of_jobs(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    # Each worker (a fork of this process) interrupts its parent, then would run for ten minutes.
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    monkeypatch.setattr(experiment, "_run_one", functools.partial(_interrupt_the_parent, pid_dir))
+    start = time.monotonic()
+
+    args = parse([*TINY, "--policies", "round_robin,cache_aware", "--qps", "1", "--jobs", "2",
+                  "--out", str(tmp_path / "run")])
+    assert run_experiment(args) == 130
+
+    assert time.monotonic() - start < 300  # far from the workers' ten minutes, even on a loaded machine
+    assert not multiprocessing.active_children()
+    workers = [int(path.name) for path in pid_dir.iterdir()]
+    assert workers
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "kvserve experiment: interrupted"
+
+
+def test_a_file_written_atomically_is_absent_until_complete(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "summary.md"
+    with pytest.raises(RuntimeError), atomic_open(path) as file:
+        file.write("half a table")
+        raise RuntimeError("disk full")
+
+    assert list(tmp_path.iterdir()) == []
+    with atomic_open(path) as file:
+        file.write("a table")
+    assert path.read_text() == "a table" and list(tmp_path.iterdir()) == [path]

@@ -222,3 +222,64 @@ def test_unknown_workloads_and_parameters_are_rejected() -> None:
         make_workload("chatbot", 10, qps=1)
     with pytest.raises(ValueError, match="bad parameters"):
         make_workload("shared_prefix", 10, qps=1, num_gropus=3)
+
+
+def test_mooncake_num_requests_takes_the_earliest_requests_of_an_unsorted_trace(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, SAMPLE_TRACE)  # timestamps 0, 500, 250, 2000
+
+    requests = mooncake_trace(path, num_requests=2)
+
+    assert [r.arrival_time for r in requests] == [0.0, 0.25]
+    assert [r.num_prompt_tokens for r in requests] == [1100, 600]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("timestamp", float("nan"), "timestamp must be a finite number"),
+        ("timestamp", "soon", "timestamp must be a finite number"),
+        ("input_length", 1024.5, "input_length must be an integer >= 1"),
+        ("output_length", True, "output_length must be an integer >= 1"),
+        ("output_length", 0, "output_length must be an integer >= 1"),
+        ("hash_ids", "12", "hash_ids must be a list of integers"),
+        ("hash_ids", [1, 2.0], "hash_ids must be integers >= 0"),
+        ("hash_ids", [1, -2], "hash_ids must be integers >= 0"),
+    ],
+)
+def test_a_mooncake_record_of_the_wrong_type_is_reported_with_its_line(tmp_path, field, value, message) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, [SAMPLE_TRACE[0], {**SAMPLE_TRACE[1], field: value}])
+
+    with pytest.raises(ValueError, match=f"trace.jsonl:2: not a Mooncake record: {message}"):
+        mooncake_trace(path)
+
+
+@pytest.mark.parametrize(
+    ("workload", "params", "message"),
+    [
+        ("multi_turn", {"think_time": float("inf")}, "think_time must be a finite number >= 0"),
+        ("multi_turn", {"think_time": float("nan")}, "think_time must be a finite number >= 0"),
+        ("multi_turn", {"user_len": 2.5}, "user_len must be an integer >= 1"),
+        ("customer_contexts", {"zipf_exponent": float("nan")}, "zipf_exponent must be a finite number >= 0"),
+        ("customer_contexts", {"num_customers": 0}, "num_customers must be an integer >= 1"),
+        ("agent_tools", {"think_time": float("inf")}, "think_time must be a finite number >= 0"),
+        ("agent_tools", {"min_steps": 4, "max_steps": 2}, "need min_steps <= max_steps"),
+        ("shared_prefix", {"num_groups": True}, "num_groups must be an integer >= 1"),
+        ("shared_prefix", {"system_prompt_len": 0, "question_len": 0}, "system_prompt_len \\+ question_len"),
+        ("shared_prefix", {"vocab_size": 3}, "vocab_size must be an integer >= 4"),
+        ("document_qa", {"document_len": -1}, "document_len must be an integer >= 0"),
+    ],
+)
+def test_generator_parameters_must_be_finite_and_in_range(workload, params, message) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError, match=message):
+        make_workload(workload, 10, qps=1.0, **params)
+
+
+@pytest.mark.parametrize("block_tokens", [0, -4, 2.5])
+def test_mooncake_block_tokens_must_be_a_positive_integer(tmp_path, block_tokens) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, SAMPLE_TRACE)
+
+    with pytest.raises(ValueError, match="block_tokens must be an integer >= 1"):
+        mooncake_trace(path, block_tokens=block_tokens)

@@ -1,0 +1,38 @@
+"""Checks of user-given settings, so that a bad one fails where it is given.
+
+Settings often come from the command line as parsed text
+(``--policy-arg cost_ttft.load_factor=inf``, ``--workload-arg think_time=nan``):
+a check rejects the wrong type (a float count, a bool) as well as a value out
+of range and non-finite numbers, which would otherwise fail, hang or silently
+mean nothing far from where they were given.  Each raises ``ValueError``
+naming the setting::
+
+    check_ints(1, num_groups=num_groups, output_len=output_len)
+    check_numbers(1, above=True, load_factor=load_factor)
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Integral, Real
+
+
+def check_ints(minimum: int, **values: object) -> None:
+    """``ValueError`` unless every value is an integer (not a bool) >= ``minimum``."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+            raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_numbers(minimum: float, *, above: bool = False, **values: object) -> None:
+    """``ValueError`` unless every value is a finite number (not a bool) >= ``minimum`` (> with ``above``)."""
+    for name, value in values.items():
+        ok = (
+            isinstance(value, Real)
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and (value > minimum if above else value >= minimum)
+        )
+        if not ok:
+            relation = ">" if above else ">="
+            raise ValueError(f"{name} must be a finite number {relation} {minimum:g}, got {value!r}")
