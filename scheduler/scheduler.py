@@ -58,7 +58,9 @@ class SchedulerLoad:
     without block hashes count 0).  ``num_running_tokens`` is the KV context
     of the running requests (their computed tokens): what a step's attention
     reads.  ``num_total_blocks`` counts the usable blocks (the null block
-    excluded).
+    excluded).  ``num_inflight_prefill_tokens`` are the prompt tokens of the
+    step in flight (scheduled, not yet updated): no longer queued, not yet
+    computed, and the step that computes them delays every later token.
     """
 
     num_running: int
@@ -68,6 +70,7 @@ class SchedulerLoad:
     num_free_blocks: int
     num_total_blocks: int
     num_queued_cached_tokens: int = 0
+    num_inflight_prefill_tokens: int = 0
 
 
 class Scheduler:
@@ -97,6 +100,7 @@ class Scheduler:
         # NOTE: kept incrementally so that get_load() is O(1) for a router
         # that reads the load of every replica on every request.
         self._num_queued_prefill_tokens = 0
+        self._num_inflight_prefill_tokens = 0
         self._num_running_tokens = 0
         # Cached prompt tokens of each waiting request, as found when it was queued.
         self._waiting_cached_tokens: dict[str, int] = {}
@@ -266,6 +270,8 @@ class Scheduler:
             self._num_running_tokens += start
 
         self._num_running_tokens += len(token_ids)
+        # Rows of one token are decodes, as the step cost model counts them.
+        self._num_inflight_prefill_tokens = len(token_ids) - num_scheduled.count(1)
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         plan = StepPlan(
             step_id=self._next_step_id,
@@ -317,6 +323,7 @@ class Scheduler:
             )
         if logprobs is not None and len(logprobs) != num_sampled:
             raise ValueError(f"got {len(logprobs)} logprobs for {num_sampled} sampled tokens")
+        self._num_inflight_prefill_tokens = 0
         requests = self.requests
         max_model_len = self.scheduler_config.max_model_len
         outputs: list[RequestOutput] = []
@@ -400,6 +407,7 @@ class Scheduler:
             num_free_blocks=pool.free_block_queue.num_free_blocks,
             num_total_blocks=pool.num_blocks - 1,
             num_queued_cached_tokens=self._num_queued_cached_tokens,
+            num_inflight_prefill_tokens=self._num_inflight_prefill_tokens,
         )
 
     def _note_waiting(self, request: Request) -> None:

@@ -8,12 +8,30 @@ prompt minus that replica's prefix match).  The replica computes that work
 in steps of at most ``max_num_batched_tokens`` tokens, less one per running
 decode, and each step also pays the fixed cost and its running decodes::
 
+    step    = a + c * running + d * running context
     work    = queued uncached prefill tokens + uncached prompt tokens
     steps   = ceil(work / (budget - running))
-    ttft    = steps * (a + c * running + d * running context) + b * work
+    ttft    = in flight + steps * step + b * work
+    in flight = (step + b * prefill tokens of the step in flight) / 2   (0 on an idle replica)
+
+A replica running requests is in the middle of a step, which the request
+waits out: half of it, expected.  NOTE: without this term a replica busy
+computing a 2,000-token prompt looked as free as an idle one, and requests
+that saved a few hundred cached tokens there queued behind it.
 
 The estimate is vectorised over replicas; only the few that match the
-prompt are looked at one by one (to subtract their cached tokens).
+prompt are looked at one by one (to subtract their cached tokens).  A
+match of less than ``min_match_fraction`` (default a tenth) of the prompt
+counts as none.  NOTE: with a short system prompt cached on a few busy
+replicas, long prompts that no replica holds otherwise (sessions under way
+whose history was never cached) went there for the few milliseconds the
+system prompt saves, so the idle replicas never cached it, and new sessions
+followed it too: on multi-turn chat at 16 replicas, 20 qps (a seventh of
+the knee) and 300 requests, 8 replicas served every session and evicted each
+other's histories (hit rate 0.25-0.30 against cache_aware's 0.90; TTFT p99
+0.195-0.199 s against 0.026).  With the rule: hit rate 0.91, TTFT p99
+0.022 s.  A fifth of the prompt did as well there but lost more often at
+8 replicas' knee (seeds 2 and 3).
 
 Estimates closer to the best than ``tie_tolerance_steps`` (default half) a
 step of the best replica are ties, and ties go to the replica with the
@@ -57,8 +75,10 @@ idle.  Three remedies:
   skewed prefix popularity the outstanding bound leaves near 2x.  Each new
   holder of a hot prefix costs one miss, and a miss of a long prefix is the
   TTFT tail, so the factor trades TTFT p99 against balance.  Measured in
-  simulation, TTFT p99 in ms / e2e p99 in s / load max/mean, 64 replicas
-  and 16,000 requests unless said (cache_aware for comparison)::
+  simulation before the step in flight and ``min_match_fraction`` were
+  priced, TTFT p99 in ms / e2e p99 in s / load max/mean, 64 replicas and
+  16,000 requests unless said (cache_aware for comparison; with them, at
+  the defaults: Zipf seeds 0-1 39 and 53 ms, document QA seed 1 21 ms)::
 
       factor, slack     Zipf 1.0 prefixes, seeds 0-2  document QA, seeds 0-2        256 replicas, 64k req
       None              41-55 / 3.18-3.25 / 1.97-1.99  22 / 0.64 / 2.43 (seed 1)     33 / 2.98-3.02 / 1.92-1.95 (seeds 0-1)
@@ -75,9 +95,8 @@ idle.  Three remedies:
   second, idle replica, so a prefix that first came later found none idle
   and doubled up with another, and load max/mean ended at 1.30 (seed 1).
   With 8 the bound does not bind there (TTFT p99 29.65 / 29.60 / 29.74 /
-  29.78 ms on seeds 0-3 against cache_aware's 29.65 / 29.60 / 29.74 /
-  29.69, the last from one outstanding-bound spill), at 8 replicas or on
-  multi-turn chat.  It costs some of the Zipf tail (35-39 ms with a slack
+  29.67 ms on seeds 0-3 against cache_aware's 29.65 / 29.60 / 29.74 /
+  29.69), at 8 replicas or on multi-turn chat.  It costs some of the Zipf tail (35-39 ms with a slack
   of 2).  ``share_factor=None`` turns it off.
 * ``decode_horizon`` (default 0: off) charges the decoding that follows,
   over that many tokens (or the request's ``max_tokens`` if fewer)::
@@ -117,6 +136,7 @@ class CostTTFTPolicy:
         cost_model: StepCostModel | None = None,
         max_num_batched_tokens: int = 2048,
         tie_tolerance_steps: float = 0.5,
+        min_match_fraction: float = 0.1,
         load_factor: float | None = 2.0,
         load_slack: int = 8,
         work_penalty: float = 1.0,
@@ -132,10 +152,14 @@ class CostTTFTPolicy:
         check_ints(2, max_num_batched_tokens=max_num_batched_tokens)
         check_ints(0, load_slack=load_slack, decode_horizon=decode_horizon)
         check_numbers(0, tie_tolerance_steps=tie_tolerance_steps, work_penalty=work_penalty)
+        check_numbers(0, min_match_fraction=min_match_fraction)
+        if min_match_fraction > 1:
+            raise ValueError(f"min_match_fraction must be in [0, 1], got {min_match_fraction}")
         if load_factor is not None:
             check_numbers(1, above=True, load_factor=load_factor)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tie_tolerance_steps = tie_tolerance_steps
+        self.min_match_fraction = min_match_fraction
         self.load_factor = load_factor
         self.load_slack = load_slack
         self.work_penalty = work_penalty
@@ -193,12 +217,17 @@ class CostTTFTPolicy:
             self.recent_share.record(best, len(table))
         return best
 
-    @staticmethod
-    def _uncached_tokens(request: RoutingRequest, table: LoadTable, index: GlobalPrefixIndex) -> np.ndarray:
-        """Prompt tokens ``request`` would compute on each replica, given its prefix match there."""
+    def _uncached_tokens(self, request: RoutingRequest, table: LoadTable, index: GlobalPrefixIndex) -> np.ndarray:
+        """Prompt tokens ``request`` would compute on each replica, given its prefix match there.
+
+        A match of less than ``min_match_fraction`` of the prompt counts as none.
+        """
         uncached = np.full(len(table), float(request.num_prompt_tokens))
+        least = self.min_match_fraction * request.num_prompt_tokens
         for replica_id, num_blocks in index.match(request.block_hashes).items():
-            uncached[replica_id] -= request.cached_tokens(num_blocks)
+            cached = request.cached_tokens(num_blocks)
+            if cached >= least:
+                uncached[replica_id] -= cached
         return uncached
 
     def _estimate(self, table: LoadTable, uncached: np.ndarray, step_time: np.ndarray) -> np.ndarray:
@@ -206,7 +235,11 @@ class CostTTFTPolicy:
         model = self.cost_model
         prefill_budget = np.maximum(self.max_num_batched_tokens - table.num_running, 1)
         work = table.num_queued_prefill_tokens - table.num_queued_cached_tokens + uncached
-        return np.ceil(work / prefill_budget) * step_time + model.b * work
+        # The rest of the step in flight (half of it, expected), on replicas running requests.
+        in_flight = np.where(
+            table.num_running > 0, 0.5 * (step_time + model.b * table.num_inflight_prefill_tokens), 0.0
+        )
+        return in_flight + np.ceil(work / prefill_budget) * step_time + model.b * work
 
     def _step_time(self, table: LoadTable) -> np.ndarray:
         """Seconds of one step of each replica with its running decodes (no prefill)."""

@@ -30,6 +30,7 @@ class ReplicaLoad:
     (waiting requests, and running ones still in their prompt), of which
     ``num_queued_cached_tokens`` were in the prefix cache when queued.
     ``num_running_tokens``: KV context of the running requests.
+    ``num_inflight_prefill_tokens``: prompt tokens the step in flight computes.
     ``available``: whether the replica may be chosen at all.
     """
 
@@ -41,6 +42,7 @@ class ReplicaLoad:
     num_total_blocks: int = 0
     num_running_tokens: int = 0
     num_queued_cached_tokens: int = 0
+    num_inflight_prefill_tokens: int = 0
     available: bool = True
 
     @property
@@ -70,6 +72,8 @@ class LoadSnapshot(Protocol):
     def num_running_tokens(self) -> int: ...
     @property
     def num_queued_cached_tokens(self) -> int: ...
+    @property
+    def num_inflight_prefill_tokens(self) -> int: ...
 
 
 _COLUMNS = (
@@ -81,6 +85,7 @@ _COLUMNS = (
     "num_total_blocks",
     "num_running_tokens",
     "num_queued_cached_tokens",
+    "num_inflight_prefill_tokens",
 )
 
 
@@ -138,6 +143,7 @@ class LoadTable(Sequence[ReplicaLoad]):
             load.num_total_blocks,
             load.num_running_tokens,
             load.num_queued_cached_tokens,
+            load.num_inflight_prefill_tokens,
         )
 
     def set_available(self, replica_id: int, available: bool) -> None:
@@ -203,6 +209,10 @@ class LoadTable(Sequence[ReplicaLoad]):
     def num_queued_cached_tokens(self) -> np.ndarray:
         return self._rows[:, 7]
 
+    @property
+    def num_inflight_prefill_tokens(self) -> np.ndarray:
+        return self._rows[:, 8]
+
     def bounded_load(self, load_factor: float) -> float:
         """``load_factor`` x the mean outstanding requests of the available replicas, one more counted.
 
@@ -237,5 +247,6 @@ class LoadTable(Sequence[ReplicaLoad]):
             num_total_blocks=row[5],
             num_running_tokens=row[6],
             num_queued_cached_tokens=row[7],
+            num_inflight_prefill_tokens=row[8],
             available=bool(self._available[index]),
         )

@@ -9,6 +9,7 @@ from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler, SchedulerLoad
+from kvserve.scheduler.step_plan import StepPlan
 
 BLOCK_SIZE = 4
 
@@ -28,7 +29,8 @@ OPERATIONS = st.lists(
 )
 
 
-def scanned_load(scheduler: Scheduler) -> SchedulerLoad:
+def scanned_load(scheduler: Scheduler, in_flight: StepPlan | None = None) -> SchedulerLoad:
+    """The load from a scan of the queues; ``in_flight``: the plan scheduled and not yet updated."""
     stats = scheduler.get_stats()
     # The cached-token estimates are the waiting requests' own, and only theirs.
     estimates = scheduler._waiting_cached_tokens
@@ -42,6 +44,7 @@ def scanned_load(scheduler: Scheduler) -> SchedulerLoad:
         num_free_blocks=stats.num_free_blocks,
         num_total_blocks=scheduler.cache_config.num_usable_blocks,
         num_queued_cached_tokens=sum(estimates.values()),
+        num_inflight_prefill_tokens=sum(n for n in in_flight.num_scheduled_tokens if n > 1) if in_flight else 0,
     )
 
 
@@ -84,7 +87,7 @@ def test_load_snapshot_matches_a_full_scan_after_every_operation(
         elif kind == "step":
             for _ in range(operation[1]):
                 plan = scheduler.schedule()
-                assert scheduler.get_load() == scanned_load(scheduler)
+                assert scheduler.get_load() == scanned_load(scheduler, plan)
                 scheduler.update(plan, fake_tokens(plan.num_sampled))
         elif kind == "abort" and scheduler.requests:
             ids = sorted(scheduler.requests)
@@ -93,7 +96,7 @@ def test_load_snapshot_matches_a_full_scan_after_every_operation(
             plan = scheduler.schedule()
             if plan.req_ids:
                 scheduler.abort_requests([plan.req_ids[operation[1] % len(plan.req_ids)]])
-            assert scheduler.get_load() == scanned_load(scheduler)
+            assert scheduler.get_load() == scanned_load(scheduler, plan)  # the step still computes them
             scheduler.update(plan, fake_tokens(plan.num_sampled))
         assert scheduler.get_load() == scanned_load(scheduler)
 
@@ -112,10 +115,13 @@ def test_queued_prefill_tokens_shrink_by_the_chunk_scheduled() -> None:
     scheduler.add_request(Request("a", list(range(20)), SamplingParams(max_tokens=2)))
     assert scheduler.get_load().num_queued_prefill_tokens == 20
 
-    scheduler.update(scheduler.schedule(), [])
+    plan = scheduler.schedule()
+    assert scheduler.get_load().num_inflight_prefill_tokens == 8  # the chunk the step in flight computes
+    scheduler.update(plan, [])
 
     load = scheduler.get_load()
     assert (load.num_queued_prefill_tokens, load.num_running_tokens, load.num_running) == (12, 8, 1)
+    assert load.num_inflight_prefill_tokens == 0
 
 
 def test_a_waiting_request_whose_prefix_is_cached_counts_its_cached_tokens_until_scheduled() -> None:

@@ -234,15 +234,17 @@ def test_cost_ttft_estimate_prices_steps_and_prefill_tokens() -> None:
     req = request(prompt_len=1000)  # 62 full blocks; at most 992 tokens can hit
     index = index_with({1: 62}, req)
     loads = [
-        ReplicaLoad(0, num_running=48, num_queued_prefill_tokens=3000, num_running_tokens=10_000),
+        ReplicaLoad(0, num_running=48, num_queued_prefill_tokens=3000, num_running_tokens=10_000,
+                    num_inflight_prefill_tokens=1000),
         ReplicaLoad(1, num_running=0, num_queued_prefill_tokens=0),
     ]
     policy = CostTTFTPolicy(StepCostModel(a=0.01, b=1e-4, c=1e-3, d=1e-6), max_num_batched_tokens=2048)
 
     ttft = policy.estimate_ttft(req, loads, index)
 
-    # Replica 0: 4000 tokens of work in ceil(4000 / 2000) = 2 steps of 0.01 + 0.048 + 0.01 s.
-    assert ttft[0] == pytest.approx(2 * (0.01 + 48e-3 + 10_000e-6) + 4000e-4)
+    # Replica 0: half the step in flight (0.01 + 0.048 + 0.01 s, and 1000 prefill tokens), then
+    # 4000 tokens of work in ceil(4000 / 2000) = 2 steps of 0.01 + 0.048 + 0.01 s.
+    assert ttft[0] == pytest.approx(0.5 * (0.068 + 1000e-4) + 2 * (0.01 + 48e-3 + 10_000e-6) + 4000e-4)
     # Replica 1: 8 uncached tokens in one step.
     assert ttft[1] == pytest.approx(0.01 + 8e-4)
 
@@ -261,7 +263,7 @@ def test_cost_ttft_estimate_leaves_a_prefill_budget_less_one_token_per_running_d
 
     ttft = CostTTFTPolicy(model, max_num_batched_tokens=2048).estimate_ttft(req, loads, index)
 
-    assert ttft[0] == pytest.approx(2 * 0.01 + 2000e-4)
+    assert ttft[0] == pytest.approx(0.5 * 0.01 + 2 * 0.01 + 2000e-4)  # half the step in flight, then 2 steps
     assert ttft[1] == pytest.approx(0.01 + 8e-4)
     whole = request(prompt_len=992)  # exactly 62 blocks: the last one is recomputed
     assert CostTTFTPolicy(model).estimate_ttft(whole, [ReplicaLoad(0)], index_with({0: 62}, whole))[0] == (
@@ -338,7 +340,7 @@ def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holdin
     req = request(prompt_len=384)
     index = index_with({0: 16}, req)  # replica 0 caches the 256-token system prompt
     loads = [
-        ReplicaLoad(0, num_running=60, num_running_tokens=120_000, num_free_blocks=1000, num_total_blocks=1000),
+        ReplicaLoad(0, num_running=30, num_running_tokens=60_000, num_free_blocks=1000, num_total_blocks=1000),
         ReplicaLoad(1, num_free_blocks=1000, num_total_blocks=1000),
     ]
     policy = CostTTFTPolicy(StepCostModel.default())
@@ -347,6 +349,38 @@ def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holdin
     assert policy.select(req, loads, index) == 1
     ttft_only = CostTTFTPolicy(StepCostModel.default(), tie_tolerance_steps=0, decode_horizon=0)
     assert ttft_only.select(req, loads, index) == 0
+
+
+def test_cost_ttft_waits_for_the_step_in_flight_on_a_replica_computing_a_long_prompt() -> None:
+    req = request(prompt_len=2304)
+    index = index_with({0: 16}, req)  # replica 0 caches a 256-token system prompt
+    policy = CostTTFTPolicy(StepCostModel.default(), min_match_fraction=0)
+
+    def loads(in_flight: int) -> list[ReplicaLoad]:
+        return [ReplicaLoad(0, num_running=1, num_inflight_prefill_tokens=in_flight), ReplicaLoad(1)]
+
+    assert policy.select(req, loads(0), index) == 0  # decoding one request: the system prompt wins
+    # Half of a 2,000-token step (53 ms) outweighs the 256 cached tokens (13 ms).
+    assert policy.select(req, loads(2000), index) == 1
+    assert policy.estimate_ttft(req, loads(2000), index)[0] == pytest.approx(
+        policy.estimate_ttft(req, loads(0), index)[0] + 0.5 * 2000 * StepCostModel.default().b
+    )
+
+
+def test_cost_ttft_counts_a_match_of_under_a_tenth_of_the_prompt_as_none() -> None:
+    model = StepCostModel.default()
+    busy = ReplicaLoad(0, num_running=4, num_running_tokens=8000)
+    cold = request(prompt_len=2688)  # a session's history no replica holds, after a shared system prompt
+    index = index_with({0: 16}, cold)  # 256 tokens: 9.5% of the prompt
+
+    assert CostTTFTPolicy(model).select(cold, [busy, ReplicaLoad(1)], index) == 1
+    assert CostTTFTPolicy(model, min_match_fraction=0).select(cold, [busy, ReplicaLoad(1)], index) == 0
+    assert CostTTFTPolicy(model).estimate_ttft(cold, [ReplicaLoad(0), ReplicaLoad(1)], index).tolist() == [
+        pytest.approx(2 * model.a + 2688 * model.b)
+    ] * 2
+    # A tenth or more counts: a new session's first turn, its system prompt cached.
+    first_turn = request(prompt_len=384)
+    assert CostTTFTPolicy(model).select(first_turn, [busy, ReplicaLoad(1)], index_with({0: 16}, first_turn)) == 0
 
 
 def test_cost_ttft_spreads_a_hot_prefix_once_its_replica_decodes_a_far_bigger_batch() -> None:
