@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvserve.bench.experiment_setup import fleet_for
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
@@ -42,7 +43,7 @@ def find_knee_qps(
 
     def ttft_p99(qps: float, n: int) -> float:
         requests = stream_at(qps, n)
-        result = FleetSimulator(fleet, make_baseline()).run(requests)
+        result = FleetSimulator(fleet_for(fleet, requests), make_baseline()).run(requests)
         return float(np.percentile([r.ttft for r in result.records if requests[r.index].measured], 99))
 
     unloaded_qps = 0.01 * fleet.num_replicas

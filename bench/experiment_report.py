@@ -9,9 +9,11 @@ A run is one policy at one rate over one request stream, simulated
 * TTFT and end-to-end latency percentiles (seconds);
 * ``throughput``: output tokens per second from the first arrival to the last finish;
 * ``load_imbalance``: max / mean over replicas of the requests each served;
-  ``busy_imbalance``: the same for the time each spent running steps (NaN
-  for a live run, which does not see its replicas' steps; nor does it see
-  preemptions, counted 0).
+  ``busy_imbalance``: the same for the time each spent running steps;
+* ``num_preemptions``.
+
+A live run does not see its replicas' steps: its busy imbalance is NaN and
+its preemptions ``None`` (shown as "-", and blank in ``requests.csv``).
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from kvserve.scheduler.simulation.simulator import RequestRecord
 class RunResult(Protocol):
     """What the figures need of a run: ``SimulationResult`` and ``LiveResult`` have it.
 
-    ``replica_busy_time`` is empty when unknown.
+    ``replica_busy_time`` is empty when the run did not see its replicas'
+    steps; their preemptions are unknown then too.
     """
 
     @property
@@ -83,7 +86,7 @@ class RunSummary:
     throughput: float
     load_imbalance: float
     busy_imbalance: float
-    num_preemptions: int
+    num_preemptions: int | None
     wall_seconds: float
 
 
@@ -127,7 +130,7 @@ def summarize(
         throughput=sum(r.num_output_tokens for r in records) / span,
         load_imbalance=float(served.max() / served.mean()),
         busy_imbalance=busy_imbalance,
-        num_preemptions=sum(r.num_preemptions for r in records),
+        num_preemptions=sum(r.num_preemptions for r in records) if _sees_steps(result) else None,
         wall_seconds=result.wall_time,
     )
 
@@ -150,7 +153,7 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
             f"{s.ttft_p50:.3f}", f"{s.ttft_p99:.3f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
             f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}",
             "-" if np.isnan(s.busy_imbalance) else f"{s.busy_imbalance:.2f}",
-            s.num_preemptions, ratio,
+            "-" if s.num_preemptions is None else s.num_preemptions, ratio,
         ])
     return rows
 
@@ -183,12 +186,18 @@ def write_summary_csv(path: Path, summaries: Iterable[RunSummary]) -> None:
 def write_request_rows(
     writer: csv.writer, result: RunResult, qps: float, measured: Sequence[bool]  # type: ignore[valid-type]
 ) -> None:
+    sees_steps = _sees_steps(result)
     for r in result.records:
         writer.writerow([
             result.policy, qps, r.index, f"{r.arrival_time:.6f}", f"{r.ttft:.6f}", f"{r.latency:.6f}",
-            r.replica_id, r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens, r.num_preemptions,
-            int(measured[r.index]),
+            r.replica_id, r.num_prompt_tokens, r.num_cached_tokens, r.num_output_tokens,
+            r.num_preemptions if sees_steps else "", int(measured[r.index]),
         ])
+
+
+def _sees_steps(result: RunResult) -> bool:
+    """Whether ``result`` saw its replicas' steps (their busy time and preemptions)."""
+    return len(result.replica_busy_time) > 0
 
 
 # (metric, axis label, file name) of each plot.

@@ -28,6 +28,8 @@ DEFAULT_KV_FRACTION = 0.25
 REQUESTS_PER_REPLICA = 250
 DEFAULT_NUM_REQUESTS_RANGE = (2_000, 100_000)
 DEFAULT_BASELINE = "round_robin"
+# Below this many of the longest requests per replica cache, the setup says so.
+FEW_REQUESTS_IN_CACHE = 4
 
 # Workload parameters that have an option of their own.
 WORKLOAD_ARG_OPTIONS = {
@@ -277,18 +279,13 @@ def fleet_config(
     cost_model: StepCostModel,
 ) -> FleetConfig:
     block_size = args.block_size
-    longest = max(r.num_prompt_tokens + r.output_len for r in requests)
-    blocks_for_longest = -(-longest // block_size)
+    longest = longest_request(requests)
     if args.kv_blocks_per_replica is not None:
         num_usable = args.kv_blocks_per_replica
     else:
         fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
         num_usable = math.ceil(fraction * reference.num_reused_blocks)
-    if num_usable < blocks_for_longest:
-        raise ExperimentError(
-            f"{num_usable} KV blocks per replica cannot hold the longest request "
-            f"({longest} tokens = {blocks_for_longest} blocks); raise --kv-fraction or --kv-blocks-per-replica"
-        )
+    _check_room(num_usable, block_size, longest)
     try:
         return FleetConfig(
             num_replicas=args.replicas,
@@ -302,6 +299,35 @@ def fleet_config(
         )
     except ValueError as exc:
         raise ExperimentError(str(exc)) from None
+
+
+def longest_request(requests: Sequence[WorkloadRequest]) -> int:
+    """Tokens of the longest request of ``requests``, its output included."""
+    return max(r.num_prompt_tokens + r.output_len for r in requests)
+
+
+def _check_room(num_usable_blocks: int, block_size: int, longest: int) -> None:
+    blocks_for_longest = -(-longest // block_size)
+    if num_usable_blocks < blocks_for_longest:
+        raise ExperimentError(
+            f"{num_usable_blocks} KV blocks per replica cannot hold the longest request "
+            f"({longest} tokens = {blocks_for_longest} blocks); raise --kv-fraction or --kv-blocks-per-replica"
+        )
+
+
+def fleet_for(fleet: FleetConfig, requests: Sequence[WorkloadRequest]) -> FleetConfig:
+    """``fleet`` with a ``max_model_len`` that admits every one of ``requests``.
+
+    The fleet is sized on the stream at 1 qps, but a session workload's
+    stream differs with the rate (more sessions under way, longer histories),
+    so each run's stream is fitted; its cache must still hold its longest.
+    """
+    longest = longest_request(requests)
+    scheduler_config = fleet.scheduler_config
+    if longest <= scheduler_config.max_model_len:
+        return fleet
+    _check_room(fleet.cache_config.num_usable_blocks, fleet.cache_config.block_size, longest)
+    return dataclasses.replace(fleet, scheduler_config=dataclasses.replace(scheduler_config, max_model_len=longest))
 
 
 def default_policy_kwargs(policy: str, seed: int, fleet: FleetConfig) -> dict[str, Any]:
@@ -327,6 +353,14 @@ def describe(stream: StreamSpec, num_requests: int, reference: CacheReference, f
         f"step cost: a={cost.a:.3g} s, b={cost.b:.3g} s/prefill token, c={cost.c:.3g} s/decode, "
         f"d={cost.d:.3g} s/context token",
     ]
+    cache = fleet.cache_config
+    longest_blocks = -(-fleet.scheduler_config.max_model_len // cache.block_size)
+    fits = cache.num_usable_blocks // longest_blocks
+    if fits < FEW_REQUESTS_IN_CACHE:
+        lines.append(
+            f"note: a replica's KV cache holds only {fits} of the longest requests at once, so replicas queue "
+            "for memory, not compute; --kv-fraction or --kv-blocks-per-replica sets its size"
+        )
     for line in lines:
         print(line)
 

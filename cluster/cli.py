@@ -293,7 +293,8 @@ def run_serve(args: argparse.Namespace) -> int:
     handle = None
     status = 0
     try:
-        progress(f"serving model {config.model_dir}")
+        routing = ", ".join([config.routing, *(f"{k}={v!r}" for k, v in config.routing_args.items())])
+        progress(f"serving model {config.model_dir}, routing {routing}")
         handle = start_cluster(config, progress=progress)
         asyncio.run(_serve_until_signalled(handle, server_config, progress))
     except (ValueError, RuntimeError) as exc:

@@ -305,3 +305,27 @@ def test_a_file_written_atomically_is_absent_until_complete(tmp_path) -> None:  
     with atomic_open(path) as file:
         file.write("a table")
     assert path.read_text() == "a table" and list(tmp_path.iterdir()) == [path]
+
+
+def test_the_setup_says_when_a_replica_cache_holds_only_a_few_requests(tmp_path, capsys) -> None:  # noqa: ANN001
+    # A quarter of the tiny working set (48 blocks) holds one request of 10 blocks.
+    assert run_experiment(parse([*TINY, "--policies", "round_robin", "--qps", "5", "--no-plots",
+                                 "--out", str(tmp_path / "small")])) == 0
+    assert "holds only 1 of the longest requests at once" in capsys.readouterr().out
+
+    assert run_experiment(parse([*TINY, "--policies", "round_robin", "--qps", "5", "--no-plots",
+                                 "--kv-blocks-per-replica", "40", "--out", str(tmp_path / "large")])) == 0
+    assert "of the longest requests at once" not in capsys.readouterr().out
+
+
+def test_a_session_stream_with_longer_requests_than_at_1_qps_still_runs(tmp_path, capsys) -> None:  # noqa: ANN001
+    # The fleet is sized on the stream at 1 qps (longest request 3,712 tokens); at 10 qps more
+    # sessions are under way and one reaches 4,096: every run is fitted to its own stream.
+    args = parse(["--workload", "multi_turn", "--replicas", "2", "--num-requests", "80", "--qps", "10",
+                  "--policies", "cache_aware", "--kv-blocks-per-replica", "2000", "--no-plots",
+                  "--out", str(tmp_path / "run")])
+
+    assert run_experiment(args) == 0
+    with open(tmp_path / "run" / "requests.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert max(int(r["num_prompt_tokens"]) + int(r["num_output_tokens"]) for r in rows) == 4096

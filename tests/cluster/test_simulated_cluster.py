@@ -149,7 +149,7 @@ def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_
     ]
     live_out, sim_out = tmp_path / "live", tmp_path / "sim"
 
-    assert run_command([*common, "--live", "--model", str(model_dir), "--out", str(live_out)]) == 0
+    assert run_command([*common, "--live", "--time-scale", "2", "--model", str(model_dir), "--out", str(live_out)]) == 0
     printed = capsys.readouterr()
     assert run_command([*common, "--workload-arg", f"vocab_size={vocab_size}", "--out", str(sim_out)]) == 0
 
@@ -165,9 +165,12 @@ def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_
     assert live_summary["policy"] == "round_robin"
     assert 0.0 < float(sim_summary["hit_rate"]) < 1.0
     assert float(live_summary["hit_rate"]) == pytest.approx(float(sim_summary["hit_rate"]), rel=TOLERANCE)
-    # A live run does not see its replicas' steps: no busy time, where the simulator has one.
+    # A live run does not see its replicas' steps: no busy time nor preemptions, where the simulator has them.
     assert live_summary["busy_imbalance"] == "nan"
     assert float(sim_summary["busy_imbalance"]) >= 1.0
+    assert live_summary["num_preemptions"] == "" and sim_summary["num_preemptions"] == "0"
+    assert {row["num_preemptions"] for row in rows} == {""}
+    assert "|       - |" in (live_out / "summary.md").read_text()
     assert (live_out / "summary.md").read_text().startswith("multi_turn (live, simulated replicas)")
 
 
