@@ -68,7 +68,6 @@ class GlobalPrefixIndex:
 
     def remove_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         copies = self._copies.get(replica_id)
-        holders = self._holders
         for block_hash in block_hashes:
             count = copies.get(block_hash) if copies is not None else None
             if count is None:
