@@ -63,6 +63,7 @@ from kvserve.bench.experiment_report import (
 from kvserve.bench.experiment_knee import find_knee_qps
 from kvserve.bench.experiment_setup import (
     DEFAULT_BASELINE,
+    DEFAULT_TIME_SCALE,
     DEFAULT_KV_FRACTION,
     DEFAULT_NUM_REQUESTS_RANGE,
     REQUESTS_PER_REPLICA,
@@ -95,9 +96,6 @@ from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, 
 
 if TYPE_CHECKING:
     from kvserve.bench.experiment_live import LiveResult
-
-# --live's --time-scale when not given (see experiment_live).
-DEFAULT_TIME_SCALE = 5.0
 
 # What a run writes besides config.json; an earlier run's are removed at the start.
 RESULT_FILES = ("requests.csv", "summary.csv", "summary.md", *(filename for _, _, filename in PLOTS))
@@ -263,8 +261,7 @@ def _run(args: argparse.Namespace) -> int:
     if model is not None:
         print(
             f"token ids come from the served model's vocabulary of {model.vocab_size}: for the same stream "
-            f"in simulation, add --workload-arg vocab_size={model.vocab_size}; time scale "
-            f"{args.time_scale or DEFAULT_TIME_SCALE:g}"
+            f"in simulation, add --workload-arg vocab_size={model.vocab_size}; time scale {args.time_scale:g}"
         )
 
     if knee:
@@ -383,7 +380,7 @@ def _run_live_all(
             try:
                 config = live_cluster_config(
                     fleet_for(fleet, requests), requests, model_dir=model_dir, policy=run.policy, policy_kwargs=run.policy_kwargs,
-                    time_scale=args.time_scale or DEFAULT_TIME_SCALE, placement_timeout_s=None if args.address else 60.0,
+                    time_scale=args.time_scale, placement_timeout_s=None if args.address else 60.0,
                 )
             except ValueError as exc:
                 raise ExperimentError(f"{run.policy}: {exc}") from None
@@ -411,14 +408,21 @@ def _simulate_all(
     )
     try:
         futures = [pool.submit(_run_one, run, stream, fleet) for run in runs]
-        return [(run, future.result()) for run, future in zip(runs, futures)]
+        results = [(run, future.result()) for run, future in zip(runs, futures)]
     except BaseException:
-        # Without this, leaving would wait for the runs under way to finish.
-        for worker in set(multiprocessing.active_children()) - other_children:
-            worker.terminate()
+        # Stop the runs under way (else shutting down waits for them), and
+        # let no second Ctrl-C cut that short: it would leave workers behind.
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for worker in set(multiprocessing.active_children()) - other_children:
+                worker.kill()
+                worker.join()
+            pool.shutdown(cancel_futures=True)
+        finally:
+            signal.signal(signal.SIGINT, previous)
         raise
-    finally:
-        pool.shutdown(cancel_futures=True)
+    pool.shutdown()
+    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:

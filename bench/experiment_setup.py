@@ -28,6 +28,8 @@ DEFAULT_KV_FRACTION = 0.25
 REQUESTS_PER_REPLICA = 250
 DEFAULT_NUM_REQUESTS_RANGE = (2_000, 100_000)
 DEFAULT_BASELINE = "round_robin"
+# --live's --time-scale when not given (see experiment_live).
+DEFAULT_TIME_SCALE = 5.0
 # Below this many of the longest requests per replica cache, the setup says so.
 FEW_REQUESTS_IN_CACHE = 4
 
@@ -97,11 +99,7 @@ class LiveModel:
 
 
 def live_model(args: argparse.Namespace) -> LiveModel:
-    """Check the live-only options and find the model (``--model``, else the embedded tiny one)."""
-    if args.jobs != 1:
-        raise ExperimentError("--jobs is for simulations: live runs go one at a time")
-    if args.time_scale is not None and not (args.time_scale > 0 and math.isfinite(args.time_scale)):
-        raise ExperimentError(f"--time-scale must be a positive number, got {args.time_scale}")
+    """Find the model a live experiment serves (``--model``, else the embedded tiny one)."""
     from kvserve.worker.model_config import ModelConfig
 
     model_dir = args.model
@@ -117,8 +115,15 @@ def live_model(args: argparse.Namespace) -> LiveModel:
 
 
 def check_live_options(args: argparse.Namespace) -> None:
-    """``ExperimentError`` for a live-only option given to a simulated experiment."""
+    """Check the live-only options: ``ExperimentError`` for one given to a simulated experiment or
+    out of range; a live experiment's ``--time-scale`` defaults to ``DEFAULT_TIME_SCALE``."""
     if args.live:
+        if args.jobs != 1:
+            raise ExperimentError("--jobs is for simulations: live runs go one at a time")
+        if args.time_scale is None:
+            args.time_scale = DEFAULT_TIME_SCALE
+        elif not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+            raise ExperimentError(f"--time-scale must be a positive number, got {args.time_scale}")
         return
     given = [name for name, value in (("--address", args.address), ("--model", args.model),
                                       ("--time-scale", args.time_scale)) if value is not None]
@@ -306,8 +311,12 @@ def longest_request(requests: Sequence[WorkloadRequest]) -> int:
     return max(r.num_prompt_tokens + r.output_len for r in requests)
 
 
+def _blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
 def _check_room(num_usable_blocks: int, block_size: int, longest: int) -> None:
-    blocks_for_longest = -(-longest // block_size)
+    blocks_for_longest = _blocks_for(longest, block_size)
     if num_usable_blocks < blocks_for_longest:
         raise ExperimentError(
             f"{num_usable_blocks} KV blocks per replica cannot hold the longest request "
@@ -354,8 +363,7 @@ def describe(stream: StreamSpec, num_requests: int, reference: CacheReference, f
         f"d={cost.d:.3g} s/context token",
     ]
     cache = fleet.cache_config
-    longest_blocks = -(-fleet.scheduler_config.max_model_len // cache.block_size)
-    fits = cache.num_usable_blocks // longest_blocks
+    fits = cache.num_usable_blocks // _blocks_for(fleet.scheduler_config.max_model_len, cache.block_size)
     if fits < FEW_REQUESTS_IN_CACHE:
         lines.append(
             f"note: a replica's KV cache holds only {fits} of the longest requests at once, so replicas queue "

@@ -24,15 +24,20 @@ def check_ints(minimum: int, **values: object) -> None:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
-def check_numbers(minimum: float, *, above: bool = False, **values: object) -> None:
-    """``ValueError`` unless every value is a finite number (not a bool) >= ``minimum`` (> with ``above``)."""
+def check_numbers(
+    minimum: float, *, above: bool = False, maximum: float = math.inf, **values: object
+) -> None:
+    """``ValueError`` unless every value is a finite number (not a bool) >= ``minimum`` (> with
+    ``above``) and <= ``maximum``."""
     for name, value in values.items():
         ok = (
             isinstance(value, Real)
             and not isinstance(value, bool)
             and math.isfinite(value)
             and (value > minimum if above else value >= minimum)
+            and value <= maximum
         )
         if not ok:
             relation = ">" if above else ">="
-            raise ValueError(f"{name} must be a finite number {relation} {minimum:g}, got {value!r}")
+            most = f" and <= {maximum:g}" if maximum < math.inf else ""
+            raise ValueError(f"{name} must be a finite number {relation} {minimum:g}{most}, got {value!r}")

@@ -31,10 +31,9 @@ class CacheAwarePolicy:
         balance_rel_threshold: float = 1.5,
         cache_threshold: float = 0.3,
     ) -> None:
-        check_numbers(0, balance_abs_threshold=balance_abs_threshold, cache_threshold=cache_threshold)
+        check_numbers(0, balance_abs_threshold=balance_abs_threshold)
+        check_numbers(0, maximum=1, cache_threshold=cache_threshold)
         check_numbers(1, balance_rel_threshold=balance_rel_threshold)
-        if cache_threshold > 1:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
         self.balance_abs_threshold = balance_abs_threshold
         self.balance_rel_threshold = balance_rel_threshold
         self.cache_threshold = cache_threshold

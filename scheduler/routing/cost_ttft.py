@@ -96,8 +96,8 @@ idle.  Three remedies:
   and doubled up with another, and load max/mean ended at 1.30 (seed 1).
   With 8 the bound does not bind there (TTFT p99 29.65 / 29.60 / 29.74 /
   29.67 ms on seeds 0-3 against cache_aware's 29.65 / 29.60 / 29.74 /
-  29.69), at 8 replicas or on multi-turn chat.  It costs some of the Zipf tail (35-39 ms with a slack
-  of 2).  ``share_factor=None`` turns it off.
+  29.69), at 8 replicas or on multi-turn chat.  It costs some of the Zipf
+  tail (35-39 ms with a slack of 2).  ``share_factor=None`` turns it off.
 * ``decode_horizon`` (default 0: off) charges the decoding that follows,
   over that many tokens (or the request's ``max_tokens`` if fewer)::
 
@@ -152,9 +152,7 @@ class CostTTFTPolicy:
         check_ints(2, max_num_batched_tokens=max_num_batched_tokens)
         check_ints(0, load_slack=load_slack, decode_horizon=decode_horizon)
         check_numbers(0, tie_tolerance_steps=tie_tolerance_steps, work_penalty=work_penalty)
-        check_numbers(0, min_match_fraction=min_match_fraction)
-        if min_match_fraction > 1:
-            raise ValueError(f"min_match_fraction must be in [0, 1], got {min_match_fraction}")
+        check_numbers(0, maximum=1, min_match_fraction=min_match_fraction)
         if load_factor is not None:
             check_numbers(1, above=True, load_factor=load_factor)
         self.max_num_batched_tokens = max_num_batched_tokens

@@ -17,7 +17,7 @@ import pytest
 from kvserve.bench import experiment
 from kvserve.bench.experiment import add_experiment_parser, run_experiment
 from kvserve.bench.experiment_report import atomic_open
-from kvserve.bench.experiment_setup import default_num_requests
+from kvserve.bench.experiment_setup import DEFAULT_TIME_SCALE, check_live_options, default_num_requests
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -269,19 +269,26 @@ def test_a_failed_run_leaves_no_result_files_of_an_earlier_one(tmp_path, capsys,
 
 def _interrupt_the_parent(pid_dir: Path, *run: object) -> None:
     (pid_dir / str(os.getpid())).touch()
-    os.kill(os.getppid(), signal.SIGINT)
-    time.sleep(600)
+    parent = os.getppid()
+    try:  # the first worker only: one Ctrl-C
+        os.close(os.open(pid_dir.parent / "interrupted", os.O_CREAT | os.O_EXCL))
+        os.kill(parent, signal.SIGINT)
+    except FileExistsError:
+        pass
+    end = time.monotonic() + 600
+    while time.monotonic() < end and os.getppid() == parent:  # ten minutes, unless orphaned
+        time.sleep(0.1)
 
 
 def test_ctrl_c_stops_the_worker_processes_of_jobs(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
-    # Each worker (a fork of this process) interrupts its parent, then would run for ten minutes.
+    # One worker (a fork of this process) interrupts its parent; both would run for ten minutes.
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     monkeypatch.setattr(experiment, "_run_one", functools.partial(_interrupt_the_parent, pid_dir))
-    start = time.monotonic()
-
     args = parse([*TINY, "--policies", "round_robin,cache_aware", "--qps", "1", "--jobs", "2",
                   "--out", str(tmp_path / "run")])
+    start = time.monotonic()
+
     assert run_experiment(args) == 130
 
     assert time.monotonic() - start < 300  # far from the workers' ten minutes, even on a loaded machine
@@ -329,3 +336,13 @@ def test_a_session_stream_with_longer_requests_than_at_1_qps_still_runs(tmp_path
     with open(tmp_path / "run" / "requests.csv") as f:
         rows = list(csv.DictReader(f))
     assert max(int(r["num_prompt_tokens"]) + int(r["num_output_tokens"]) for r in rows) == 4096
+
+
+def test_a_live_experiment_runs_at_the_default_time_scale_unless_told() -> None:
+    live = parse([*TINY, "--live", "--qps", "1", "--out", "unused"])
+    check_live_options(live)
+    assert live.time_scale == DEFAULT_TIME_SCALE == 5.0
+
+    told = parse([*TINY, "--live", "--time-scale", "2", "--qps", "1", "--out", "unused"])
+    check_live_options(told)
+    assert told.time_scale == 2.0

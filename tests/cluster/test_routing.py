@@ -68,7 +68,7 @@ def test_config_rejects_an_unknown_routing_policy_naming_the_known_ones() -> Non
     "routing, routing_args, message",
     [
         ("cost_ttft", {"no_such_arg": 1}, "routing_args: bad arguments for routing policy 'cost_ttft'.*no_such_arg"),
-        ("cache_aware", {"cache_threshold": 2.0}, r"routing_args: cache_threshold must be in \[0, 1\]"),
+        ("cache_aware", {"cache_threshold": 2.0}, "routing_args: cache_threshold must be a finite number >= 0 and <= 1"),
         ("round_robin", {"seed": 3}, "routing_args: bad arguments for routing policy 'round_robin'"),
         ("least_loaded", ["seed"], "routing_args must be a dict"),
     ],
@@ -111,7 +111,10 @@ def test_serve_reads_routing_arguments_as_literals() -> None:
     "args, message",
     [
         (["--routing-arg", "cache_threshold"], "expected KEY=VALUE"),
-        (["--routing", "cache_aware", "--routing-arg", "cache_threshold=2"], "cache_threshold must be in [0, 1]"),
+        (
+            ["--routing", "cache_aware", "--routing-arg", "cache_threshold=2"],
+            "cache_threshold must be a finite number >= 0 and <= 1",
+        ),
         (["--routing-arg", "work_penalty=1", "--routing-arg", "work_penalty=2"], "given more than once"),
     ],
 )
