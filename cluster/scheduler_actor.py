@@ -14,8 +14,11 @@ The front end adds and aborts requests and fetches what the steps produced
 with ``poll_outputs``: one remote call returns every token of every request
 since the previous call, so traffic between the two is per batch of steps,
 never per token.  A replica whose executor fails is marked unhealthy (and
-unavailable to the router, its cached blocks forgotten), its requests end with
-an error, and new requests go to the others.
+unavailable to the router, its cached blocks forgotten) and new requests go to
+the others.  Its requests that it had not started (queued, nothing computed,
+nothing produced) are routed again, as if they had just arrived; those it was
+computing end with an error: their tokens so far have been delivered, and one
+of them may be what broke it (routed again, it could break the next replica).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
 from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
-from kvserve.scheduler.request import Request
+from kvserve.scheduler.request import Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.scheduler import Scheduler
@@ -202,6 +205,10 @@ class SchedulerActor:
             eos_token_ids=self.model_config.eos_token_ids,
             cache_salt=spec.cache_salt,
         )
+        return self._queue(request)
+
+    def _queue(self, request: Request) -> int:
+        """Route ``request`` and queue it on the chosen replica; returns the replica id."""
         # Hashes the prompt into request.block_hashes, which the replica's cache manager reuses.
         replica = self._replicas[self._router.route(request)]
         try:
@@ -210,7 +217,7 @@ class SchedulerActor:
             # The prompt's length is checked by the front end; what is left is its KV footprint.
             raise ValueError(f"sampling_params.max_tokens: {exc}") from None
         self._update_load(replica)
-        self._requests[spec.req_id] = (replica, request)
+        self._requests[request.req_id] = (replica, request)
         replica.wakeup.set()
         return replica.replica_id
 
@@ -345,14 +352,16 @@ class SchedulerActor:
             self._outputs_ready.set()
 
     def _fail_replica(self, replica: _Replica, reason: str, *, release: bool = True) -> None:
-        """Take ``replica`` out of service: its requests end with ``reason`` as their error."""
+        """Take ``replica`` out of service.
+
+        Its requests not yet started are routed again (unless the cluster is
+        shutting down); the others end with ``reason`` as their error.
+        """
         replica.healthy = False
         self._router.set_available(replica.replica_id, False)
-        req_ids = [req_id for req_id, (r, _) in self._requests.items() if r is replica]
-        for req_id in req_ids:
-            _, request = self._requests.pop(req_id)
-            output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
-            output.finish(request, error=reason)
+        mine = [(req_id, request) for req_id, (r, request) in self._requests.items() if r is replica]
+        # Decided before the abort below finishes them all.
+        unstarted = {req_id for req_id, request in mine if _not_started(request)}
         # Keep the pool's books straight: every block goes back.
         scheduler = replica.scheduler
         scheduler.abort_requests(list(scheduler.requests))
@@ -361,10 +370,40 @@ class SchedulerActor:
         scheduler.kv_cache_manager.reset_prefix_cache()
         self._update_load(replica)
         replica.wakeup.set()
-        if req_ids:
+        num_failed = 0
+        for req_id, request in mine:
+            del self._requests[req_id]
+            error = reason
+            if req_id in unstarted and not self._shutting_down:
+                try:
+                    self._queue(self._fresh_copy(request))
+                    continue
+                except (ValueError, RuntimeError) as exc:
+                    error = f"{reason}; no other replica took it: {exc}"
+            output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
+            output.finish(request, error=error)
+            num_failed += 1
+        if mine and not self._shutting_down:
+            logger.warning(
+                "replica %d failed: %d of its requests routed again, %d ended with an error",
+                replica.replica_id, len(mine) - num_failed, num_failed,
+            )
+        if num_failed:
             self._outputs_ready.set()
         if release:
             self._release(replica)
+
+    def _fresh_copy(self, request: Request) -> Request:
+        """``request`` as it arrived (its hashes kept), to queue on another replica."""
+        return Request(
+            request.req_id,
+            request.prompt_token_ids,
+            request.sampling_params,
+            eos_token_ids=self.model_config.eos_token_ids,
+            cache_salt=request.cache_salt,
+            arrival_time=request.arrival_time,
+            block_hashes=request.block_hashes,
+        )
 
     def _update_load(self, replica: _Replica) -> None:
         """Tell the router ``replica``'s current load (after its queues changed)."""
@@ -412,3 +451,13 @@ class SchedulerActor:
             num_kv_blocks=replica.scheduler.cache_config.num_blocks,
             healthy=replica.healthy,
         )
+
+
+def _not_started(request: Request) -> bool:
+    """Whether ``request`` is still as it arrived: queued, nothing computed, nothing produced."""
+    return (
+        request.status is RequestStatus.WAITING
+        and not request.num_computed_tokens
+        and not request.output_token_ids
+    )
+

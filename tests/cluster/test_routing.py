@@ -7,6 +7,7 @@ real replicas on the session's Ray cluster.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,6 +217,69 @@ def test_the_actor_sends_a_shared_prefix_to_its_cache_and_forgets_a_failed_repli
         assert (elsewhere.replica, elsewhere.num_cached_tokens) == (1 - first.replica, 0)
 
     asyncio.run(scenario())
+
+
+async def last_deltas(actor: SchedulerActor, req_ids: set[str]) -> dict[str, RequestDelta]:
+    """Every request's last delta, with every token the request got."""
+    last: dict[str, RequestDelta] = {}
+    tokens: dict[str, list[int]] = {}
+    while set(last) != req_ids:
+        for delta in await actor.poll_outputs(TIMEOUT_S):
+            tokens.setdefault(delta.req_id, []).extend(delta.token_ids)
+            if delta.is_last:
+                last[delta.req_id] = dataclasses.replace(delta, token_ids=tokens[delta.req_id])
+    return last
+
+
+def test_requests_queued_on_a_failed_replica_are_routed_again_and_those_it_was_computing_fail(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Prompts of a whole step's budget: a replica computes one per step, the rest wait.
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> dict[str, RequestDelta]:
+        actor, executors = fake_actor(monkeypatch, "round_robin")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        executors[0].failed = True
+        # Nothing awaits in between: all six are queued before any step runs.
+        for k in range(6):
+            prompt = [100 * k + i + 1 for i in range(MAX_NUM_BATCHED_TOKENS)]
+            await actor.add_request(RequestSpec(f"r{k}", prompt, params))
+        deltas = await last_deltas(actor, {f"r{k}" for k in range(6)})
+        stats = await actor.get_stats()
+        await actor.shutdown()
+        assert [s.healthy for s in stats] == [False, True]
+        assert (stats[1].num_running, stats[1].num_waiting) == (0, 0)
+        return deltas
+
+    deltas = asyncio.run(scenario())
+    # Round robin sent r0, r2, r4 to replica 0; its first step (r0's prompt) failed.
+    failed = deltas.pop("r0")
+    assert failed.error is not None and "replica 0 failed" in failed.error
+    assert failed.token_ids == []
+    for req_id, delta in deltas.items():
+        assert (delta.error, delta.replica, delta.token_ids) == (None, 1, [7, 7]), req_id
+        assert delta.finish_reason == "length"
+
+
+def test_a_queued_request_with_no_replica_left_ends_with_an_error_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> dict[str, RequestDelta]:
+        actor, executors = fake_actor(monkeypatch, "round_robin")
+        await actor.start_replica(0, "cpu")
+        executors[0].failed = True
+        for k in range(2):
+            prompt = [100 * k + i + 1 for i in range(MAX_NUM_BATCHED_TOKENS)]
+            await actor.add_request(RequestSpec(f"r{k}", prompt, params))
+        deltas = await last_deltas(actor, {"r0", "r1"})
+        await actor.shutdown()
+        return deltas
+
+    deltas = asyncio.run(scenario())
+    assert "replica 0 failed" in deltas["r0"].error and "no other replica" not in deltas["r0"].error
+    assert "no other replica took it: none of the 2 replicas is available" in deltas["r1"].error
 
 
 # -- live: 2 replicas routed by cost_ttft ------------------------------------------------
