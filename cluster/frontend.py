@@ -15,7 +15,8 @@ are fetched at that pace too, except while a stream awaits its first tokens.
 Status codes: ``INVALID_ARGUMENT`` (naming the field) for bad input and
 duplicate request ids; ``RESOURCE_EXHAUSTED`` when ``max_concurrent_requests``
 streams are in flight (and, from gRPC itself, for a message over the size
-limit); ``UNAVAILABLE`` when the request's replica failed or no replica is
+limit); ``UNAVAILABLE`` when the request's replica failed while computing it
+(a request it had not started goes to another replica) or no replica is
 healthy.  A cancelled call or an expired deadline aborts its request.
 """
 
