@@ -48,7 +48,10 @@ class RoutingPolicy(Protocol):
 
     ``replicas[i]`` is replica ``i``'s load (``replica_id == i``); the result
     is the id of an available replica (``replicas[i].available``).  With none
-    available, ``select`` raises ``NoAvailableReplicaError``.
+    available, ``select`` raises ``NoAvailableReplicaError``.  A policy with a
+    true class attribute ``matches_pending`` has the router record each
+    request's blocks as pending on the replica it chose
+    (``GlobalPrefixIndex.add_pending``), for ``match(..., pending=True)``.
     """
 
     name: str

@@ -20,6 +20,16 @@ and with sets each block of its walk cost a set difference over all of
 them (23 ms per match for 256 replicas and 2,000 blocks).  A mask operation
 costs one machine word per 64 replicas, so a walk is O(blocks) for fleets
 of hundreds of replicas, plus O(replicas) to report the matches.
+
+Pending blocks: a pool caches a prompt's blocks chunk by chunk as it
+schedules them, so while a replica computes a long document the index holds
+only its first chunks, and a second request for the document saw most of it
+uncached there.  The router can record the blocks of every request it sends
+(``add_pending``); each stays pending on that replica until its pool caches
+it (or the replica is cleared), and ``match(..., pending=True)`` counts
+pending blocks as held.  A request aborted before it was scheduled leaves
+its blocks pending until the replica caches them: the next request matching
+them there computes them instead of finding them.
 """
 
 from __future__ import annotations
@@ -32,13 +42,16 @@ from kvserve.scheduler.block_hash import BlockHash
 class GlobalPrefixIndex:
     """Which replicas cache which blocks, from every replica pool's events."""
 
-    __slots__ = ("_holders", "_copies")
+    __slots__ = ("_holders", "_copies", "_pending", "_pending_of")
 
     def __init__(self) -> None:
         # hash -> bit mask of the replicas holding at least one copy.
         self._holders: dict[BlockHash, int] = {}
         # replica -> hash -> number of its cached blocks with that hash.
         self._copies: dict[int, dict[BlockHash, int]] = {}
+        # hash -> bit mask of the replicas it is pending on, and replica -> its pending hashes.
+        self._pending: dict[BlockHash, int] = {}
+        self._pending_of: dict[int, set[BlockHash]] = {}
 
     # -- events ------------------------------------------------------------------
 
@@ -65,6 +78,24 @@ class GlobalPrefixIndex:
                 holders[block_hash] = holders.get(block_hash, 0) | bit
             else:
                 copies[block_hash] = count + 1
+        pending = self._pending_of.get(replica_id)
+        if pending:
+            for block_hash in block_hashes:
+                if block_hash in pending:
+                    pending.remove(block_hash)
+                    self._drop_pending(block_hash, replica_id)
+
+    def add_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
+        """Replica ``replica_id`` was sent a request with these blocks: those it does not
+        cache are pending there until it does."""
+        copies = self._copies.get(replica_id, {})
+        mine = self._pending_of.setdefault(replica_id, set())
+        pending = self._pending
+        bit = 1 << replica_id
+        for block_hash in block_hashes:
+            if block_hash not in copies and block_hash not in mine:
+                mine.add(block_hash)
+                pending[block_hash] = pending.get(block_hash, 0) | bit
 
     def remove_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         copies = self._copies.get(replica_id)
@@ -81,7 +112,12 @@ class GlobalPrefixIndex:
             self._drop_holder(block_hash, replica_id)
 
     def clear_replica(self, replica_id: int) -> None:
-        """Forget every block of ``replica_id`` (its pool reset its prefix cache)."""
+        """Forget every block of ``replica_id``, cached or pending (its pool reset its prefix cache)."""
+        pending = self._pending_of.get(replica_id)
+        if pending:
+            for block_hash in pending:
+                self._drop_pending(block_hash, replica_id)
+            pending.clear()
         copies = self._copies.get(replica_id)
         if not copies:
             return
@@ -96,10 +132,18 @@ class GlobalPrefixIndex:
         else:
             del self._holders[block_hash]
 
+    def _drop_pending(self, block_hash: BlockHash, replica_id: int) -> None:
+        mask = self._pending[block_hash] & ~(1 << replica_id)
+        if mask:
+            self._pending[block_hash] = mask
+        else:
+            del self._pending[block_hash]
+
     # -- queries -----------------------------------------------------------------
 
-    def match(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
-        """Replica -> number of leading blocks of ``block_hashes`` it caches.
+    def match(self, block_hashes: Sequence[BlockHash], *, pending: bool = False) -> dict[int, int]:
+        """Replica -> number of leading blocks of ``block_hashes`` it caches
+        (or, with ``pending``, caches or has pending).
 
         Replicas that cache not even the first block are absent.  One walk of
         the chain: the candidate mask only shrinks and the walk stops when it
@@ -107,14 +151,21 @@ class GlobalPrefixIndex:
         """
         if not block_hashes:
             return {}
-        holders = self._holders
-        candidates = holders.get(block_hashes[0], 0)
+        holders_of = self._holders.get
+        # NOTE: None rather than an empty dict's get, so the usual walk pays one test per block.
+        pending_of = self._pending.get if pending and self._pending else None
+        candidates = holders_of(block_hashes[0], 0)
+        if pending_of is not None:
+            candidates |= pending_of(block_hashes[0], 0)
         if not candidates:
             return {}
         matched: dict[int, int] = {}
         num_blocks = len(block_hashes)
         for position in range(1, num_blocks):
-            replicas = holders.get(block_hashes[position], 0)
+            block_hash = block_hashes[position]
+            replicas = holders_of(block_hash, 0)
+            if pending_of is not None:
+                replicas |= pending_of(block_hash, 0)
             dropped = candidates & ~replicas
             if dropped:
                 for replica_id in _bits(dropped):
@@ -136,6 +187,10 @@ class GlobalPrefixIndex:
     def num_blocks(self, replica_id: int) -> int:
         """Distinct block hashes ``replica_id`` caches."""
         return len(self._copies.get(replica_id, ()))
+
+    def num_pending(self, replica_id: int) -> int:
+        """Distinct block hashes pending on ``replica_id``."""
+        return len(self._pending_of.get(replica_id, ()))
 
     def __len__(self) -> int:
         """Distinct block hashes cached anywhere."""

@@ -39,6 +39,8 @@ class Router:
         model_id: str = "",
     ) -> None:
         self.policy = policy
+        # Policies that count blocks on their way into a replica's cache as held (``RoutingPolicy``).
+        self._tracks_pending = bool(getattr(policy, "matches_pending", False))
         self.hasher = BlockHasher(block_size, model_id)
         self.index = GlobalPrefixIndex()
         self.loads = LoadTable(num_replicas)
@@ -95,6 +97,8 @@ class Router:
             )
         if not self.loads.available[replica_id]:
             raise RuntimeError(f"policy {self.policy.name!r} chose replica {replica_id}, which is unavailable")
+        if self._tracks_pending:
+            self.index.add_pending(replica_id, request.block_hashes)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
         return replica_id

@@ -195,3 +195,83 @@ def test_removing_a_block_never_stored_is_an_error() -> None:
 
     with pytest.raises(ValueError, match="never stored"):
         index.observer_for(0).blocks_removed([HASHES[0]], [3])
+
+
+# -- pending blocks: sent to a replica, not yet cached there ------------------------------
+
+PENDING_OPERATIONS = st.lists(
+    st.one_of(
+        # a request with these blocks was sent to the replica
+        st.tuples(st.just("send"), st.integers(0, NUM_REPLICAS - 1), st.lists(st.sampled_from(HASHES), min_size=1, max_size=4)),
+        st.tuples(st.just("store"), st.integers(0, NUM_REPLICAS - 1), st.lists(st.sampled_from(HASHES), min_size=1, max_size=4)),
+        st.tuples(st.just("free"), st.integers(0, NUM_REPLICAS - 1), st.integers(0, 100)),
+        st.tuples(st.just("allocate"), st.integers(0, NUM_REPLICAS - 1), st.integers(1, 4)),
+        st.tuples(st.just("reset"), st.integers(0, NUM_REPLICAS - 1), st.just(0)),
+    ),
+    max_size=40,
+)
+
+
+def leading(block_hashes: list[BlockHash], held) -> int:
+    return next((i for i, h in enumerate(block_hashes) if not held(h)), len(block_hashes))
+
+
+@settings(max_examples=200, deadline=None)
+@given(operations=PENDING_OPERATIONS, queries=st.lists(st.lists(st.sampled_from(HASHES), min_size=1, max_size=5), min_size=1, max_size=5))
+def test_pending_blocks_stay_until_their_replica_caches_them_or_is_cleared(
+    operations: list[tuple], queries: list[list[BlockHash]]
+) -> None:
+    """Against a model: a block sent to a replica that does not cache it is pending there until
+    the replica caches it (evicting it later does not bring it back) or resets its cache."""
+    index = GlobalPrefixIndex()
+    pools = [BlockPool(8, observer=index.observer_for(r)) for r in range(NUM_REPLICAS)]
+    held: list[list[list[KVCacheBlock]]] = [[] for _ in range(NUM_REPLICAS)]
+    pending: list[set[BlockHash]] = [set() for _ in range(NUM_REPLICAS)]
+    for kind, replica_id, arg in operations:
+        pool = pools[replica_id]
+        mine = pending[replica_id]
+        if kind == "send":
+            index.add_pending(replica_id, arg)
+            mine.update(h for h in arg if pool.get_cached_block(h) is None)
+        elif kind == "store" and pool.get_num_free_blocks() >= len(arg):
+            blocks = pool.get_new_blocks(len(arg))
+            pool.cache_full_blocks(blocks, arg, 0, len(arg))
+            held[replica_id].append(blocks)
+            mine.difference_update(arg)
+        elif kind == "allocate" and pool.get_num_free_blocks() >= arg:
+            held[replica_id].append(pool.get_new_blocks(arg))
+        elif kind == "free" and held[replica_id]:
+            pool.free_blocks(reversed(held[replica_id].pop(arg % len(held[replica_id]))))
+        elif kind == "reset" and pool.reset_prefix_cache():
+            mine.clear()
+        for r in range(NUM_REPLICAS):
+            assert index.num_pending(r) == len(pending[r])
+    for query in queries:
+        expected = {}
+        for r, pool in enumerate(pools):
+            count = leading(query, lambda h: pool.get_cached_block(h) is not None or h in pending[r])
+            if count:
+                expected[r] = count
+        assert index.match(query, pending=True) == expected
+        assert index.match(query) == brute_force_match(pools, query)
+
+
+def test_a_block_pending_on_one_replica_and_cached_on_another_matches_both() -> None:
+    h0, h1, h2 = HASHES[:3]
+    index = GlobalPrefixIndex()
+    index.add_blocks(0, [h0])
+    index.add_pending(0, [h0, h1, h2])  # h0 is cached already
+    index.add_blocks(1, [h0, h1])
+
+    assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
+    assert index.match([h0, h1, h2]) == {0: 1, 1: 2}
+    assert index.num_pending(0) == 2
+    index.add_pending(0, [h0, h1, h2, h0])  # nothing new
+    assert index.num_pending(0) == 2
+
+    index.add_blocks(0, [h1])
+    assert index.num_pending(0) == 1
+    assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
+    index.clear_replica(0)
+    assert index.num_pending(0) == 0
+    assert index.match([h0, h1, h2], pending=True) == {1: 2}

@@ -92,3 +92,19 @@ def test_router_rejects_a_replica_out_of_range() -> None:
     router.policy = Rogue()
     with pytest.raises(ValueError, match="chose replica 5"):
         router.route(Request("a", [1, 2, 3], SamplingParams()))
+
+
+@pytest.mark.parametrize("policy, tracked", [("cost_ttft", True), ("cache_aware", False), ("round_robin", False)])
+def test_a_routed_prompt_is_pending_on_its_replica_until_its_pool_caches_it(policy: str, tracked: bool) -> None:
+    router, schedulers = fleet(policy)
+    request = Request("a", list(range(40)), SamplingParams(max_tokens=1))
+
+    replica_id = router.route(request)
+
+    hashes = list(request.block_hashes)
+    assert router.index.num_pending(replica_id) == (10 if tracked else 0)
+    assert router.index.match(hashes, pending=True) == ({replica_id: 10} if tracked else {})
+    schedulers[replica_id].add_request(request)
+    schedulers[replica_id].schedule()  # the pool caches the prompt's blocks as it schedules them
+    assert router.index.num_pending(replica_id) == 0
+    assert router.index.match(hashes, pending=True) == router.index.match(hashes) == {replica_id: 10}

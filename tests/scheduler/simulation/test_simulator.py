@@ -85,6 +85,20 @@ def test_the_next_turn_hits_the_answer_the_previous_turn_generated() -> None:
     assert result.records[1].num_cached_tokens == 64 + 16
 
 
+def test_cost_ttft_sends_a_second_request_for_a_long_prompt_to_the_replica_computing_it() -> None:
+    """The document's later chunks are not cached yet when the second request comes, but they
+    are on their way: waiting for them beats computing the whole document on an idle replica."""
+    document = [11] * 1536  # 3 steps of the 512-token budget
+    first = Item(0.0, document + [1] * 16, 2)
+    second = Item(0.03, document + [2] * 16, 2)  # during the first step: a third of it cached
+
+    records = FleetSimulator(config(2), make_policy("cost_ttft")).run([first, second]).records
+
+    assert records[1].replica_id == records[0].replica_id
+    assert records[1].num_cached_tokens == len(document)
+    assert records[1].ttft < FleetSimulator(config(1), make_policy("cost_ttft")).run([first]).records[0].ttft
+
+
 def test_requests_must_arrive_in_order() -> None:
     with pytest.raises(ValueError, match="sorted by arrival"):
         FleetSimulator(config(1), make_policy("round_robin")).run([Item(2.0, [5] * 10, 1), Item(1.0, [5] * 10, 1)])
