@@ -83,7 +83,7 @@ class GlobalPrefixIndex:
             for block_hash in block_hashes:
                 if block_hash in pending:
                     pending.remove(block_hash)
-                    self._drop_pending(block_hash, replica_id)
+                    _drop_bit(self._pending, block_hash, replica_id)
 
     def add_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         """Replica ``replica_id`` was sent a request with these blocks: those it does not
@@ -109,35 +109,21 @@ class GlobalPrefixIndex:
                 copies[block_hash] = count - 1  # type: ignore[index]
                 continue
             del copies[block_hash]  # type: ignore[union-attr]
-            self._drop_holder(block_hash, replica_id)
+            _drop_bit(self._holders, block_hash, replica_id)
 
     def clear_replica(self, replica_id: int) -> None:
         """Forget every block of ``replica_id``, cached or pending (its pool reset its prefix cache)."""
         pending = self._pending_of.get(replica_id)
         if pending:
             for block_hash in pending:
-                self._drop_pending(block_hash, replica_id)
+                _drop_bit(self._pending, block_hash, replica_id)
             pending.clear()
         copies = self._copies.get(replica_id)
         if not copies:
             return
         for block_hash in copies:
-            self._drop_holder(block_hash, replica_id)
+            _drop_bit(self._holders, block_hash, replica_id)
         copies.clear()
-
-    def _drop_holder(self, block_hash: BlockHash, replica_id: int) -> None:
-        holders = self._holders[block_hash] & ~(1 << replica_id)
-        if holders:
-            self._holders[block_hash] = holders
-        else:
-            del self._holders[block_hash]
-
-    def _drop_pending(self, block_hash: BlockHash, replica_id: int) -> None:
-        mask = self._pending[block_hash] & ~(1 << replica_id)
-        if mask:
-            self._pending[block_hash] = mask
-        else:
-            del self._pending[block_hash]
 
     # -- queries -----------------------------------------------------------------
 
@@ -195,6 +181,15 @@ class GlobalPrefixIndex:
     def __len__(self) -> int:
         """Distinct block hashes cached anywhere."""
         return len(self._holders)
+
+
+def _drop_bit(masks: dict[BlockHash, int], block_hash: BlockHash, replica_id: int) -> None:
+    """Clear ``replica_id``'s bit of ``masks[block_hash]``; drop the entry once no bit is left."""
+    mask = masks[block_hash] & ~(1 << replica_id)
+    if mask:
+        masks[block_hash] = mask
+    else:
+        del masks[block_hash]
 
 
 def _bits(mask: int) -> list[int]:
