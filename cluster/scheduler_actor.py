@@ -214,6 +214,7 @@ class SchedulerActor:
         try:
             replica.scheduler.add_request(request)
         except ValueError as exc:
+            self._router.index.drop_pending(replica.replica_id, request.block_hashes)
             # The prompt's length is checked by the front end; what is left is its KV footprint.
             raise ValueError(f"sampling_params.max_tokens: {exc}") from None
         self._update_load(replica)

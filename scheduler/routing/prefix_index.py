@@ -27,9 +27,10 @@ only its first chunks, and a second request for the document saw most of it
 uncached there.  The router can record the blocks of every request it sends
 (``add_pending``); each stays pending on that replica until its pool caches
 it (or the replica is cleared), and ``match(..., pending=True)`` counts
-pending blocks as held.  A request aborted before it was scheduled leaves
-its blocks pending until the replica caches them: the next request matching
-them there computes them instead of finding them.
+pending blocks as held.  A request its replica refused is taken back
+(``drop_pending``); one aborted before it was scheduled leaves its blocks
+pending until the replica caches them: the next request matching them there
+computes them instead of finding them.
 """
 
 from __future__ import annotations
@@ -78,12 +79,7 @@ class GlobalPrefixIndex:
                 holders[block_hash] = holders.get(block_hash, 0) | bit
             else:
                 copies[block_hash] = count + 1
-        pending = self._pending_of.get(replica_id)
-        if pending:
-            for block_hash in block_hashes:
-                if block_hash in pending:
-                    pending.remove(block_hash)
-                    _drop_bit(self._pending, block_hash, replica_id)
+        self.drop_pending(replica_id, block_hashes)
 
     def add_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         """Replica ``replica_id`` was sent a request with these blocks: those it does not
@@ -96,6 +92,16 @@ class GlobalPrefixIndex:
             if block_hash not in copies and block_hash not in mine:
                 mine.add(block_hash)
                 pending[block_hash] = pending.get(block_hash, 0) | bit
+
+    def drop_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
+        """The request sent with these blocks was refused: they are no longer pending there
+        (nor for any other request that brought them)."""
+        mine = self._pending_of.get(replica_id)
+        if mine:
+            for block_hash in block_hashes:
+                if block_hash in mine:
+                    mine.remove(block_hash)
+                    _drop_bit(self._pending, block_hash, replica_id)
 
     def remove_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         copies = self._copies.get(replica_id)

@@ -263,6 +263,26 @@ def test_requests_queued_on_a_failed_replica_are_routed_again_and_those_it_was_c
         assert delta.finish_reason == "length"
 
 
+def test_a_request_too_big_for_the_replica_is_refused_and_leaves_nothing_pending(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def scenario() -> None:
+        actor, _ = fake_actor(monkeypatch, "cost_ttft")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        huge = SamplingParams(max_tokens=10 * FakeExecutor.num_kv_blocks * BLOCK_SIZE)
+        with pytest.raises(ValueError, match="sampling_params.max_tokens: request needs up to"):
+            await actor.add_request(RequestSpec("huge", list(range(1, 81)), huge))
+        index = actor._router.index
+        pending = [index.num_pending(r) for r in range(2)]
+        served = await run_to_the_end(actor, "fits", list(range(1, 81)))
+        await actor.shutdown()
+        assert pending == [0, 0]
+        assert served.error is None and served.finish_reason == "length"
+
+    asyncio.run(scenario())
+
+
 def test_a_queued_request_with_no_replica_left_ends_with_an_error_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 

@@ -271,7 +271,12 @@ def test_a_block_pending_on_one_replica_and_cached_on_another_matches_both() -> 
 
     index.add_blocks(0, [h1])
     assert index.num_pending(0) == 1
+    index.drop_pending(0, [h0, h1])  # neither is pending: nothing changes
+    assert index.num_pending(0) == 1
     assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
+    index.drop_pending(0, [h2])
+    assert index.num_pending(0) == 0
+    index.add_pending(0, [h0, h1, h2])
     index.clear_replica(0)
     assert index.num_pending(0) == 0
     assert index.match([h0, h1, h2], pending=True) == {1: 2}
