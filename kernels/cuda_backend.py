@@ -88,7 +88,7 @@ class CudaAttentionBackend:
         if metadata.num_tokens == 0:
             return output
         num_kv_heads = key_cache.shape[2]
-        plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads)
+        plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2])
         self._extension.paged_attention(
             output,
             _vector_ready(query),
@@ -104,17 +104,17 @@ class CudaAttentionBackend:
         )
         return output
 
-    def split_plan(self, metadata: AttentionMetadata, num_kv_heads: int, group: int) -> SplitPlan:
+    def split_plan(self, metadata: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int) -> SplitPlan:
         """The split plan of ``metadata``'s batch (see :mod:`kvserve.kernels.cuda_plan`), cached per batch."""
         if metadata is not self._plan_metadata:
             self._plan_metadata = metadata
             self._plans.clear()
-        key = (num_kv_heads, group)
+        key = (num_kv_heads, group, head_dim)
         plan = self._plans.get(key)
         if plan is None:
             plan = plan_splits(
                 metadata.query_start_loc_cpu, metadata.seq_lens_cpu, num_kv_heads, group, self._num_sms,
-                self._split_tokens,
+                self._split_tokens, head_dim=head_dim,
             )
             self._plans[key] = plan
         return plan
@@ -141,6 +141,8 @@ def _unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         return f"no kernel for block_size {block_size} (supported: {KERNEL_BLOCK_SIZES})"
     if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         return "the KV cache is not contiguous"
+    if key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16:
+        return "the KV cache does not start on a 16-byte boundary"
     return None
 
 
@@ -170,4 +172,6 @@ def _vector_ready(tensor: torch.Tensor) -> torch.Tensor:
         and tensor.data_ptr() % 16 == 0
     ):
         return tensor
-    return tensor.contiguous()
+    # NOTE: not .contiguous(), which returns the tensor itself when only a dimension of
+    # size 1 has an odd stride; the kernels check every stride.
+    return tensor.clone(memory_format=torch.contiguous_format)

@@ -9,6 +9,15 @@ resident CTAs per SM), and no smaller than ``MIN_SPLIT_TOKENS`` so that every CT
 enough keys to hide its start-up.  One split size serves the batch's decode and prefill
 launches; a context shorter than one split needs no combine.
 
+The combine's workspace holds a float32 partial output of ``head_dim + 2`` values per
+(token, query head, split) of the batch, for every token of it.  NOTE: with one split size
+for both launches, one short decode beside a long prefill chunk made the size small
+(128) and the chunk's context many splits: a 2,048-token chunk over 32k cached tokens and
+one decode needed 8.7 GB (32 query heads, head_dim 128).  So the chosen size is raised
+until the workspace fits ``MAX_WORKSPACE_BYTES`` (the decode then has fewer splits, in a
+launch the prefill keeps busy anyway), or to ``MAX_SPLIT_TOKENS``: contexts longer than
+that still need ``ceil(context / MAX_SPLIT_TOKENS)`` splits (2,048 tokens over 128k: 0.5 GB).
+
 Pure Python on host values (``AttentionMetadata``'s ``*_cpu`` tuples): no device sync.
 The constants mirror ``csrc/paged_attention_cuda.h`` (a CPU test checks that they agree).
 """
@@ -26,6 +35,7 @@ MAX_DECODE_ROWS = 8
 # Tuning (see the module docstring).
 MIN_SPLIT_TOKENS = 128
 TARGET_CTAS_PER_SM = 8
+MAX_WORKSPACE_BYTES = 256 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,13 +77,15 @@ def plan_splits(
     group: int,
     num_sms: int,
     split_tokens: int | None = None,
+    *,
+    head_dim: int,
 ) -> SplitPlan:
     """The split plan of one batch (host copies of its metadata).
 
     Requests with one new token are decodes, the others prefills, as in
     :func:`kvserve.kernels.reference.split_decode_and_prefill`.  ``split_tokens``
     forces the split size (tests, benchmarks); ``None`` chooses it as the module
-    docstring says.
+    docstring says (``head_dim`` sizes the workspace).
     """
     decode_lens: list[int] = []
     prefill_lens: list[int] = []
@@ -95,6 +107,13 @@ def plan_splits(
         if prefill_lens:
             candidates.append(_split_tokens_for(max(prefill_lens), num_prefill_tiles * num_kv_heads, target_ctas))
         split_tokens = min(candidates)
+        max_len = max(decode_lens + prefill_lens, default=0)
+        split_bytes = (query_start_loc[-1] - query_start_loc[0]) * num_kv_heads * group * (head_dim + 2) * 4
+        if -(-max_len // split_tokens) * split_bytes > MAX_WORKSPACE_BYTES:
+            # Few enough splits for the budget (at least one), each a multiple of 64 tokens.
+            fewest_tokens = -(-max_len // max(MAX_WORKSPACE_BYTES // split_bytes, 1))
+            fewest_tokens = -(-fewest_tokens // SPLIT_TOKENS_MULTIPLE) * SPLIT_TOKENS_MULTIPLE
+            split_tokens = min(max(split_tokens, fewest_tokens), MAX_SPLIT_TOKENS)
     else:
         check_split_tokens(split_tokens)
     return SplitPlan(

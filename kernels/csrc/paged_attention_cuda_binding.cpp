@@ -120,6 +120,7 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   TORCH_CHECK(key_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ", key_cache.size(3));
+  TORCH_CHECK(num_heads >= 1, "query must have at least one head, got ", num_heads);
   TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " is not a multiple of num_kv_heads ",
               num_kv_heads);
   TORCH_CHECK(kvserve::is_supported_head_dim(head_dim), "head_dim ", head_dim,

@@ -28,9 +28,11 @@
 //                    for unroll slot u < kUnroll and thread group g < kKeysPerLoad: all K
 //                    and V loads of a step are issued before the first is used.
 //
-// Everything accumulates in float32.  Positions at or beyond seq_len (and, for prefill
-// rows, beyond the row's own position) are never read, so NaN in unwritten slots of the
-// cache cannot leak into the output.
+// Everything accumulates in float32.  Positions at or beyond seq_len are never read, so
+// NaN in unwritten slots of the cache cannot leak into the output.  A prefill tile reads
+// the keys up to its last row's position for all of its rows, with weight 0 for the rows
+// they are past: safe only because every position below seq_len has been written (a NaN
+// there would leak, 0 * NaN being NaN).
 #pragma once
 
 #include <cuda_bf16.h>

@@ -193,7 +193,7 @@ def test_kernel_writes_every_element_of_a_poisoned_output(backend) -> None:
     from kvserve.kernels.cuda_build import load_cuda_extension
 
     batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=4, dtype=torch.float32, seed=31)
-    plan = backend.split_plan(batch.metadata, 2, 4)
+    plan = backend.split_plan(batch.metadata, 2, 4, batch.query.shape[2])
     out = torch.full_like(batch.query, float("nan"))
     meta = batch.metadata
     load_cuda_extension().paged_attention(
