@@ -20,8 +20,9 @@ computing a 2,000-token prompt looked as free as an idle one, and requests
 that saved a few hundred cached tokens there queued behind it.
 
 The match counts blocks pending on a replica (sent there with an earlier
-request, not cached yet) as cached: ``matches_pending`` has the router record
-them (see ``GlobalPrefixIndex``).  NOTE: a pool caches a long prompt chunk
+request, not cached yet) as cached (``match_pending``, default on: its
+``matches_pending`` attribute has the router record them; see
+``GlobalPrefixIndex``).  NOTE: a pool caches a long prompt chunk
 by chunk as it schedules it, so without this a second request for a 6k-token
 document, arriving while the first was computed, saw two thirds of it
 uncached on that replica and was sent to an idle one to compute all of it
@@ -147,8 +148,6 @@ class CostTTFTPolicy:
     """Lowest estimated TTFT under the step cost model, near-ties to the least loaded."""
 
     name = "cost_ttft"
-    # Blocks a replica was sent and has not cached yet count as cached there (see below).
-    matches_pending = True
 
     def __init__(
         self,
@@ -164,6 +163,7 @@ class CostTTFTPolicy:
         share_deviations: float = 3.0,
         share_window: int = 1000,
         share_slack: float = 8.0,
+        match_pending: bool = True,
     ) -> None:
         if cost_model is not None and not isinstance(cost_model, StepCostModel):
             raise TypeError(f"cost_model must be a StepCostModel, got {cost_model!r}")
@@ -181,6 +181,10 @@ class CostTTFTPolicy:
         self.load_slack = load_slack
         self.work_penalty = work_penalty
         self.decode_horizon = decode_horizon
+        if not isinstance(match_pending, bool):
+            raise ValueError(f"match_pending must be True or False, got {match_pending!r}")
+        # Blocks a replica was sent and has not cached yet count as cached there (see the module docstring).
+        self.matches_pending = match_pending
         self.recent_share = (
             None if share_factor is None else RecentShare(share_factor, share_deviations, share_window, share_slack)
         )
@@ -241,7 +245,7 @@ class CostTTFTPolicy:
         """
         uncached = np.full(len(table), float(request.num_prompt_tokens))
         least = self.min_match_fraction * request.num_prompt_tokens
-        for replica_id, num_blocks in index.match(request.block_hashes, pending=True).items():
+        for replica_id, num_blocks in index.match(request.block_hashes, pending=self.matches_pending).items():
             cached = request.cached_tokens(num_blocks)
             if cached >= least:
                 uncached[replica_id] -= cached

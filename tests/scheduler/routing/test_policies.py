@@ -306,6 +306,7 @@ def test_make_policy_rejects_unknown_names_and_arguments() -> None:
         ("cost_ttft", "load_slack", True),
         ("cost_ttft", "share_deviations", float("inf")),
         ("cost_ttft", "cost_model", 1),
+        ("cost_ttft", "match_pending", "yes"),
         ("consistent_hash", "num_prefix_blocks", 1.5),
         ("consistent_hash", "virtual_nodes", 2.5),
         ("consistent_hash", "load_factor", float("nan")),

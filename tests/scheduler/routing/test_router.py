@@ -14,8 +14,8 @@ from kvserve.scheduler.scheduler import Scheduler
 BLOCK_SIZE = 4
 
 
-def fleet(policy: str, num_replicas: int = 3) -> tuple[Router, list[Scheduler]]:
-    router = Router(num_replicas, make_policy(policy), BLOCK_SIZE, model_id="m")
+def fleet(policy: str, num_replicas: int = 3, **policy_args) -> tuple[Router, list[Scheduler]]:
+    router = Router(num_replicas, make_policy(policy, **policy_args), BLOCK_SIZE, model_id="m")
     schedulers = [
         Scheduler(
             SchedulerConfig(max_num_batched_tokens=256, max_model_len=256),
@@ -94,9 +94,13 @@ def test_router_rejects_a_replica_out_of_range() -> None:
         router.route(Request("a", [1, 2, 3], SamplingParams()))
 
 
-@pytest.mark.parametrize("policy, tracked", [("cost_ttft", True), ("cache_aware", False), ("round_robin", False)])
-def test_a_routed_prompt_is_pending_on_its_replica_until_its_pool_caches_it(policy: str, tracked: bool) -> None:
-    router, schedulers = fleet(policy)
+@pytest.mark.parametrize(
+    "policy, args, tracked",
+    [("cost_ttft", {}, True), ("cost_ttft", {"match_pending": False}, False), ("cache_aware", {}, False),
+     ("round_robin", {}, False)],
+)
+def test_a_routed_prompt_is_pending_on_its_replica_until_its_pool_caches_it(policy: str, args: dict, tracked: bool) -> None:
+    router, schedulers = fleet(policy, **args)
     request = Request("a", list(range(40)), SamplingParams(max_tokens=1))
 
     replica_id = router.route(request)
