@@ -142,6 +142,10 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                   split_tokens <= kvserve::kMaxSplitTokens,
               "split_tokens must be a positive multiple of ", kvserve::kSplitTokensMultiple, " up to ",
               kvserve::kMaxSplitTokens, ", got ", split_tokens);
+  // NOTE: the split counts are trusted, not checked against seq_lens (on the device): each
+  // must be ceil(longest context of its launch / split_tokens), 0 only when the launch has
+  // no request.  Fewer leave output rows unwritten or combine partials never written;
+  // kvserve.kernels.cuda_plan.plan_splits computes them.
   TORCH_CHECK(num_decode_splits >= 0 && num_decode_splits <= kMaxGridYZ && num_prefill_splits >= 0 &&
                   num_prefill_splits <= kMaxGridYZ,
               "split counts must be in [0, ", kMaxGridYZ, "], got ", num_decode_splits, " and ", num_prefill_splits);
