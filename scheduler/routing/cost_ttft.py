@@ -106,8 +106,11 @@ idle.  Three remedies:
   TTFT tail, so the factor trades TTFT p99 against balance.  Measured in
   simulation before the step in flight and ``min_match_fraction`` were
   priced, TTFT p99 in ms / e2e p99 in s / load max/mean, 64 replicas and
-  16,000 requests unless said (cache_aware for comparison; with them, at
-  the defaults: Zipf seeds 0-1 39 and 53 ms, document QA seed 1 21 ms)::
+  16,000 requests unless said (cache_aware for comparison; with them and
+  pending blocks, at the defaults and round robin's knee: Zipf seeds 0-1 39
+  and 49 ms / 3.13 s / 1.79-1.88 against cache_aware's 109 and 90 ms,
+  document QA seeds 0-1 24 and 23 ms / 0.65 s / 1.96-1.97 against 219 and
+  44 ms)::
 
       factor, slack     Zipf 1.0 prefixes, seeds 0-2  document QA, seeds 0-2        256 replicas, 64k req
       None              41-55 / 3.18-3.25 / 1.97-1.99  22 / 0.64 / 2.43 (seed 1)     33 / 2.98-3.02 / 1.92-1.95 (seeds 0-1)
