@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import csv
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -22,11 +23,13 @@ from kvserve.bench.experiment_live import live_cluster_config, run_live
 from kvserve.bench.workloads import make_workload
 from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
 from kvserve.cluster.launcher import start_cluster
+from kvserve.cluster.messages import RequestSpec
 from kvserve.cluster.server import start_server
 from kvserve.cluster.worker_actor import RAY_NAMESPACE, worker_actor_name
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import make_policy
+from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
 from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
@@ -190,3 +193,42 @@ def write_cost_model(directory: Path) -> Path:
     path = directory / "cost_model.json"
     COST_MODEL.save(path)
     return path
+
+
+def test_requests_queued_on_a_replica_whose_worker_dies_finish_on_the_other(ray_cluster, model_dir):
+    """Real Ray: with one request at a time per replica, killing replica 1's worker fails the
+    request it runs and sends the one queued behind it to replica 0."""
+    config = ClusterConfig(
+        model_dir=str(model_dir),
+        parallel=ParallelConfig(tensor_parallel_size=1, num_replicas=2),
+        block_size=16,
+        num_blocks=64,
+        max_num_seqs=1,
+        routing="round_robin",
+        simulation=SimulationConfig(cost_model=COST_MODEL, time_scale=TIME_SCALE),  # 60 ms steps
+    )
+    handle = start_cluster(config)
+    try:
+        scheduler = handle.scheduler
+        params = SamplingParams(max_tokens=20, ignore_eos=True)
+        specs = [RequestSpec(f"r{k}", [10 + k] * 40, params) for k in range(4)]
+        replicas = ray.get([scheduler.add_request.remote(spec) for spec in specs], timeout=60)
+        assert replicas == [0, 1, 0, 1]  # r2 and r3 wait behind r0 and r1
+        ray.kill(ray.get_actor(worker_actor_name(1, 0), namespace=RAY_NAMESPACE))
+
+        last, tokens = {}, {}
+        deadline = time.monotonic() + 60
+        while len(last) < 4:
+            for delta in ray.get(scheduler.poll_outputs.remote(1.0), timeout=60):
+                tokens.setdefault(delta.req_id, []).extend(delta.token_ids)
+                if delta.is_last:
+                    last[delta.req_id] = delta
+            assert time.monotonic() < deadline, f"finished only {sorted(last)}"
+        stats = ray.get(scheduler.get_stats.remote(), timeout=60)
+    finally:
+        handle.shutdown()
+
+    assert last["r1"].error is not None and "replica 1" in last["r1"].error
+    for req_id in ("r0", "r2", "r3"):
+        assert (last[req_id].error, last[req_id].replica, len(tokens[req_id])) == (None, 0, 20), req_id
+    assert [s.healthy for s in stats] == [True, False]
