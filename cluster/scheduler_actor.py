@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ray.util.placement_group import PlacementGroup
 
@@ -38,6 +39,7 @@ from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
 from kvserve.scheduler.request import Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.routing.router import Router
+from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
 
@@ -198,14 +200,25 @@ class SchedulerActor:
             raise RuntimeError("the scheduler is shutting down")
         if spec.req_id in self._requests or spec.req_id in self._pending:
             raise ValueError(f"request_id {spec.req_id!r} is already in flight")
-        request = Request(
-            spec.req_id,
-            spec.prompt_token_ids,
-            spec.sampling_params,
+        return self._queue(self._new_request(spec.req_id, spec.prompt_token_ids, spec.sampling_params, spec.cache_salt))
+
+    def _new_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        cache_salt: str | None,
+        **kwargs: Any,
+    ) -> Request:
+        """A ``Request`` stopping at the model's EOS ids; ``kwargs`` go to ``Request``."""
+        return Request(
+            req_id,
+            prompt_token_ids,
+            sampling_params,
             eos_token_ids=self.model_config.eos_token_ids,
-            cache_salt=spec.cache_salt,
+            cache_salt=cache_salt,
+            **kwargs,
         )
-        return self._queue(request)
 
     def _queue(self, request: Request) -> int:
         """Route ``request`` and queue it on the chosen replica; returns the replica id."""
@@ -214,7 +227,7 @@ class SchedulerActor:
         try:
             replica.scheduler.add_request(request)
         except ValueError as exc:
-            self._router.index.drop_pending(replica.replica_id, request.block_hashes)
+            self._router.withdraw(replica.replica_id, request)
             # The prompt's length is checked by the front end; what is left is its KV footprint.
             raise ValueError(f"sampling_params.max_tokens: {exc}") from None
         self._update_load(replica)
@@ -377,7 +390,11 @@ class SchedulerActor:
             error = reason
             if req_id in unstarted and not self._shutting_down:
                 try:
-                    self._queue(self._fresh_copy(request))
+                    # As it arrived, its hashes kept.
+                    self._queue(self._new_request(
+                        req_id, request.prompt_token_ids, request.sampling_params, request.cache_salt,
+                        arrival_time=request.arrival_time, block_hashes=request.block_hashes,
+                    ))
                     continue
                 except (ValueError, RuntimeError) as exc:
                     error = f"{reason}; no other replica took it: {exc}"
@@ -393,18 +410,6 @@ class SchedulerActor:
             self._outputs_ready.set()
         if release:
             self._release(replica)
-
-    def _fresh_copy(self, request: Request) -> Request:
-        """``request`` as it arrived (its hashes kept), to queue on another replica."""
-        return Request(
-            request.req_id,
-            request.prompt_token_ids,
-            request.sampling_params,
-            eos_token_ids=self.model_config.eos_token_ids,
-            cache_salt=request.cache_salt,
-            arrival_time=request.arrival_time,
-            block_hashes=request.block_hashes,
-        )
 
     def _update_load(self, replica: _Replica) -> None:
         """Tell the router ``replica``'s current load (after its queues changed)."""
@@ -461,4 +466,3 @@ def _not_started(request: Request) -> bool:
         and not request.num_computed_tokens
         and not request.output_token_ids
     )
-

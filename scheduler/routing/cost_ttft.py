@@ -37,8 +37,10 @@ hot prefixes less at start-up: on customer contexts at 8 replicas load
 max/mean went from 1.12 to 1.39 and TTFT p99 from 0.032 to 0.034 s, at 16
 replicas (seeds 1 / 2 / 7) TTFT p99 from 39.9 / 37.7 / 38.8 to 46.5 / 41.9 /
 42.1 ms, for document QA's 0.281 / 0.252 / 0.273 s (still above
-cache_aware's); it is not done.  At 16 replicas' knees, seeds 1 / 2 / 7, TTFT p99 with pending
-blocks against without (cache_aware):
+cache_aware's); it is not done.
+
+At 16 replicas' knees, seeds 1 / 2 / 7, TTFT p99 with pending blocks against
+without (cache_aware)::
 
     document QA        0.301 / 0.284 / 0.315 s  against 0.234 / 0.339 / 0.339  (0.251 / 0.242 / 0.249)
     customer contexts  39.9 / 37.7 / 38.8 ms    against 41.0 / 37.7 / 40.0     (- / - / 38.3)

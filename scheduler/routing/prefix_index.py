@@ -94,8 +94,8 @@ class GlobalPrefixIndex:
                 pending[block_hash] = pending.get(block_hash, 0) | bit
 
     def drop_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
-        """The request sent with these blocks was refused: they are no longer pending there
-        (nor for any other request that brought them)."""
+        """These blocks are no longer pending on ``replica_id`` (it cached them, or the request
+        that brought them was refused), whichever requests brought them."""
         mine = self._pending_of.get(replica_id)
         if mine:
             for block_hash in block_hashes:

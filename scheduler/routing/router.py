@@ -102,3 +102,8 @@ class Router:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
         return replica_id
+
+    def withdraw(self, replica_id: int, request: Request) -> None:
+        """``request``, routed to ``replica_id``, was refused there: its blocks are not on their way."""
+        if self._tracks_pending:
+            self.index.drop_pending(replica_id, request.block_hashes)
