@@ -284,12 +284,24 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
 
     from kvserve.cluster.launcher import start_cluster
+    from kvserve.cluster.server import check_address_free
 
+    try:
+        # A taken port or a bad --host, told before the minutes of start-up.
+        check_address_free(server_config)
+    except RuntimeError as exc:
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 1
     try:
         _init_ray(args.address, config, progress)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         print(f"kvserve serve: error: cannot start or join Ray: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # A local instance was stopped by init_local_ray (which said "interrupted").
+        ray.shutdown()
+        progress("stopped")
+        return 0
     handle = None
     status = 0
     try:
@@ -352,7 +364,8 @@ def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[st
 
         if config.device == "cpu" or not torch.cuda.is_available():
             num_worker_slots = config.parallel.num_workers
-    init_local_ray(num_worker_slots)
+    progress("starting a local Ray instance")
+    init_local_ray(num_worker_slots, on_interrupt=lambda: progress("interrupted: stopping once Ray has started"))
     progress("started a local Ray instance on 127.0.0.1")
 
 

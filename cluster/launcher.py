@@ -22,6 +22,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvserve.cluster.config import ClusterConfig
+from kvserve.cluster.interrupts import sigint_deferred
 from kvserve.cluster.messages import ModelInfo
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME, SchedulerActor
@@ -104,24 +105,32 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
     return ClusterHandle(scheduler, model_info, config, device_kind, placement_groups)
 
 
-def init_local_ray(num_worker_slots: int = 0) -> None:
+def init_local_ray(num_worker_slots: int = 0, on_interrupt: Callable[[], None] | None = None) -> None:
     """Start a new single-machine Ray instance on 127.0.0.1 (namespace ``kvserve``).
 
     ``num_worker_slots``: the ``WORKER_CPU_RESOURCE`` slots it offers, one per
-    CPU (or simulated) rank.
+    CPU (or simulated) rank.  Ctrl-C while Ray starts (seconds) is held until
+    it has started, which is then stopped and ``KeyboardInterrupt`` raised;
+    ``on_interrupt`` is called when the Ctrl-C comes.
     """
     keep_ray_on_loopback()
     resources = {WORKER_CPU_RESOURCE: num_worker_slots} if num_worker_slots else {}
-    # NOTE: address="local" always starts a new instance: without it, ray.init
-    # joins whatever cluster this machine last started.
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        namespace=RAY_NAMESPACE,
-        resources=resources,
-        logging_level=logging.WARNING,
-    )
+    # NOTE: an interrupt inside ray.init left Ray's dashboard and runtime-env
+    # agents running after the process exited (they ignore SIGTERM).
+    with sigint_deferred(on_interrupt) as interrupted:
+        # NOTE: address="local" always starts a new instance: without it, ray.init
+        # joins whatever cluster this machine last started.
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.1",
+            include_dashboard=False,
+            namespace=RAY_NAMESPACE,
+            resources=resources,
+            logging_level=logging.WARNING,
+        )
+    if interrupted():
+        ray.shutdown()
+        raise KeyboardInterrupt
 
 
 def resolve_model_config(config: ClusterConfig) -> ModelConfig:

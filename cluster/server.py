@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import socket
 from typing import Any
 
 import grpc
@@ -28,6 +29,24 @@ logger = logging.getLogger(__name__)
 GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _OVERALL = ""  # grpc.health.v1's name for the whole server
+
+
+def check_address_free(config: ServerConfig) -> None:
+    """``RuntimeError`` unless ``config``'s address can be bound now.
+
+    For a check before a slow start-up (Ray, the replicas); the server's own
+    bind is what counts, as the port may be taken in between.
+    """
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(
+            config.host, config.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as sock:
+            # As grpc binds: a port whose old connections linger in TIME_WAIT is free.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+    except OSError as exc:  # socket.gaierror included
+        raise RuntimeError(f"cannot listen on {config.address}: {exc.strerror or exc}") from None
 
 
 class GenerationServer:
@@ -61,6 +80,9 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         options=[
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
+            # NOTE: grpc sets SO_REUSEPORT by default, so a second server on a
+            # taken port started silently and the kernel split clients between two clusters.
+            ("grpc.so_reuseport", 0),
         ]
     )
     health_servicer = health.aio.HealthServicer()

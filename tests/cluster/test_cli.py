@@ -12,10 +12,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvserve.cluster.cli import main
+from kvserve.worker.tiny_model import create_tiny_model
 
 STARTUP_TIMEOUT_S = 180.0
 COMMAND_TIMEOUT_S = 60.0
@@ -28,9 +30,10 @@ def kvserve(*args: str) -> list[str]:
 class ServeProcess:
     """``kvserve serve`` in a child process, its output read line by line."""
 
-    def __init__(self, args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, args: list[str], env: dict[str, str], *, new_session: bool = False) -> None:
         self.proc = subprocess.Popen(
-            kvserve("serve", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+            kvserve("serve", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=new_session,
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
@@ -62,12 +65,22 @@ class ServeProcess:
         return "".join(self.lines)
 
 
+def serve_env(cache_dir: Path) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    env["KVSERVE_CACHE_DIR"] = str(cache_dir)
+    return env
+
+
+def session_processes(session_id: int) -> list[str]:
+    """The processes left in session ``session_id``: Ray's daemons stay in the session of whoever started them."""
+    listing = subprocess.run(["ps", "-e", "-o", "sid=,pid=,args="], capture_output=True, text=True, check=True)
+    return [line.strip() for line in listing.stdout.splitlines() if int(line.split()[0]) == session_id]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, int]]:
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     # A fresh cache: `serve` creates the default model itself.
-    env["KVSERVE_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvserve-cache"))
-    process = ServeProcess(["--port", "0", "--num-blocks", "64"], env)
+    process = ServeProcess(["--port", "0", "--num-blocks", "64"], serve_env(tmp_path_factory.mktemp("kvserve-cache")))
     try:
         port = int(process.wait_for(r"listening on 127\.0\.0\.1:(\d+)", STARTUP_TIMEOUT_S).group(1))
         yield process, port
@@ -108,6 +121,62 @@ def test_serve_help_names_the_worker_resource_of_cpu_nodes(capsys):
 def test_serve_rejects_a_bad_setting_before_starting_anything(capsys, args, message):
     assert main(["serve", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("cli-model"), "llama", seed=0)
+
+
+@pytest.mark.parametrize("host, message", [("127.0.0.1", "already in use"), ("no-such-host.invalid", "")])
+def test_serve_refuses_an_address_it_cannot_listen_on_before_starting_ray(capsys, model_dir, host, message):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(model_dir), "--host", host, "--port", str(port)]) == 1
+    captured = capsys.readouterr()
+    assert f"cannot listen on {host}:{port}" in captured.err
+    assert message in captured.err
+    assert "Ray" not in captured.out
+
+
+def wait_for_session_process(session_id: int, name: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(name in line for line in session_processes(session_id)):
+        assert time.monotonic() < deadline, f"no {name} process within {timeout_s} s"
+        time.sleep(0.05)
+
+
+# NOTE: "raylet" is the moment that mattered: a Ctrl-C inside ray.init then left
+# Ray's agents running after `serve` had exited.
+@pytest.mark.parametrize("when", ["raylet", "serving model"])
+def test_ctrl_c_during_start_up_stops_everything_it_started(tmp_path, model_dir, when):
+    process = ServeProcess(
+        ["--model", str(model_dir), "--port", "0", "--simulated", "--num-blocks", "64"],
+        serve_env(tmp_path),
+        new_session=True,
+    )
+    session_id = process.proc.pid
+    try:
+        if when == "raylet":
+            wait_for_session_process(session_id, "raylet", STARTUP_TIMEOUT_S)
+        else:
+            process.wait_for(when, STARTUP_TIMEOUT_S)
+        # As Ctrl-C in a terminal: SIGINT to the whole process group, Ray's daemons included.
+        os.killpg(session_id, signal.SIGINT)
+        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
+        output = process.output()
+        assert returncode == 0, output
+        assert "stopped" in output
+        assert "Traceback" not in output
+        deadline = time.monotonic() + 20.0
+        while (left := session_processes(session_id)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, "left running:\n" + "\n".join(left)
+    finally:
+        for line in session_processes(session_id):
+            os.kill(int(line.split()[1]), signal.SIGKILL)
 
 
 def test_generate_without_a_server_says_unavailable():

@@ -167,6 +167,16 @@ def test_health_reports_serving(served: Served):
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
+def test_a_second_server_on_the_same_port_is_refused(served: Served):
+    # Not split with the running one (grpc's default SO_REUSEPORT would allow it).
+    config = ServerConfig(port=served.server.server.port)
+    with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{config.port}"):
+        served.server._run(start_server(served.handle.scheduler, served.handle.model_info, config))
+    health = health_pb2_grpc.HealthStub(served.channel)
+    response = health.Check(health_pb2.HealthCheckRequest(service=GENERATION_SERVICE), timeout=RPC_TIMEOUT_S)
+    assert response.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_reflection_lists_the_services(served: Served):
     database = ProtoReflectionDescriptorDatabase(served.channel)
     services = set(database.get_services())
