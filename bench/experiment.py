@@ -60,7 +60,7 @@ from kvserve.bench.experiment_report import (
     write_request_rows,
     write_summary_csv,
 )
-from kvserve.bench.experiment_knee import find_knee_qps
+from kvserve.bench.experiment_knee import KneeNotFound, find_knee_qps
 from kvserve.bench.experiment_setup import (
     DEFAULT_BASELINE,
     DEFAULT_TIME_SCALE,
@@ -80,13 +80,14 @@ from kvserve.bench.experiment_setup import (
     fleet_for,
     live_model,
     load_cost_model,
+    parse_policies,
     parse_policy_args,
     parse_rates,
     prepare_output,
     qps_label,
     stream_spec,
 )
-from kvserve.bench.report import format_table
+from kvserve.bench.report import count, format_table
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.bench.workloads.cache_reference import infinite_cache_reference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
@@ -220,10 +221,7 @@ def _run(args: argparse.Namespace) -> int:
     check_live_options(args)
     check_options(args)
     stream = stream_spec(args)
-    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
-    unknown = [name for name in policies if name not in POLICIES]
-    if unknown or not policies:
-        raise ExperimentError(f"unknown policies {unknown}; choose from {sorted(POLICIES)}")
+    policies = parse_policies(args.policies)
     rates = parse_rates(args.qps, stream)
     knee = rates == ["knee"]
     args.baseline = choose_baseline(args.baseline, policies, knee)
@@ -269,12 +267,14 @@ def _run(args: argparse.Namespace) -> int:
             return dataclasses.replace(stream, num_requests=num_requests).at(qps)
 
         baseline_kwargs = policy_kwargs[args.baseline]
-        rates = [
-            find_knee_qps(
+        try:
+            knee_qps = find_knee_qps(
                 stream_at, stream.num_requests, fleet, lambda: make_policy(args.baseline, **baseline_kwargs),
                 args.knee_factor, report=_print_progress,
             )
-        ]
+        except KneeNotFound as exc:
+            raise ExperimentError(f"--qps knee: {exc}") from None
+        rates = [knee_qps]
     runs = [Run(qps, policy, policy_kwargs[policy]) for qps in rates for policy in policies]
     if model is not None:
         results = _run_live_all(runs, stream, fleet, model.model_dir, args)
@@ -312,7 +312,7 @@ def _run(args: argparse.Namespace) -> int:
     )
     mode = "live, simulated replicas" if args.live else "simulated"
     header = (
-        f"{stream.workload} ({mode}): {num_measured} requests, {fleet.num_replicas} replicas x "
+        f"{stream.workload} ({mode}): {count(num_measured, 'request')}, {count(fleet.num_replicas, 'replica')} x "
         f"{fleet.cache_config.num_usable_blocks} KV blocks of {fleet.cache_config.block_size} tokens; "
         f"infinite-cache hit rate {infinite}; baseline {baseline}"
     )
@@ -372,7 +372,7 @@ def _run_live_all(
     # NOTE: imported here: Ray and gRPC are not needed by simulated experiments.
     from kvserve.bench.experiment_live import live_cluster_config, ray_session, run_live
 
-    _print_progress(f"{len(runs)} live runs, {fleet.num_replicas} simulated replicas each")
+    _print_progress(f"{count(len(runs), 'live run')}, {count(fleet.num_replicas, 'simulated replica')} each")
     results = []
     with ray_session(args.address, num_worker_slots=fleet.num_replicas):
         for run in runs:
@@ -395,7 +395,7 @@ def _ignore_interrupts() -> None:
 def _simulate_all(
     runs: Sequence[Run], stream: StreamSpec, fleet: FleetConfig, jobs: int
 ) -> list[tuple[Run, SimulationResult]]:
-    _print_progress(f"{len(runs)} runs")
+    _print_progress(count(len(runs), "run"))
     if jobs == 1 or len(runs) == 1:
         return [(run, _run_one(run, stream, fleet)) for run in runs]
     # NOTE: fork, so that children need not re-import; each regenerates its

@@ -21,6 +21,10 @@ from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
 
 
+class KneeNotFound(ValueError):
+    """The baseline's TTFT p99 did not reach the factor at any rate tried."""
+
+
 def find_knee_qps(
     stream_at: Callable[[float, int], Sequence[WorkloadRequest]],
     num_requests: int,
@@ -37,6 +41,7 @@ def find_knee_qps(
 
     ``stream_at(qps, n)`` is the request stream at a rate with ``n`` measured
     requests.  Rates are rounded to 4 digits, so the one returned was measured.
+    ``KneeNotFound`` when no rate tried (at most ``max_runs``) reached ``factor``.
     """
     if not factor > 1:
         raise ValueError(f"factor must be > 1, got {factor}")
@@ -66,6 +71,15 @@ def find_knee_qps(
             high = middle
         else:
             low = middle
+    if max(ratios.values()) < factor:
+        highest = max(ratios, key=ratios.__getitem__)
+        # NOTE: a finite stream's TTFT stops growing once all of it arrives at
+        # once; the rate at which it would reach the factor does not exist.
+        raise KneeNotFound(
+            f"the baseline's TTFT p99 never reached {factor:g}x its unloaded value: at most "
+            f"{ratios[highest]:.2f}x (at {highest:g} qps) in {len(ratios)} runs; a longer stream "
+            "(--num-requests) or a lower --knee-factor reaches it"
+        )
     best = min(ratios, key=lambda qps: abs(math.log(ratios[qps] / factor)))
     report(f"knee: {best:g} qps (TTFT p99 {ratios[best]:.2f}x unloaded)")
     return best

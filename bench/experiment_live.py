@@ -42,9 +42,8 @@ import ray
 from kvserve.bench.experiment_report import progress_line
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
-from kvserve.cluster.launcher import ClusterHandle, init_local_ray, start_cluster
+from kvserve.cluster.launcher import ClusterHandle, init_local_ray, join_ray, start_cluster
 from kvserve.cluster.server import start_server
-from kvserve.cluster.worker_actor import RAY_NAMESPACE
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 from kvserve.scheduler.simulation.simulator import FleetConfig, RequestRecord
@@ -128,7 +127,7 @@ def ray_session(address: str | None, num_worker_slots: int) -> Iterator[None]:
         yield
         return
     if address is not None:
-        ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+        join_ray(address)
     else:
         init_local_ray(num_worker_slots)
     try:

@@ -12,8 +12,8 @@ A run is one policy at one rate over one request stream, simulated
   ``busy_imbalance``: the same for the time each spent running steps;
 * ``num_preemptions``.
 
-A live run does not see its replicas' steps: its busy imbalance is NaN and
-its preemptions ``None`` (shown as "-", and blank in ``requests.csv``).
+A live run does not see its replicas' steps: its busy imbalance and
+preemptions are ``None`` (shown as "-", and blank in the CSV files).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import IO, Protocol
 
 import numpy as np
 
+from kvserve.bench.report import count
 from kvserve.scheduler.simulation.simulator import RequestRecord
 
 
@@ -85,7 +86,7 @@ class RunSummary:
     e2e_p99: float
     throughput: float
     load_imbalance: float
-    busy_imbalance: float
+    busy_imbalance: float | None
     num_preemptions: int | None
     wall_seconds: float
 
@@ -113,7 +114,8 @@ def summarize(
     span = max(result.end_time - start, 1e-9)
     served = np.array(result.replica_num_requests, dtype=np.float64)
     busy = np.array(result.replica_busy_time, dtype=np.float64)
-    busy_imbalance = float(busy.max() / busy.mean()) if len(busy) and busy.mean() > 0 else float("nan")
+    sees_steps = _sees_steps(result)
+    busy_imbalance = float(busy.max() / busy.mean()) if sees_steps and busy.mean() > 0 else None
     return RunSummary(
         workload=workload,
         num_replicas=len(served),
@@ -130,7 +132,7 @@ def summarize(
         throughput=sum(r.num_output_tokens for r in records) / span,
         load_imbalance=float(served.max() / served.mean()),
         busy_imbalance=busy_imbalance,
-        num_preemptions=sum(r.num_preemptions for r in records) if _sees_steps(result) else None,
+        num_preemptions=sum(r.num_preemptions for r in records) if sees_steps else None,
         wall_seconds=result.wall_time,
     )
 
@@ -152,7 +154,7 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
             s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}", f"{s.hit_vs_infinite:.2f}",
             f"{s.ttft_p50:.3f}", f"{s.ttft_p99:.3f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
             f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}",
-            "-" if np.isnan(s.busy_imbalance) else f"{s.busy_imbalance:.2f}",
+            "-" if s.busy_imbalance is None else f"{s.busy_imbalance:.2f}",
             "-" if s.num_preemptions is None else s.num_preemptions, ratio,
         ])
     return rows
@@ -218,7 +220,7 @@ def plot_summaries(summaries: Sequence[RunSummary], out_dir: Path) -> list[Path]
     import matplotlib.pyplot as plt
 
     policies = list(dict.fromkeys(s.policy for s in summaries))
-    title = f"{summaries[0].workload}, {summaries[0].num_replicas} replicas"
+    title = f"{summaries[0].workload}, {count(summaries[0].num_replicas, 'replica')}"
     paths = []
     for metric, label, filename in PLOTS:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))

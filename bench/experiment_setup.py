@@ -16,9 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from kvserve.bench.experiment_report import atomic_open
+from kvserve.bench.report import count
 from kvserve.bench.workloads import WorkloadRequest, make_workload
 from kvserve.bench.workloads.cache_reference import CacheReference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
+from kvserve.cluster.ray_address import parse_gcs_address
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.simulation.cost_model import StepCostModel
@@ -124,18 +126,26 @@ def check_live_options(args: argparse.Namespace) -> None:
             args.time_scale = DEFAULT_TIME_SCALE
         elif not (args.time_scale > 0 and math.isfinite(args.time_scale)):
             raise ExperimentError(f"--time-scale must be a positive number, got {args.time_scale}")
+        if args.address is not None:
+            try:
+                parse_gcs_address(args.address)
+            except ValueError as exc:
+                raise ExperimentError(f"--address: {exc}") from None
         return
     given = [name for name, value in (("--address", args.address), ("--model", args.model),
                                       ("--time-scale", args.time_scale)) if value is not None]
     if given:
-        raise ExperimentError(f"{', '.join(given)} only apply to --live")
+        raise ExperimentError(f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} only for --live")
 
 
 def check_options(args: argparse.Namespace) -> None:
     """``ExperimentError`` for a numeric option out of range (before anything is generated)."""
     for option, value in (("--replicas", args.replicas), ("--num-requests", args.num_requests),
-                          ("--jobs", args.jobs), ("--block-size", args.block_size)):
-        if value < 1:
+                          ("--jobs", args.jobs), ("--block-size", args.block_size),
+                          ("--kv-blocks-per-replica", args.kv_blocks_per_replica),
+                          ("--max-num-batched-tokens", args.max_num_batched_tokens),
+                          ("--max-num-seqs", args.max_num_seqs)):
+        if value is not None and value < 1:
             raise ExperimentError(f"{option} must be >= 1, got {value}")
     if args.seed < 0:
         raise ExperimentError(f"--seed must be >= 0, got {args.seed}")
@@ -180,6 +190,20 @@ def parse_key_values(items: Sequence[str], what: str) -> list[tuple[str, Any]]:
             raise ExperimentError(f"{what} must be KEY=VALUE, got {item!r}")
         pairs.append((key.strip(), parse_value(value.strip())))
     return pairs
+
+
+def parse_policies(text: str) -> list[str]:
+    """``--policies``: known policy names, each once, at least one."""
+    policies = [name.strip() for name in text.split(",") if name.strip()]
+    if not policies:
+        raise ExperimentError(f"--policies names no policy; choose from {', '.join(POLICIES)}")
+    unknown = [name for name in policies if name not in POLICIES]
+    if unknown:
+        raise ExperimentError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+    repeated = sorted({name for name in policies if policies.count(name) > 1})
+    if repeated:
+        raise ExperimentError(f"--policies names {', '.join(repeated)} more than once")
+    return policies
 
 
 def parse_policy_args(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
@@ -352,11 +376,14 @@ def default_policy_kwargs(policy: str, seed: int, fleet: FleetConfig) -> dict[st
 def describe(stream: StreamSpec, num_requests: int, reference: CacheReference, fleet: FleetConfig) -> None:
     """Print the setup; ``num_requests`` is the measured requests of the stream."""
     cost = fleet.cost_model
+    params = f" {stream.params}" if stream.params else ""
+    # The reference stream the fleet was sized on: at 1 qps, a trace as recorded.
+    rate = "as recorded" if stream.workload == TRACE_WORKLOAD else "at 1 qps"
     lines = [
-        f"workload {stream.workload} {stream.params or ''}: {num_requests} requests, seed {stream.seed}",
-        f"prefix working set at 1 qps: {reference.num_reused_blocks} blocks reused "
+        f"workload {stream.workload}{params}: {count(num_requests, 'request')}, seed {stream.seed}",
+        f"prefix working set {rate}: {reference.num_reused_blocks} blocks reused "
         f"({reference.num_distinct_blocks} distinct; infinite-cache hit rate {reference.hit_rate:.3f})",
-        f"fleet: {fleet.num_replicas} replicas x {fleet.cache_config.num_usable_blocks} KV blocks "
+        f"fleet: {count(fleet.num_replicas, 'replica')} x {fleet.cache_config.num_usable_blocks} KV blocks "
         f"({fleet.cache_config.num_usable_blocks / max(reference.num_reused_blocks, 1):.2f} of the working set), "
         f"budget {fleet.scheduler_config.max_num_batched_tokens} tokens, max {fleet.scheduler_config.max_num_seqs} seqs",
         f"step cost: a={cost.a:.3g} s, b={cost.b:.3g} s/prefill token, c={cost.c:.3g} s/decode, "

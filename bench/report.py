@@ -14,6 +14,11 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
     return "\n".join(lines)
 
 
+def count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 run", "3 runs"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 10 else f"{value:.1f}"

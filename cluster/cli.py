@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cluster.host_port import split_host_port
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
@@ -27,6 +28,10 @@ _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # NOTE: kvserve.cluster.worker_actor.WORKER_CPU_RESOURCE, spelled out so that
 # `kvserve serve --help` need not import torch (a test keeps the two equal).
 _WORKER_CPU_RESOURCE = "kvserve_worker_slot"
+# How long `serve` lets the streams in flight finish once told to stop.
+_SHUTDOWN_GRACE_S = 5.0
+# gRPC's name resolvers: a target that starts with one is not HOST:PORT.
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,6 +248,15 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvserve serve: {line}", flush=True)
 
     try:
+        if args.address is not None:
+            from kvserve.cluster.ray_address import parse_gcs_address
+
+            try:
+                parse_gcs_address(args.address)
+            except ValueError as exc:
+                raise ValueError(f"--address: {exc}") from None
+        if args.max_messages_per_s < 0:
+            raise ValueError(f"--max-messages-per-s must be >= 0 (0: no budget), got {args.max_messages_per_s}")
         server_config = ServerConfig(
             host=args.host,
             port=args.port,
@@ -346,15 +360,12 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
 
 
 def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str], None]) -> None:
-    import ray
-
-    from kvserve.cluster.worker_actor import RAY_NAMESPACE
+    from kvserve.cluster.launcher import init_local_ray, join_ray
 
     if address is not None:
-        ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+        join_ray(address)
         progress(f"joined the Ray cluster at {address}")
         return
-    from kvserve.cluster.launcher import init_local_ray
 
     num_worker_slots = 0
     if config.simulation is not None:
@@ -385,9 +396,9 @@ async def _serve_until_signalled(
     progress(f"listening on {server_config.host}:{server.port} (Ctrl-C to stop)")
     try:
         await stop.wait()
-        progress("stopping: finishing the streams in flight")
+        progress(f"stopping: finishing the streams in flight (for at most {_SHUTDOWN_GRACE_S:g} s)")
     finally:
-        await server.stop(grace_s=5.0)
+        await server.stop(grace_s=_SHUTDOWN_GRACE_S)
 
 
 # -- generate --------------------------------------------------------------------
@@ -404,8 +415,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
     parser.add_argument(
-        "--target", default="127.0.0.1:50051", metavar="HOST:PORT",
-        help="server address (default: %(default)s)",
+        "--target", default="127.0.0.1:50051", type=_target, metavar="HOST:PORT",
+        help="server address, or any gRPC target such as unix:PATH (default: %(default)s)",
     )
     parser.add_argument(
         "--max-tokens", type=int, default=None, metavar="N",
@@ -437,6 +448,17 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="deadline of the call in seconds (default: %(default)s)",
     )
     parser.set_defaults(handler=run_generate)
+
+
+def _target(text: str) -> str:
+    """A gRPC target: ``HOST:PORT`` checked, one with a resolver's scheme passed on as is."""
+    if text.startswith(_GRPC_SCHEMES):
+        return text
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.interrupts import sigint_deferred
 from kvserve.cluster.messages import ModelInfo
+from kvserve.cluster.ray_address import check_gcs_reachable, is_loopback, parse_gcs_address
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME, SchedulerActor
 from kvserve.cluster.ray_loopback import keep_ray_on_loopback
@@ -131,6 +132,21 @@ def init_local_ray(num_worker_slots: int = 0, on_interrupt: Callable[[], None] |
     if interrupted():
         ray.shutdown()
         raise KeyboardInterrupt
+
+
+def join_ray(address: str) -> None:
+    """Connect to the running Ray cluster at ``address`` ('auto' or HOST:PORT), namespace ``kvserve``.
+
+    ``ConnectionError`` at once when nothing listens at HOST:PORT (``ray.init``
+    would retry for minutes), ``ValueError`` for a malformed address.
+    """
+    check_gcs_reachable(address)
+    gcs = parse_gcs_address(address)
+    if gcs is not None and is_loopback(gcs[0]):
+        # A cluster on this machine's loopback: Ray would otherwise connect to
+        # the host's routable address instead (see ray_loopback).
+        keep_ray_on_loopback()
+    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
 
 
 def resolve_model_config(config: ClusterConfig) -> ModelConfig:

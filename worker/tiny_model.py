@@ -136,7 +136,9 @@ def create_tiny_model(
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     path = Path(path)
-    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+    if path.exists() and not path.is_dir():
+        raise FileExistsError(f"{path} is a file, not a directory")
+    if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} already exists and is not an empty directory")
 
     tokenizer = Tokenizer.from_str(_trained_tokenizer_json())

@@ -35,14 +35,16 @@ def ray_cluster() -> Iterator[object]:
     from ray._raylet import AuthenticationMode, get_authentication_mode
     from ray.cluster_utils import Cluster
 
-    from kvserve.cluster.worker_actor import RAY_NAMESPACE, WORKER_CPU_RESOURCE
+    from kvserve.cluster.launcher import join_ray
+    from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
 
     node_args = dict(num_cpus=1, resources={WORKER_CPU_RESOURCE: WORKER_SLOTS_PER_NODE}, node_ip_address=LOOPBACK)
     cluster = Cluster(initialize_head=True, head_node_args={**node_args, "include_dashboard": False})
     try:
         for _ in range(NUM_NODES - 1):
             cluster.add_node(**node_args)
-        ray.init(address=cluster.address, namespace=RAY_NAMESPACE)
+        # As `kvserve serve --address HOST:PORT` joins a cluster.
+        join_ray(cluster.address)
         if get_authentication_mode() != AuthenticationMode.TOKEN:
             pytest.fail("the test cluster runs without token authentication")
         yield cluster

@@ -108,6 +108,8 @@ def test_serve_help_names_the_worker_resource_of_cpu_nodes(capsys):
     [
         (["--tp", "0"], "tensor_parallel_size"),
         (["--port", "70000"], "port"),
+        (["--max-messages-per-s", "-1"], "--max-messages-per-s must be >= 0 (0: no budget), got -1"),
+        (["--address", "head-node"], "expected 'auto' or HOST:PORT"),
         (["--model", "/nonexistent/model"], "config.json"),
         (["--time-scale", "2", "--model", "/nonexistent/model"], "need --simulated"),
         (["--simulated", "--model", "/nonexistent/model"], "num_blocks is required with simulation"),
@@ -187,6 +189,25 @@ def test_generate_without_a_server_says_unavailable():
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_refuses_a_port_out_of_range(capsys):
+    # 99999 wrapped around to port 34463 in grpc and reached whatever listened there.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--target", "127.0.0.1:99999", "hello"])
+    assert exit_info.value.code == 2
+    assert "expected HOST:PORT with a port in 1..65535, got '127.0.0.1:99999'" in capsys.readouterr().err
+
+
+def test_serve_says_at_once_when_no_ray_cluster_is_at_the_address(capsys, model_dir):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nobody listens here once the socket closes
+    start = time.monotonic()
+    # ray.init itself retried for over 3 minutes.
+    assert main(["serve", "--model", str(model_dir), "--port", "0", "--address", f"127.0.0.1:{port}"]) == 1
+    assert time.monotonic() - start < 30.0
+    assert f"no Ray cluster at 127.0.0.1:{port}: Connection refused" in capsys.readouterr().err
 
 
 def test_serve_shows_its_progress_while_starting(server):

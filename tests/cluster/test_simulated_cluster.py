@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -169,12 +171,30 @@ def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_
     assert 0.0 < float(sim_summary["hit_rate"]) < 1.0
     assert float(live_summary["hit_rate"]) == pytest.approx(float(sim_summary["hit_rate"]), rel=TOLERANCE)
     # A live run does not see its replicas' steps: no busy time nor preemptions, where the simulator has them.
-    assert live_summary["busy_imbalance"] == "nan"
+    assert live_summary["busy_imbalance"] == ""
     assert float(sim_summary["busy_imbalance"]) >= 1.0
     assert live_summary["num_preemptions"] == "" and sim_summary["num_preemptions"] == "0"
     assert {row["num_preemptions"] for row in rows} == {""}
     assert "|       - |" in (live_out / "summary.md").read_text()
     assert (live_out / "summary.md").read_text().startswith("multi_turn (live, simulated replicas)")
+
+
+def test_kvserve_experiment_live_says_at_once_when_no_ray_cluster_is_at_the_address(model_dir, tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nobody listens here once the socket closes
+    # In a process of its own: this one's driver may be connected to the test cluster.
+    command = [
+        sys.executable, "-m", "kvserve.bench.experiment", "--workload", "shared_prefix", "--replicas", "2",
+        "--num-requests", "8", "--kv-blocks-per-replica", "256", "--qps", "1", "--policies", "round_robin", "--live",
+        "--model", str(model_dir),
+        "--address", f"127.0.0.1:{port}", "--out", str(tmp_path / "out"), "--no-plots",
+    ]
+    # ray.init itself retried for over 3 minutes.
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1, result.stderr
+    assert f"no Ray cluster at 127.0.0.1:{port}: Connection refused" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def run_command(argv: list[str]) -> int:

@@ -275,6 +275,13 @@ def test_cli_reports_a_non_empty_directory(tmp_path: Path, capsys: pytest.Captur
     assert "not an empty directory" in capsys.readouterr().err
 
 
+def test_cli_reports_a_file_in_the_way(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "model").write_text("precious")
+    assert cli.main(["create-tiny-model", str(tmp_path / "model")]) == 2
+    assert f"{tmp_path / 'model'} is a file, not a directory" in capsys.readouterr().err
+    assert (tmp_path / "model").read_text() == "precious"
+
+
 def test_cli_runs_as_a_module(tmp_path: Path) -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     command = ["-m", "kvserve.cluster.cli", "create-tiny-model", str(tmp_path / "m"), "--family", "qwen3"]

@@ -1,0 +1,16 @@
+"""``HOST:PORT`` addresses given on the command line."""
+
+from __future__ import annotations
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[V6]:PORT`` for IPv6) as ``(host, port)``.
+
+    ``ValueError`` unless the host is not empty and the port is in 1..65535
+    (a larger one would wrap around to another port in the C libraries).
+    """
+    host, sep, port_text = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(f"expected HOST:PORT with a port in 1..65535, got {address!r}")
+    return host, int(port_text)
