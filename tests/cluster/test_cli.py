@@ -59,6 +59,17 @@ class ServeProcess:
                 return match
         pytest.fail(f"kvserve serve never printed {pattern!r}; it printed:\n{''.join(self.lines)}")
 
+    def printed_so_far(self) -> str:
+        while True:
+            try:
+                line = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.lines.append(line)
+        return "".join(self.lines)
+
     def output(self) -> str:
         while (line := self._queue.get(timeout=COMMAND_TIMEOUT_S)) is not None:
             self.lines.append(line)
@@ -73,7 +84,9 @@ def serve_env(cache_dir: Path) -> dict[str, str]:
 
 def session_processes(session_id: int) -> list[str]:
     """The processes left in session ``session_id``: Ray's daemons stay in the session of whoever started them."""
-    listing = subprocess.run(["ps", "-e", "-o", "sid=,pid=,args="], capture_output=True, text=True, check=True)
+    # NOTE: -ww, or ps cuts each line at 80 columns when not writing to a terminal,
+    # and a long install path hid "raylet" in CI.
+    listing = subprocess.run(["ps", "-ww", "-e", "-o", "sid=,pid=,args="], capture_output=True, text=True, check=True)
     return [line.strip() for line in listing.stdout.splitlines() if int(line.split()[0]) == session_id]
 
 
@@ -143,10 +156,12 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_starting_ray(capsys
     assert "Ray" not in captured.out
 
 
-def wait_for_session_process(session_id: int, name: str, timeout_s: float) -> None:
+def wait_for_session_process(process: ServeProcess, name: str, timeout_s: float) -> None:
+    """Until a process whose command line holds ``name`` runs in ``process``'s session."""
     deadline = time.monotonic() + timeout_s
-    while not any(name in line for line in session_processes(session_id)):
-        assert time.monotonic() < deadline, f"no {name} process within {timeout_s} s"
+    while not any(name in line for line in session_processes(process.proc.pid)):
+        if process.proc.poll() is not None or time.monotonic() > deadline:
+            pytest.fail(f"no {name} process in the session of kvserve serve, which printed:\n{process.printed_so_far()}")
         time.sleep(0.05)
 
 
@@ -162,7 +177,7 @@ def test_ctrl_c_during_start_up_stops_everything_it_started(tmp_path, model_dir,
     session_id = process.proc.pid
     try:
         if when == "raylet":
-            wait_for_session_process(session_id, "raylet", STARTUP_TIMEOUT_S)
+            wait_for_session_process(process, "raylet", STARTUP_TIMEOUT_S)
         else:
             process.wait_for(when, STARTUP_TIMEOUT_S)
         # As Ctrl-C in a terminal: SIGINT to the whole process group, Ray's daemons included.
