@@ -118,7 +118,7 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     """Register ``experiment`` on a ``kvserve`` subcommand parser."""
     parser = subparsers.add_parser(
         "experiment",
-        help="compare routing policies on one workload (simulated fleet)",
+        help="compare routing policies on one workload (simulated fleet, or --live on Ray)",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
