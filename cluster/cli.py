@@ -312,7 +312,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvserve serve: error: cannot start or join Ray: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # A local instance was stopped by init_local_ray (which said "interrupted").
+        # Ctrl-C while Ray started: init_local_ray stopped it (and said so), or a
+        # second Ctrl-C cut ray.init short and whatever it started is stopped here.
         ray.shutdown()
         progress("stopped")
         return 0

@@ -24,7 +24,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.interrupts import sigint_deferred
 from kvserve.cluster.messages import ModelInfo
-from kvserve.cluster.ray_address import check_gcs_reachable, is_loopback, parse_gcs_address
+from kvserve.cluster.ray_address import check_gcs_reachable, is_loopback
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME, SchedulerActor
 from kvserve.cluster.ray_loopback import keep_ray_on_loopback
@@ -140,8 +140,7 @@ def join_ray(address: str) -> None:
     ``ConnectionError`` at once when nothing listens at HOST:PORT (``ray.init``
     would retry for minutes), ``ValueError`` for a malformed address.
     """
-    check_gcs_reachable(address)
-    gcs = parse_gcs_address(address)
+    gcs = check_gcs_reachable(address)
     if gcs is not None and is_loopback(gcs[0]):
         # A cluster on this machine's loopback: Ray would otherwise connect to
         # the host's routable address instead (see ray_loopback).

@@ -41,18 +41,20 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def check_gcs_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
-    """``ConnectionError`` when nothing accepts connections at ``address``'s GCS port.
+def check_gcs_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[str, int] | None:
+    """``address`` parsed (see ``parse_gcs_address``), once something accepts connections at its GCS port.
 
-    ``ValueError`` for a malformed address; ``auto`` and Ray Client
-    addresses are not checked (``ray.init`` fails fast on those).
+    ``ConnectionError`` when nothing does, ``ValueError`` for a malformed
+    address; ``auto`` and Ray Client addresses are not checked (``ray.init``
+    fails fast on those).
     """
     parsed = parse_gcs_address(address)
     if parsed is None:
-        return
+        return None
     try:
         with socket.create_connection(parsed, timeout=timeout_s):
             pass
     except OSError as exc:  # socket.gaierror and timeouts included
         reason = "timed out" if isinstance(exc, TimeoutError) else exc.strerror or str(exc)
         raise ConnectionError(f"no Ray cluster at {address}: {reason}") from None
+    return parsed

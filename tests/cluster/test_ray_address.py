@@ -42,7 +42,9 @@ def test_a_listening_gcs_port_passes():
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
-        check_gcs_reachable(f"127.0.0.1:{listener.getsockname()[1]}")
+        port = listener.getsockname()[1]
+        assert check_gcs_reachable(f"127.0.0.1:{port}") == ("127.0.0.1", port)
+    assert check_gcs_reachable("auto") is None
 
 
 def test_nothing_listening_is_a_connection_error_at_once():
