@@ -351,6 +351,8 @@ class SchedulerActor:
                 continue
             replica, request = entry
             by_replica.setdefault(replica.replica_id, []).append(req_id)
+            # Blocks of its prompt it had not computed stop counting as on their way there.
+            self._router.withdraw(replica.replica_id, request)
             if deliver:
                 output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
                 output.finish(request, reason="abort")

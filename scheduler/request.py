@@ -88,6 +88,8 @@ class Request:
             raise ValueError(f"req_id must be a non-empty string, got {req_id!r}")
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt_token_ids must not be empty")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.req_id = req_id
         self.all_token_ids: list[int] = list(prompt_token_ids)

@@ -65,6 +65,7 @@ class CacheAwarePolicy:
             return least_loaded
         # The longest match; among equals, the least loaded, then the lowest id.
         best = min(matches, key=lambda r: (-matches[r], outstanding[r], r))
-        if request.cached_tokens(matches[best]) >= self.cache_threshold * request.num_prompt_tokens:
+        # NOTE: less a rounding error, so that exactly the threshold counts (0.07 * 100 is 7.000000000000001).
+        if request.cached_tokens(matches[best]) >= self.cache_threshold * request.num_prompt_tokens - 1e-9:
             return best
         return least_loaded

@@ -262,7 +262,7 @@ class CostTTFTPolicy:
         A match of less than ``min_match_fraction`` of the prompt counts as none.
         """
         uncached = np.full(len(table), float(request.num_prompt_tokens))
-        least = self.min_match_fraction * request.num_prompt_tokens
+        least = self.min_match_fraction * request.num_prompt_tokens - 1e-9  # exactly the fraction counts
         for replica_id, num_blocks in index.match(request.block_hashes, pending=self.matches_pending).items():
             cached = request.cached_tokens(num_blocks)
             if cached >= least:

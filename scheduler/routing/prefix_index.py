@@ -27,10 +27,11 @@ only its first chunks, and a second request for the document saw most of it
 uncached there.  The router can record the blocks of every request it sends
 (``add_pending``); each stays pending on that replica until its pool caches
 it (or the replica is cleared), and ``match(..., pending=True)`` counts
-pending blocks as held.  A request its replica refused is taken back
-(``drop_pending``); one aborted before it was scheduled leaves its blocks
-pending until the replica caches them: the next request matching them there
-computes them instead of finding them.
+pending blocks as held.  A request that leaves its replica without computing
+some of its blocks (refused there, or aborted before its prefill finished)
+takes them back (``drop_pending``).  The index counts the requests that
+brought each pending block, so that one request taken back leaves the
+block pending for another still on its way to compute it.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ class GlobalPrefixIndex:
         self._holders: dict[BlockHash, int] = {}
         # replica -> hash -> number of its cached blocks with that hash.
         self._copies: dict[int, dict[BlockHash, int]] = {}
-        # hash -> bit mask of the replicas it is pending on, and replica -> its pending hashes.
+        # hash -> bit mask of the replicas it is pending on, and replica -> its pending hashes,
+        # each with the number of routed requests that brought it there.
         self._pending: dict[BlockHash, int] = {}
-        self._pending_of: dict[int, set[BlockHash]] = {}
+        self._pending_of: dict[int, dict[BlockHash, int]] = {}
 
     # -- events ------------------------------------------------------------------
 
@@ -79,28 +81,47 @@ class GlobalPrefixIndex:
                 holders[block_hash] = holders.get(block_hash, 0) | bit
             else:
                 copies[block_hash] = count + 1
-        self.drop_pending(replica_id, block_hashes)
+        self._resolve_pending(replica_id, block_hashes)
 
     def add_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         """Replica ``replica_id`` was sent a request with these blocks: those it does not
-        cache are pending there until it does."""
+        cache are pending there until it does (or every request that brought them is taken back)."""
         copies = self._copies.get(replica_id, {})
-        mine = self._pending_of.setdefault(replica_id, set())
+        mine = self._pending_of.setdefault(replica_id, {})
         pending = self._pending
         bit = 1 << replica_id
-        for block_hash in block_hashes:
-            if block_hash not in copies and block_hash not in mine:
-                mine.add(block_hash)
+        # A prompt may repeat a block: it brings it once.
+        for block_hash in dict.fromkeys(block_hashes):
+            if block_hash in copies:
+                continue
+            count = mine.get(block_hash)
+            if count is None:
+                mine[block_hash] = 1
                 pending[block_hash] = pending.get(block_hash, 0) | bit
+            else:
+                mine[block_hash] = count + 1
 
     def drop_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
-        """These blocks are no longer pending on ``replica_id`` (it cached them, or the request
-        that brought them was refused), whichever requests brought them."""
+        """A request that brought these blocks to ``replica_id`` (``add_pending``) left it
+        without computing them: each stays pending only while another request brought it."""
+        mine = self._pending_of.get(replica_id)
+        if mine:
+            for block_hash in dict.fromkeys(block_hashes):
+                count = mine.get(block_hash)
+                if count is None:
+                    continue
+                if count > 1:
+                    mine[block_hash] = count - 1
+                else:
+                    del mine[block_hash]
+                    _drop_bit(self._pending, block_hash, replica_id)
+
+    def _resolve_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
+        """``replica_id`` cached these blocks: none of them is pending there any more."""
         mine = self._pending_of.get(replica_id)
         if mine:
             for block_hash in block_hashes:
-                if block_hash in mine:
-                    mine.remove(block_hash)
+                if mine.pop(block_hash, None) is not None:
                     _drop_bit(self._pending, block_hash, replica_id)
 
     def remove_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:

@@ -104,6 +104,11 @@ class Router:
         return replica_id
 
     def withdraw(self, replica_id: int, request: Request) -> None:
-        """``request``, routed to ``replica_id``, was refused there: its blocks are not on their way."""
+        """``request``, routed to ``replica_id``, leaves it (refused there, or aborted): the blocks
+        of its prompt it has not computed are not on their way.
+
+        Call it before the replica's scheduler aborts it (which forgets its progress).
+        """
         if self._tracks_pending:
-            self.index.drop_pending(replica_id, request.block_hashes)
+            computed = request.num_computed_tokens // self.hasher.block_size
+            self.index.drop_pending(replica_id, request.block_hashes[computed:])

@@ -283,6 +283,29 @@ def test_a_request_too_big_for_the_replica_is_refused_and_leaves_nothing_pending
     asyncio.run(scenario())
 
 
+def test_an_aborted_request_leaves_nothing_pending(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def scenario() -> tuple[list[int], list[int], RequestDelta]:
+        actor, _ = fake_actor(monkeypatch, "cost_ttft")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        index = actor._router.index
+        prompt = list(range(1, 3 * MAX_NUM_BATCHED_TOKENS + 1))  # three steps' work
+        # Nothing awaits in between: it is aborted before any step runs.
+        await actor.add_request(RequestSpec("cancelled", prompt, SamplingParams(max_tokens=2)))
+        sent = [index.num_pending(r) for r in range(2)]
+        await actor.abort_requests(["cancelled"])
+        left = [index.num_pending(r) for r in range(2)]
+        served = await run_to_the_end(actor, "next", prompt)
+        await actor.shutdown()
+        return sent, left, served
+
+    sent, left, served = asyncio.run(scenario())
+    assert sorted(sent) == [0, 3 * MAX_NUM_BATCHED_TOKENS // BLOCK_SIZE]
+    assert left == [0, 0]
+    # Nothing computed the prompt: the next request finds none of it.
+    assert (served.error, served.num_cached_tokens) == (None, 0)
+
+
 def test_a_queued_request_with_no_replica_left_ends_with_an_error_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 

@@ -347,6 +347,13 @@ def test_duplicate_request_id_is_rejected() -> None:
         add(scheduler, "a", [1])
 
 
+@pytest.mark.parametrize("salt", [0, 1, b"tenant", False])
+def test_a_cache_salt_that_is_not_a_string_is_rejected(salt: object) -> None:
+    # 0 and False would have hashed as no salt at all (another tenant's cache), 1 failed deep in hashing.
+    with pytest.raises(ValueError, match="cache_salt must be a string or None"):
+        Request("a", [1, 2, 3], cache_salt=salt)  # type: ignore[arg-type]
+
+
 def test_prompt_longer_than_max_model_len_is_rejected() -> None:
     scheduler = make_scheduler(max_model_len=8)
     with pytest.raises(ValueError, match="max_model_len"):

@@ -187,6 +187,9 @@ def test_cache_aware_follows_a_match_of_exactly_the_cache_threshold() -> None:
 
     assert CacheAwarePolicy(cache_threshold=0.3).select(req, loads, index_with({2: 3}, req)) == 2  # 48 / 160
     assert CacheAwarePolicy(cache_threshold=0.3).select(req, loads, index_with({2: 2}, req)) == 1  # 32 / 160
+    # 0.07 x 1600 is 112.00000000000001 in floating point: exactly 7% still counts.
+    long = request(prompt_len=1600)
+    assert CacheAwarePolicy(cache_threshold=0.07).select(long, loads, index_with({2: 7}, long)) == 2  # 112 / 1600
 
 
 def test_cache_aware_counts_only_the_tokens_a_match_saves() -> None:

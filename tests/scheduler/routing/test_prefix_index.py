@@ -203,6 +203,8 @@ PENDING_OPERATIONS = st.lists(
     st.one_of(
         # a request with these blocks was sent to the replica
         st.tuples(st.just("send"), st.integers(0, NUM_REPLICAS - 1), st.lists(st.sampled_from(HASHES), min_size=1, max_size=4)),
+        # one of the requests sent there (the i-th, mod their number) left it without computing its blocks
+        st.tuples(st.just("withdraw"), st.integers(0, NUM_REPLICAS - 1), st.integers(0, 100)),
         st.tuples(st.just("store"), st.integers(0, NUM_REPLICAS - 1), st.lists(st.sampled_from(HASHES), min_size=1, max_size=4)),
         st.tuples(st.just("free"), st.integers(0, NUM_REPLICAS - 1), st.integers(0, 100)),
         st.tuples(st.just("allocate"), st.integers(0, NUM_REPLICAS - 1), st.integers(1, 4)),
@@ -222,30 +224,37 @@ def test_pending_blocks_stay_until_their_replica_caches_them_or_is_cleared(
     operations: list[tuple], queries: list[list[BlockHash]]
 ) -> None:
     """Against a model: a block sent to a replica that does not cache it is pending there until
-    the replica caches it (evicting it later does not bring it back) or resets its cache."""
+    the replica caches it (evicting it later does not bring it back), resets its cache, or
+    every request that brought it has been taken back."""
     index = GlobalPrefixIndex()
     pools = [BlockPool(8, observer=index.observer_for(r)) for r in range(NUM_REPLICAS)]
     held: list[list[list[KVCacheBlock]]] = [[] for _ in range(NUM_REPLICAS)]
-    pending: list[set[BlockHash]] = [set() for _ in range(NUM_REPLICAS)]
+    # Per replica: the requests sent there, each as the blocks it brought that are still pending.
+    sent: list[list[set[BlockHash]]] = [[] for _ in range(NUM_REPLICAS)]
     for kind, replica_id, arg in operations:
         pool = pools[replica_id]
-        mine = pending[replica_id]
+        requests = sent[replica_id]
         if kind == "send":
             index.add_pending(replica_id, arg)
-            mine.update(h for h in arg if pool.get_cached_block(h) is None)
+            requests.append({h for h in arg if pool.get_cached_block(h) is None})
+        elif kind == "withdraw" and requests:
+            brought = requests.pop(arg % len(requests))
+            index.drop_pending(replica_id, list(brought))
         elif kind == "store" and pool.get_num_free_blocks() >= len(arg):
             blocks = pool.get_new_blocks(len(arg))
             pool.cache_full_blocks(blocks, arg, 0, len(arg))
             held[replica_id].append(blocks)
-            mine.difference_update(arg)
+            for brought in requests:
+                brought.difference_update(arg)
         elif kind == "allocate" and pool.get_num_free_blocks() >= arg:
             held[replica_id].append(pool.get_new_blocks(arg))
         elif kind == "free" and held[replica_id]:
             pool.free_blocks(reversed(held[replica_id].pop(arg % len(held[replica_id]))))
         elif kind == "reset" and pool.reset_prefix_cache():
-            mine.clear()
-        for r in range(NUM_REPLICAS):
-            assert index.num_pending(r) == len(pending[r])
+            requests.clear()
+    pending = [set().union(*requests) for requests in sent]
+    for r in range(NUM_REPLICAS):
+        assert index.num_pending(r) == len(pending[r])
     for query in queries:
         expected = {}
         for r, pool in enumerate(pools):
@@ -266,7 +275,7 @@ def test_a_block_pending_on_one_replica_and_cached_on_another_matches_both() -> 
     assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
     assert index.match([h0, h1, h2]) == {0: 1, 1: 2}
     assert index.num_pending(0) == 2
-    index.add_pending(0, [h0, h1, h2, h0])  # nothing new
+    index.add_pending(0, [h0, h1, h2, h0])  # a second request with them: no new block
     assert index.num_pending(0) == 2
 
     index.add_blocks(0, [h1])
@@ -274,8 +283,12 @@ def test_a_block_pending_on_one_replica_and_cached_on_another_matches_both() -> 
     index.drop_pending(0, [h0, h1])  # neither is pending: nothing changes
     assert index.num_pending(0) == 1
     assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
-    index.drop_pending(0, [h2])
+    index.drop_pending(0, [h2, h2])  # one of the two requests that brought h2 is taken back
+    assert index.num_pending(0) == 1
+    assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
+    index.drop_pending(0, [h2])  # and the other
     assert index.num_pending(0) == 0
+    assert index.match([h0, h1, h2], pending=True) == {0: 2, 1: 2}
     index.add_pending(0, [h0, h1, h2])
     index.clear_replica(0)
     assert index.num_pending(0) == 0

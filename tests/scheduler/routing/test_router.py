@@ -112,3 +112,33 @@ def test_a_routed_prompt_is_pending_on_its_replica_until_its_pool_caches_it(poli
     schedulers[replica_id].schedule()  # the pool caches the prompt's blocks as it schedules them
     assert router.index.num_pending(replica_id) == 0
     assert router.index.match(hashes, pending=True) == router.index.match(hashes) == {replica_id: 10}
+
+
+def test_a_request_aborted_mid_prefill_takes_back_the_blocks_it_had_not_computed() -> None:
+    router = Router(1, make_policy("cost_ttft"), BLOCK_SIZE, model_id="m")
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=2 * BLOCK_SIZE, max_model_len=256),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=64, model_id="m"),
+        observer=router.observer_for(0),
+    )
+    document = list(range(1, 10 * BLOCK_SIZE + 1))
+    first = Request("a", [*document, 99], SamplingParams(max_tokens=2))
+    second = Request("b", [*document, 98], SamplingParams(max_tokens=2))
+    for request in (first, second):
+        router.route(request)
+        scheduler.add_request(request)
+    plan = scheduler.schedule()  # two blocks of the document: the step's whole budget
+    scheduler.update(plan, [0] * sum(plan.sample))
+    hashes = router.hasher.hash_token_ids([*document, 5])
+    assert router.index.match(hashes) == {0: 2}
+    assert router.index.match(hashes, pending=True) == {0: 10}
+
+    router.withdraw(0, first)
+    scheduler.abort_requests(["a"])
+    # The second request still brings the other eight blocks.
+    assert router.index.match(hashes, pending=True) == {0: 10}
+
+    router.withdraw(0, second)
+    scheduler.abort_requests(["b"])
+    assert router.index.num_pending(0) == 0
+    assert router.index.match(hashes, pending=True) == router.index.match(hashes) == {0: 2}
