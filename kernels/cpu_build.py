@@ -15,12 +15,11 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 from types import ModuleType
 
-from kvserve.kernels.extension_build import CACHE_DIR_ENV, build_root, needs_compiling, warn_if_stale_lock
+from kvserve.kernels.extension_build import CACHE_DIR_ENV, build_root, load_extension
 
 logger = logging.getLogger(__name__)
 
@@ -88,23 +87,13 @@ def check_toolchain() -> None:
 
 def _build_and_load() -> ModuleType:
     check_toolchain()
-    from torch.utils import cpp_extension
-
-    directory = build_directory()
-    directory.mkdir(parents=True, exist_ok=True)
-    warn_if_stale_lock(directory / "lock")
-    if needs_compiling(directory, EXTENSION_NAME, SOURCES + HEADERS):
-        logger.info("building the C++ CPU attention kernels in %s (once per build directory; 10-30 s)", directory)
-    try:
-        return cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=list(EXTRA_CFLAGS),
-            extra_ldflags=list(EXTRA_LDFLAGS),
-            build_directory=str(directory),
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
-        raise CpuExtensionBuildError(
-            f"building the C++ CPU attention kernels in {directory} failed: {exc}"
-        ) from exc
+    return load_extension(
+        build_directory(),
+        EXTENSION_NAME,
+        SOURCES + HEADERS,
+        "the C++ CPU attention kernels (10-30 s)",
+        CpuExtensionBuildError,
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=list(EXTRA_CFLAGS),
+        extra_ldflags=list(EXTRA_LDFLAGS),
+    )

@@ -68,7 +68,7 @@ class CudaAttentionBackend:
             reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
             return
         self._extension.write_kv_cache(
-            _vector_ready(key), _vector_ready(value), key_cache, value_cache, slot_mapping
+            _vector_ready(key), _vector_ready(value), key_cache, value_cache, _index_tensor(slot_mapping, torch.int64)
         )
 
     def paged_attention(
@@ -94,9 +94,9 @@ class CudaAttentionBackend:
             _vector_ready(query),
             key_cache,
             value_cache,
-            metadata.block_tables,
-            metadata.seq_lens,
-            metadata.query_start_loc,
+            _index_tensor(metadata.block_tables, torch.int32),
+            _index_tensor(metadata.seq_lens, torch.int32),
+            _index_tensor(metadata.query_start_loc, torch.int32),
             float(scale),
             plan.split_tokens,
             plan.num_decode_splits,
@@ -158,6 +158,17 @@ def _kernel_can_write(
         and value_cache.is_contiguous()
         and key_cache.shape[-1] * key_cache.element_size() % 16 == 0
     )
+
+
+def _index_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` as the kernels read it: ``dtype``, contiguous (``build_attention_metadata``'s already are).
+
+    The torch reference takes any integer tensor, so a hand-built batch with int64 block
+    tables works there; here it is converted rather than refused.
+    """
+    if tensor.dtype == dtype and tensor.is_contiguous():
+        return tensor
+    return tensor.to(dtype).contiguous()
 
 
 def _vector_ready(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,9 @@ compiler).  The extension is compiled once per build directory with
 later processes reuse it, and a second load in the same process returns the module
 already imported.
 
-Architectures: ``TORCH_CUDA_ARCH_LIST`` when set (torch reads it, e.g. ``"8.0;9.0"``),
-else the current device's compute capability (``sm_90`` on an H100).  The build
+Architectures: ``TORCH_CUDA_ARCH_LIST`` when set (torch reads it, e.g. ``"8.0;9.0"``; a
+list without code the current GPU runs is refused before building), else the current
+device's compute capability (``sm_90`` on an H100).  The build
 directory is ``<root>/<python>_torch<version>/kvserve_paged_attention_cuda_<arch tag>``
 (see :mod:`kvserve.kernels.extension_build` for ``<root>``, and for why concurrent builds
 from the worker processes of one node are safe): machines with different GPUs that share
@@ -21,14 +22,13 @@ import logging
 import os
 import re
 import shutil
-import subprocess
 import threading
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from kvserve.kernels.extension_build import build_root, needs_compiling, warn_if_stale_lock
+from kvserve.kernels.extension_build import build_root, load_extension
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +100,43 @@ def cuda_arch_flags() -> tuple[list[str], str]:
 
     With ``TORCH_CUDA_ARCH_LIST`` set (and not ``native``) the flags are empty: torch
     reads the variable itself.  Otherwise the build targets the current device only.
+    A list that has no code the current device runs raises :class:`CudaExtensionBuildError`.
+    NOTE: such a build succeeds and loads, and then every launch fails ("no kernel image
+    is available") in the middle of a forward pass.
     """
     arch_list = os.environ.get(ARCH_LIST_ENV, "").strip()
-    if arch_list and arch_list != "native":
-        return [], "arch_" + re.sub(r"[^0-9A-Za-z]+", "_", arch_list).strip("_").lower()
     major, minor = torch.cuda.get_device_capability()
+    if arch_list and arch_list != "native":
+        if not arch_list_runs_on(arch_list, major, minor):
+            raise CudaExtensionBuildError(
+                f"{ARCH_LIST_ENV}={arch_list!r} has no code this GPU runs (compute capability {major}.{minor}): "
+                f"add {major}.{minor} to it, or unset it to build for this GPU"
+            )
+        return [], "arch_" + re.sub(r"[^0-9A-Za-z]+", "_", arch_list).strip("_").lower()
     return [f"-gencode=arch=compute_{major}{minor},code=sm_{major}{minor}"], f"sm{major}{minor}"
+
+
+def arch_list_runs_on(arch_list: str, major: int, minor: int) -> bool:
+    """Whether a device of compute capability ``major.minor`` runs code built for ``arch_list``.
+
+    Binary code for ``M.m`` runs on devices ``M.m'`` with ``m' >= m`` (``M.ma``, the
+    architecture-specific variant, on ``M.m`` only); ``+PTX`` code for ``M.m`` on any
+    device at or above it (compiled by the driver).  Entries other than numbers (torch
+    also takes names such as ``Hopper``) are left for torch to judge: true.
+    """
+    for entry in re.split(r"[;\s,]+", arch_list):
+        if not entry:
+            continue
+        parsed = re.fullmatch(r"(?:sm_)?(\d+)\.?(\d)(a?)(\+PTX)?", entry, flags=re.IGNORECASE)
+        if parsed is None:
+            return True
+        entry_major, entry_minor = int(parsed.group(1)), int(parsed.group(2))
+        specific, ptx = bool(parsed.group(3)), parsed.group(4) is not None
+        if ptx and (entry_major, entry_minor) <= (major, minor):
+            return True
+        if entry_major == major and (entry_minor == minor or (not specific and entry_minor < minor)):
+            return True
+    return False
 
 
 def build_directory(arch_tag: str) -> Path:
@@ -115,24 +146,15 @@ def build_directory(arch_tag: str) -> Path:
 
 def _build_and_load(arch_flags: list[str], arch_tag: str) -> ModuleType:
     check_toolchain()
-    from torch.utils import cpp_extension
-
-    name = f"{EXTENSION_NAME}_{arch_tag}"
-    directory = build_directory(arch_tag)
-    directory.mkdir(parents=True, exist_ok=True)
-    warn_if_stale_lock(directory / "lock")
-    if needs_compiling(directory, name, SOURCES + HEADERS):
-        logger.info("building the CUDA attention kernels for %s in %s (once per build directory)", arch_tag, directory)
-    try:
-        return cpp_extension.load(
-            name=name,
-            sources=[str(source) for source in SOURCES],
-            extra_cflags=list(EXTRA_CFLAGS),
-            extra_cuda_cflags=list(EXTRA_CUDA_CFLAGS) + arch_flags,
-            extra_include_paths=[str(CSRC_DIR)],
-            build_directory=str(directory),
-            with_cuda=True,
-            verbose=False,
-        )
-    except (RuntimeError, OSError, ImportError, ValueError, subprocess.CalledProcessError) as exc:
-        raise CudaExtensionBuildError(f"building the CUDA attention kernels in {directory} failed: {exc}") from exc
+    return load_extension(
+        build_directory(arch_tag),
+        f"{EXTENSION_NAME}_{arch_tag}",
+        SOURCES + HEADERS,
+        f"the CUDA attention kernels for {arch_tag}",
+        CudaExtensionBuildError,
+        sources=[str(source) for source in SOURCES],
+        extra_cflags=list(EXTRA_CFLAGS),
+        extra_cuda_cflags=list(EXTRA_CUDA_CFLAGS) + arch_flags,
+        extra_include_paths=[str(CSRC_DIR)],
+        with_cuda=True,
+    )

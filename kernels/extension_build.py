@@ -1,35 +1,38 @@
 """What the just-in-time builds of the C++ and CUDA kernels share: where they build, and
-the stale-lock warning.
+how one build at a time runs in a build directory.
 
 Build directories live under ``<root>/<python>_torch<version>/`` with ``<root>`` =
 ``$KVSERVE_CACHE_DIR/torch_extensions`` when that variable is set, else torch's default
 root (``$TORCH_EXTENSIONS_DIR``, or ``~/.cache/torch_extensions``).
 
-NOTE: concurrent builds are safe.  ``torch.utils.cpp_extension._jit_compile`` takes a
-``FileBaton`` on ``<build dir>/lock`` (created with ``O_CREAT | O_EXCL``) before it runs
-ninja; every other process waits until the lock file is gone and then imports the
-finished library.  A process killed mid-build leaves that lock file behind, and later
-loads wait on it forever: :func:`warn_if_stale_lock` logs a warning when it finds a lock
-file older than ``STALE_LOCK_SECONDS``; delete the file by hand.
+NOTE: concurrent builds are safe.  :func:`load_extension` holds an ``flock`` on
+``<build dir>/kvserve.flock`` while it runs ``torch.utils.cpp_extension.load``: the
+worker processes of one node build one at a time, and the later ones only import the
+finished library.  The kernel releases an ``flock`` when its holder dies, so a process
+killed mid-build cannot block the others.  torch takes its own lock inside (a ``lock``
+file created with ``O_CREAT | O_EXCL``, which it waits on forever); a killed build
+leaves that file behind, and the next holder of the ``flock`` removes it: only a
+kvserve load under the ``flock`` could have made it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
+import subprocess
 import sys
-import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "KVSERVE_CACHE_DIR"
-# The slowest build (CUDA, several architectures) takes a few minutes; a lock file much
-# older than that is stale.
-STALE_LOCK_SECONDS = 600
 
 
 def build_root() -> Path:
@@ -56,16 +59,50 @@ def needs_compiling(directory: Path, extension_name: str, sources: Sequence[Path
     return any(source.stat().st_mtime > built_at for source in sources)
 
 
-def warn_if_stale_lock(lock_file: Path) -> None:
-    """Log a warning when ``lock_file`` is older than ``STALE_LOCK_SECONDS``."""
+def load_extension(
+    directory: Path,
+    name: str,
+    watched: Sequence[Path],
+    what: str,
+    error: type[Exception],
+    **load_args: Any,
+) -> ModuleType:
+    """``torch.utils.cpp_extension.load`` of extension ``name`` in ``directory``, one process at a time.
+
+    ``watched``: its sources and headers (a change to one rebuilds it; logged first, as a
+    build takes a while).  Any failure, from creating the directory to importing the
+    library, is raised as ``error`` naming ``what`` and the directory.
+    """
+    from torch.utils import cpp_extension
+
     try:
-        age = time.time() - lock_file.stat().st_mtime
-    except FileNotFoundError:
-        return
-    if age > STALE_LOCK_SECONDS:
-        logger.warning(
-            "%s is %.0f s old: a build was probably killed, and this load will wait for it forever; "
-            "delete the file if no build is running",
-            lock_file,
-            age,
-        )
+        with exclusive_build(directory):
+            if needs_compiling(directory, name, watched):
+                logger.info("building %s in %s (once per build directory)", what, directory)
+            return cpp_extension.load(name=name, build_directory=str(directory), verbose=False, **load_args)
+    except (RuntimeError, OSError, ImportError, ValueError, subprocess.CalledProcessError) as exc:
+        raise error(f"building {what} in {directory} failed: {exc}") from exc
+
+
+@contextlib.contextmanager
+def exclusive_build(directory: Path) -> Iterator[None]:
+    """Hold ``directory``'s build lock (see the module docstring), creating the directory first.
+
+    Waits, saying so once, while another process holds it.  A torch ``lock`` file found
+    under the lock is a killed build's: it is removed, with a warning.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "kvserve.flock", "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.info("waiting for another process's build in %s", directory)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            leftover = directory / "lock"
+            if leftover.exists():
+                logger.warning("removing %s, left by a build that was killed", leftover)
+                leftover.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)

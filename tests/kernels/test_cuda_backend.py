@@ -11,6 +11,7 @@ rounding: 2^-11 and 2^-8 relative per element); element-wise as in the CPU tests
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -180,6 +181,65 @@ def test_many_kv_heads_and_a_large_decode_batch_match_reference(backend) -> None
     contexts = torch.randint(0, 5000, (96,), generator=torch.Generator().manual_seed(3)).tolist()
     batch = make_batch([(cached, 1) for cached in contexts], num_kv_heads=8, group=4, dtype=torch.bfloat16, seed=23)
     assert_matches_reference(attend(backend, batch), batch)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_contexts_of_16k_and_32k_tokens_match_reference(backend, block_size: int) -> None:
+    # Hundreds of context splits per row: decodes ending mid-block and on a boundary, and chunks over them.
+    requests = [(16383, 1), (32767, 1), (16384, 1), (16000, 16), (30000, 64), (7, 1)]
+    batch = make_batch(requests, block_size=block_size, num_kv_heads=2, group=8, dtype=torch.bfloat16, seed=43)
+    assert_matches_reference(attend(backend, batch), batch)
+
+
+def test_a_decode_batch_of_256_in_the_benchmarks_shape_matches_reference(backend) -> None:
+    contexts = torch.randint(0, 4096, (256,), generator=torch.Generator().manual_seed(47)).tolist()
+    batch = make_batch([(cached, 1) for cached in contexts], num_kv_heads=8, group=4, dtype=torch.bfloat16, seed=47)
+    assert_matches_reference(attend(backend, batch), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_prefill_with_32_token_blocks_and_gqa_8_at_head_dim_128_matches_reference(backend, dtype) -> None:
+    batch = make_batch(PREFILL_ONLY + [(0, 300)], block_size=32, group=8, head_dim=128, dtype=dtype, seed=53)
+    assert_matches_reference(attend(backend, batch), batch)
+
+
+def test_int64_metadata_built_by_hand_gives_the_int32_result(backend) -> None:
+    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=4, dtype=torch.bfloat16, seed=59)
+    meta = batch.metadata
+    wide = dataclasses.replace(
+        meta,
+        block_tables=meta.block_tables.long(),
+        seq_lens=meta.seq_lens.long(),
+        query_start_loc=meta.query_start_loc.long(),
+    )
+    output = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, wide, batch.scale)
+    assert torch.equal(output, attend(backend, batch))
+
+
+def test_blocks_past_two_to_the_31_cache_elements_are_read_and_written(backend) -> None:
+    # 8 KV heads x head_dim 128 x 16-token blocks: 2^14 elements a block, so block 2^17 starts at 2^31.
+    batch = make_batch(MIXED_BATCH, num_kv_heads=8, group=4, dtype=torch.bfloat16, seed=61, write_new_tokens=False)
+    num_small = batch.key_cache.shape[0]
+    offset = 2**17
+    big_shape = (offset + num_small, *batch.key_cache.shape[1:])
+    assert batch.key_cache[0].numel() * offset == 2**31
+    big_keys = torch.full(big_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    big_values = torch.full(big_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    big_keys[offset:] = batch.key_cache
+    big_values[offset:] = batch.value_cache
+    meta = batch.metadata
+    moved = dataclasses.replace(
+        meta,
+        block_tables=(meta.block_tables + offset).to(torch.int32),
+        slot_mapping=meta.slot_mapping + offset * batch.key_cache.shape[1],
+    )
+
+    backend.write_kv_cache(batch.new_keys, batch.new_values, big_keys, big_values, moved.slot_mapping)
+    backend.write_kv_cache(batch.new_keys, batch.new_values, batch.key_cache, batch.value_cache, meta.slot_mapping)
+    assert torch.equal(big_keys[offset:].view(torch.uint8), batch.key_cache.view(torch.uint8))
+    assert torch.equal(big_values[offset:].view(torch.uint8), batch.value_cache.view(torch.uint8))
+    output = backend.paged_attention(batch.query, big_keys, big_values, moved, batch.scale)
+    assert_matches_reference(output, batch)
 
 
 def test_results_are_bitwise_repeatable(backend) -> None:

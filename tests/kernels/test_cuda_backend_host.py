@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvserve.kernels.cuda_backend import _vector_ready
+from kvserve.kernels.cuda_backend import _index_tensor, _vector_ready
 
 
 def strides_vectorizable(tensor: torch.Tensor) -> bool:
@@ -38,3 +38,14 @@ def test_a_misaligned_start_is_copied() -> None:
     ready = _vector_ready(view)
 
     assert strides_vectorizable(ready) and torch.equal(ready, view)
+
+
+def test_index_tensors_of_another_width_or_layout_are_converted_and_the_right_ones_passed_as_they_are() -> None:
+    table = torch.arange(12, dtype=torch.int32).view(3, 4)
+    assert _index_tensor(table, torch.int32) is table
+
+    wide = _index_tensor(table.long(), torch.int32)
+    strided = _index_tensor(table.t(), torch.int32)
+
+    assert wide.dtype == torch.int32 and torch.equal(wide, table)
+    assert strided.is_contiguous() and torch.equal(strided, table.t())

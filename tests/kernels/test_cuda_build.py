@@ -15,7 +15,37 @@ from kvserve.kernels.cuda_build import CudaExtensionBuildError
 
 def test_arch_list_from_the_environment_is_left_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(cuda_build.ARCH_LIST_ENV, "8.0;9.0+PTX")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert cuda_build.cuda_arch_flags() == ([], "arch_8_0_9_0_ptx")
+
+
+def test_an_arch_list_without_code_for_the_gpu_is_a_build_error_not_a_failed_launch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setenv(cuda_build.ARCH_LIST_ENV, "8.0;8.6")
+    with pytest.raises(CudaExtensionBuildError, match=r"TORCH_CUDA_ARCH_LIST='8.0;8.6' has no code this GPU runs .*9\.0"):
+        cuda_build.cuda_arch_flags()
+
+
+@pytest.mark.parametrize(
+    "arch_list, capability, runs",
+    [
+        ("9.0", (9, 0), True),
+        ("8.0", (8, 6), True),  # binary code runs on later minor versions of its major
+        ("8.6", (8, 0), False),
+        ("8.0", (9, 0), False),
+        ("8.0+PTX", (9, 0), True),  # PTX is compiled by the driver for any later GPU
+        ("9.0+PTX", (8, 0), False),
+        ("9.0a", (9, 0), True),
+        ("9.0a", (9, 1), False),  # architecture-specific code runs on that GPU only
+        ("7.5 8.0;9.0", (9, 0), True),
+        ("sm_90", (9, 0), True),
+        ("Hopper", (9, 0), True),  # a name: torch's to judge
+    ],
+)
+def test_which_arch_lists_run_on_which_gpus(arch_list: str, capability: tuple[int, int], runs: bool) -> None:
+    assert cuda_build.arch_list_runs_on(arch_list, *capability) is runs
 
 
 def test_without_an_arch_list_the_build_targets_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
