@@ -21,7 +21,8 @@ figures cover the measured requests, ``--num-requests`` of them (by
 default 250 per replica: with fewer, a big fleet's figures are its cold
 starts and sampling noise; see ``default_num_requests``).
 
-Writes to ``--out``: ``config.json`` (the settings) at the start; once
+Writes to ``--out``: ``config.json`` (the settings; with ``--qps knee``, the
+rate found is added to it) at the start; once
 every run has finished, ``requests.csv`` (one row per request and run),
 ``summary.csv``, ``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``, then
 ``summary.md`` (the table printed at the end, with the infinite-cache hit
@@ -38,6 +39,7 @@ import csv
 import dataclasses
 import math
 import multiprocessing
+import os
 import signal
 import sys
 import time
@@ -63,6 +65,7 @@ from kvserve.bench.experiment_report import (
 from kvserve.bench.experiment_knee import KneeNotFound, find_knee_qps
 from kvserve.bench.experiment_setup import (
     DEFAULT_BASELINE,
+    DEFAULT_KNEE_FACTOR,
     DEFAULT_TIME_SCALE,
     DEFAULT_KV_FRACTION,
     DEFAULT_NUM_REQUESTS_RANGE,
@@ -84,6 +87,7 @@ from kvserve.bench.experiment_setup import (
     parse_policy_args,
     parse_rates,
     prepare_output,
+    record_in_config,
     qps_label,
     stream_spec,
 )
@@ -99,7 +103,8 @@ if TYPE_CHECKING:
     from kvserve.bench.experiment_live import LiveResult
 
 # What a run writes besides config.json; an earlier run's are removed at the start.
-RESULT_FILES = ("requests.csv", "summary.csv", "summary.md", *(filename for _, _, filename in PLOTS))
+# summary.md first: a folder without it holds no finished run, even if removing a later one fails.
+RESULT_FILES = ("summary.md", "requests.csv", "summary.csv", *(filename for _, _, filename in PLOTS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,11 +148,14 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         help="comma-separated request rates, or 'knee' (the baseline's TTFT p99 at --knee-factor x unloaded); "
         "the mooncake workload also takes 'trace' (its own timing)",
     )
-    parser.add_argument("--knee-factor", type=float, default=5.0, help="TTFT p99 multiple for --qps knee (default 5)")
+    parser.add_argument(
+        "--knee-factor", type=float, help=f"TTFT p99 multiple for --qps knee (default {DEFAULT_KNEE_FACTOR:g})"
+    )
     parser.add_argument(
         "--baseline",
         help=f"the policy ratios are taken against, one of --policies (default {DEFAULT_BASELINE} if run, "
-        f"else the first); with --qps knee, the policy whose knee is found (default {DEFAULT_BASELINE})",
+        f"else the first); with --qps knee, the policy whose knee is found (default {DEFAULT_BASELINE}), "
+        "which runs at the knee too",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--sim", action="store_true", help="simulate the fleet (the default)")
@@ -176,7 +184,8 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     low, high = DEFAULT_NUM_REQUESTS_RANGE
     parser.add_argument(
         "--num-requests", type=int,
-        help=f"requests per run (default {REQUESTS_PER_REPLICA} per replica, at least {low:,} and at most {high:,})",
+        help=f"requests per run (default {REQUESTS_PER_REPLICA} per replica, at least {low:,} and at most {high:,}; "
+        "a trace: all its records, else its earliest N)",
     )
     parser.add_argument(
         "--burstiness", type=float,
@@ -201,7 +210,16 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
 def run_experiment(args: argparse.Namespace) -> int:
     """Run the experiment ``args`` describe; returns the exit status."""
     try:
-        return _run(args)
+        status = _run(args)
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # What read stdout stopped (``| head``).  The result files are written
+        # before the table is printed, so only the printing is cut short; the
+        # status is a shell's for a process SIGPIPE ended, and the interpreter
+        # must not fail once more flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ExperimentError as exc:
         print(f"kvserve experiment: error: {exc}", file=sys.stderr)
         return 2
@@ -216,7 +234,7 @@ def run_experiment(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.num_requests is None:
+    if args.num_requests is None and args.workload != TRACE_WORKLOAD:  # a trace: all of it
         args.num_requests = default_num_requests(args.replicas)
     check_live_options(args)
     check_options(args)
@@ -228,11 +246,15 @@ def _run(args: argparse.Namespace) -> int:
     if knee:
         if stream.workload == TRACE_WORKLOAD:
             raise ExperimentError("--qps knee needs a generated workload, not a trace")
+        if args.knee_factor is None:
+            args.knee_factor = DEFAULT_KNEE_FACTOR
         if not (args.knee_factor > 1 and math.isfinite(args.knee_factor)):
             raise ExperimentError(f"--knee-factor must be a number > 1, got {args.knee_factor}")
-    # The knee's baseline runs too, whether or not it is one of the policies compared.
-    run_policies = list(dict.fromkeys([*policies, args.baseline] if knee else policies))
-    policy_args = parse_policy_args(args.policy_arg, run_policies)
+        # The knee is the baseline's: it runs at the knee too, with a row of its own.
+        policies = list(dict.fromkeys([*policies, args.baseline]))
+    elif args.knee_factor is not None:
+        raise ExperimentError("--knee-factor is for --qps knee")
+    policy_args = parse_policy_args(args.policy_arg, policies)
     cost_model = load_cost_model(args)
     model = None
     if args.live:
@@ -251,7 +273,7 @@ def _run(args: argparse.Namespace) -> int:
         fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
     policy_kwargs = {
         policy: {**default_policy_kwargs(policy, args.seed, fleet), **policy_args.get(policy, {})}
-        for policy in run_policies
+        for policy in policies
     }
     check_policies(policy_kwargs, policy_args)
     prepare_output(args, RESULT_FILES, reference, fleet)
@@ -275,6 +297,10 @@ def _run(args: argparse.Namespace) -> int:
         except KneeNotFound as exc:
             raise ExperimentError(f"--qps knee: {exc}") from None
         rates = [knee_qps]
+        record_in_config(args.out, knee_qps=knee_qps)
+    # Every rate's stream must fit the fleet before any run starts (a session workload's grows with the rate).
+    for qps in rates:
+        _fleet_at(fleet, stream, qps)
     runs = [Run(qps, policy, policy_kwargs[policy]) for qps in rates for policy in policies]
     if model is not None:
         results = _run_live_all(runs, stream, fleet, model.model_dir, args)
@@ -316,17 +342,29 @@ def _run(args: argparse.Namespace) -> int:
         f"{fleet.cache_config.num_usable_blocks} KV blocks of {fleet.cache_config.block_size} tokens; "
         f"infinite-cache hit rate {infinite}; baseline {baseline}"
     )
+    write_summary_csv(args.out / "summary.csv", summaries)
+    plots = [] if args.no_plots else plot_summaries(summaries, args.out)
+    with atomic_open(args.out / "summary.md") as out:
+        out.write(f"{header}\n\n{table}\n")
+    # Printed once every file is written: a reader of stdout that stops early loses nothing.
     print()
     print(header)
     print(table)
-    write_summary_csv(args.out / "summary.csv", summaries)
-    if not args.no_plots:
-        for path in plot_summaries(summaries, args.out):
-            print(f"wrote {path}")
-    with atomic_open(args.out / "summary.md") as out:
-        out.write(f"{header}\n\n{table}\n")
+    for path in plots:
+        print(f"wrote {path}")
     print(f"wrote {request_csv}, {args.out / 'summary.csv'}, {args.out / 'summary.md'}")
     return 0
+
+
+def _fleet_at(fleet: FleetConfig, stream: StreamSpec, qps: float | None) -> FleetConfig:
+    """``fleet_for`` the stream at ``qps``; ``ExperimentError`` naming the rate when it does not fit."""
+    rate = "as recorded" if qps is None else f"at {qps:g} qps"
+    try:
+        return fleet_for(fleet, stream.at(qps))
+    except ExperimentError as exc:
+        raise ExperimentError(f"{stream.workload} {rate}: {exc}") from None
+    except ValueError as exc:
+        raise ExperimentError(f"--workload {stream.workload} {rate}: {exc}") from None
 
 
 # -- running ------------------------------------------------------------------------

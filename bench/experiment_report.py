@@ -79,7 +79,7 @@ class RunSummary:
     num_requests: int
     hit_rate: float
     infinite_hit_rate: float
-    hit_vs_infinite: float
+    hit_vs_infinite: float | None  # None when an infinite cache would hit nothing
     ttft_p50: float
     ttft_p99: float
     e2e_p50: float
@@ -124,7 +124,7 @@ def summarize(
         num_requests=len(records),
         hit_rate=hit_rate,
         infinite_hit_rate=infinite_hit_rate,
-        hit_vs_infinite=hit_rate / infinite_hit_rate if infinite_hit_rate > 0 else float("nan"),
+        hit_vs_infinite=hit_rate / infinite_hit_rate if infinite_hit_rate > 0 else None,
         ttft_p50=float(np.percentile(ttft, 50)),
         ttft_p99=float(np.percentile(ttft, 99)),
         e2e_p50=float(np.percentile(latency, 50)),
@@ -151,7 +151,7 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
         reference = baseline_p99.get(s.qps)
         ratio = f"{s.ttft_p99 / reference:.2f}x" if reference else "-"
         rows.append([
-            s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}", f"{s.hit_vs_infinite:.2f}",
+            s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}", "-" if s.hit_vs_infinite is None else f"{s.hit_vs_infinite:.2f}",
             f"{s.ttft_p50:.3f}", f"{s.ttft_p99:.3f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
             f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}",
             "-" if s.busy_imbalance is None else f"{s.busy_imbalance:.2f}",

@@ -30,6 +30,7 @@ DEFAULT_KV_FRACTION = 0.25
 REQUESTS_PER_REPLICA = 250
 DEFAULT_NUM_REQUESTS_RANGE = (2_000, 100_000)
 DEFAULT_BASELINE = "round_robin"
+DEFAULT_KNEE_FACTOR = 5.0
 # --live's --time-scale when not given (see experiment_live).
 DEFAULT_TIME_SCALE = 5.0
 # Below this many of the longest requests per replica cache, the setup says so.
@@ -72,7 +73,7 @@ class StreamSpec:
     """How to (re)generate the request stream at any rate, in any process."""
 
     workload: str
-    num_requests: int
+    num_requests: int | None  # None: every record of a trace
     seed: int
     burstiness: float
     params: dict[str, Any] = field(default_factory=dict)
@@ -311,6 +312,11 @@ def fleet_config(
     longest = longest_request(requests)
     if args.kv_blocks_per_replica is not None:
         num_usable = args.kv_blocks_per_replica
+    elif not reference.num_reused_blocks:
+        raise ExperimentError(
+            "the stream reuses no prefix (a working set of 0 blocks), so --kv-fraction sizes no cache: "
+            "give --kv-blocks-per-replica"
+        )
     else:
         fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
         num_usable = math.ceil(fraction * reference.num_reused_blocks)
@@ -409,6 +415,7 @@ def prepare_output(
         raise ExperimentError(f"--out {out} is not a directory")
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "handler"}
+    config["sim"] = not args.live  # the default mode, --sim or not
     config["kv_blocks_per_replica_used"] = fleet.cache_config.num_usable_blocks
     config["infinite_cache_hit_rate"] = reference.hit_rate
     config["prefix_working_set_blocks"] = reference.num_reused_blocks
@@ -417,6 +424,18 @@ def prepare_output(
         for name in result_files:
             (out / name).unlink(missing_ok=True)
         with atomic_open(out / "config.json") as file:
+            file.write(json.dumps(config, indent=2, default=str) + "\n")
+    except OSError as exc:
+        raise ExperimentError(f"--out {out}: {exc.strerror or exc}") from None
+
+
+def record_in_config(out: Path, **values: Any) -> None:
+    """Add ``values`` to ``out``'s ``config.json`` (what the run found: the knee's rate)."""
+    path = out / "config.json"
+    try:
+        config = json.loads(path.read_text())
+        config.update(values)
+        with atomic_open(path) as file:
             file.write(json.dumps(config, indent=2, default=str) + "\n")
     except OSError as exc:
         raise ExperimentError(f"--out {out}: {exc.strerror or exc}") from None

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.bench.report import count
 from kvserve.bench.workloads.checks import check_vocab_size
 from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
@@ -41,7 +42,8 @@ def mooncake_trace(
 
     Arrivals start at 0; with ``qps`` they are rescaled to that mean rate,
     otherwise they keep the trace's own timing.  Raises ``ValueError`` naming
-    the line of a malformed record.
+    the line of a malformed record, or when ``qps`` is given for requests that
+    all arrive at one instant (there is no timing to rescale).
     """
     check_ints(1, block_tokens=block_tokens)
     check_vocab_size(vocab_size)
@@ -79,10 +81,14 @@ def mooncake_trace(
     times = [(timestamp - start) / 1000.0 for timestamp, _, _, _ in records]
     if qps is not None:
         span = times[-1]
-        # Mean rate = (n - 1) arrivals over the span; a single instant trace keeps its times.
-        if span > 0 and len(times) > 1:
-            factor = (len(times) - 1) / (qps * span)
-            times = [t * factor for t in times]
+        if span == 0:
+            raise ValueError(
+                f"{path} has no time span to rescale to {qps:g} qps ({count(len(times), 'request')}, "
+                "all at one instant): replay it as recorded"
+            )
+        # Mean rate = (n - 1) arrivals over the span.
+        factor = (len(times) - 1) / (qps * span)
+        times = [t * factor for t in times]
     requests = []
     for arrival_time, (_, input_length, output_length, hash_ids) in zip(times, records):
         segments = [block(h) for h in hash_ids]

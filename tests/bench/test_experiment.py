@@ -9,6 +9,8 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -135,6 +137,7 @@ def run_bad(argv: list[str], capsys) -> str:  # noqa: ANN001
         (["--qps", "1,1"], "--qps rates must differ"),
         (["--qps", "0"], "--qps rates must be positive"),
         (["--qps", "knee", "--knee-factor", "0"], "--knee-factor must be a number > 1"),
+        (["--qps", "5", "--knee-factor", "3"], "--knee-factor is for --qps knee"),
         (["--qps", "1", "--block-size", "0"], "--block-size must be >= 1"),
         (["--qps", "1", "--block-size", "-16"], "--block-size must be >= 1"),
         (["--qps", "1", "--kv-fraction", "inf"], "--kv-fraction must be a positive number"),
@@ -321,6 +324,85 @@ def test_a_file_written_atomically_is_absent_until_complete(tmp_path) -> None:  
     with atomic_open(path) as file:
         file.write("a table")
     assert path.read_text() == "a table" and list(tmp_path.iterdir()) == [path]
+
+
+def test_a_trace_is_replayed_whole_unless_num_requests_cuts_it(tmp_path, capsys) -> None:  # noqa: ANN001
+    # More records than the default count for 2 replicas (2,000): all of them run.
+    write_trace(tmp_path / "trace.jsonl", list(range(0, 2100 * 10, 10)))
+    args = trace_args(tmp_path / "trace.jsonl", tmp_path / "run")
+
+    assert run_experiment(parse([*args, "--qps", "trace"])) == 0
+    assert "mooncake (simulated): 2100 requests" in capsys.readouterr().out
+    assert run_experiment(parse([*args, "--qps", "trace", "--num-requests", "50"])) == 0
+    assert "mooncake (simulated): 50 requests" in capsys.readouterr().out
+
+
+def test_a_trace_of_one_instant_is_replayed_as_recorded_but_not_rescaled(tmp_path, capsys) -> None:  # noqa: ANN001
+    write_trace(tmp_path / "trace.jsonl", [500] * 6)
+    args = trace_args(tmp_path / "trace.jsonl", tmp_path / "run")
+
+    assert run_experiment(parse([*args, "--qps", "trace"])) == 0
+    capsys.readouterr()
+    message = run_bad([*args, "--qps", "2,20"], capsys)
+    assert "mooncake at 2 qps: " in message and "has no time span to rescale to 2 qps (6 requests" in message
+
+
+def test_a_stream_without_reused_prefixes_needs_a_cache_size_and_compares_to_no_hit_rate(tmp_path, capsys) -> None:  # noqa: ANN001
+    # Every record its own block: an infinite cache would hit nothing.
+    (tmp_path / "trace.jsonl").write_text("".join(
+        json.dumps({"timestamp": 10 * i, "input_length": 40, "output_length": 4, "hash_ids": [i]}) + "\n"
+        for i in range(20)
+    ))
+    args = [arg for arg in trace_args(tmp_path / "trace.jsonl", tmp_path / "run")]
+    sized = args.index("--kv-blocks-per-replica")
+    unsized = args[:sized] + args[sized + 2:]
+
+    message = run_bad([*unsized, "--qps", "trace", "--kv-fraction", "1000"], capsys)
+    assert "the stream reuses no prefix" in message and "give --kv-blocks-per-replica" in message
+    assert run_experiment(parse([*args, "--qps", "trace"])) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| round_robin"))
+    assert [cell.strip() for cell in row.split("|")][3:5] == ["0.000", "-"]
+    with open(tmp_path / "run" / "summary.csv") as f:
+        assert next(csv.DictReader(f))["hit_vs_infinite"] == ""
+
+
+def test_every_rates_stream_is_fitted_before_the_first_run(tmp_path, capsys) -> None:  # noqa: ANN001
+    # At 1 qps the longest request fits 210 blocks; at 5 qps one session's history does not.
+    message = run_bad(["--workload", "multi_turn", "--replicas", "2", "--num-requests", "10", "--qps", "1,5,20",
+                       "--kv-blocks-per-replica", "210", "--no-plots", "--out", str(tmp_path / "run")], capsys)
+
+    assert "multi_turn at 5 qps: 210 KV blocks per replica cannot hold the longest request" in message
+    assert not (tmp_path / "run" / "requests.csv").exists()
+
+
+def test_the_knees_baseline_gets_a_row_and_the_knee_is_recorded(tmp_path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+    assert run_experiment(parse([*TINY, "--policies", "cache_aware", "--qps", "knee", "--no-plots",
+                                 "--out", str(out)])) == 0
+
+    printed = capsys.readouterr().out
+    assert "baseline round_robin" in printed
+    with open(out / "summary.csv") as f:
+        summary = list(csv.DictReader(f))
+    assert [s["policy"] for s in summary] == ["cache_aware", "round_robin"]
+    config = json.loads((out / "config.json").read_text())
+    assert config["knee_qps"] == float(summary[0]["qps"])
+    assert config["sim"] is True  # the default mode, without --sim
+
+
+def test_a_reader_of_stdout_that_stops_early_loses_no_result_file(tmp_path) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+    command = [sys.executable, "-u", "-m", "kvserve.bench.experiment", *TINY, "--policies", "round_robin,cost_ttft",
+               "--qps", "5,20", "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline()  # as `| head -1` does
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+
+    assert process.returncode == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err
+    for name in ("requests.csv", "summary.csv", "summary.md", "hit_rate_vs_qps.png", "ttft_p99_vs_qps.png"):
+        assert (out / name).is_file()
 
 
 def test_the_setup_says_when_a_replica_cache_holds_only_a_few_requests(tmp_path, capsys) -> None:  # noqa: ANN001

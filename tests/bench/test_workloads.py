@@ -209,6 +209,17 @@ def test_mooncake_replay_rescales_to_a_rate_and_caps_requests(tmp_path) -> None:
     assert requests[-1].arrival_time == pytest.approx(2 / 4.0)
 
 
+def test_a_trace_of_one_instant_has_no_rate_to_rescale(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, [{**record, "timestamp": 700} for record in SAMPLE_TRACE])
+
+    assert [r.arrival_time for r in mooncake_trace(path)] == [0.0] * 4  # as recorded
+    with pytest.raises(ValueError, match=r"has no time span to rescale to 2 qps \(4 requests, all at one instant\)"):
+        mooncake_trace(path, qps=2.0)
+    with pytest.raises(ValueError, match=r"\(1 request, all at one instant\)"):
+        mooncake_trace(path, qps=2.0, num_requests=1)
+
+
 def test_a_malformed_trace_line_is_reported_with_its_number(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "trace.jsonl"
     write_trace(path, [SAMPLE_TRACE[0], {"timestamp": 1, "input_length": 2000, "output_length": 1, "hash_ids": [1]}])
