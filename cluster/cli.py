@@ -297,6 +297,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import ray
 
+    from kvserve.cluster.interrupts import stop_on_sigterm
     from kvserve.cluster.launcher import start_cluster
     from kvserve.cluster.server import check_address_free
 
@@ -306,6 +307,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 1
+    # SIGTERM stops it as Ctrl-C does, at every stage (see kvserve.cluster.interrupts).
+    stop_on_sigterm()
     try:
         _init_ray(args.address, config, progress)
     except (ConnectionError, RuntimeError, ValueError) as exc:
@@ -320,10 +323,14 @@ def run_serve(args: argparse.Namespace) -> int:
     handle = None
     status = 0
     try:
+        stop_on_sigterm()  # ray.init replaced it
         routing = ", ".join([config.routing, *(f"{k}={v!r}" for k, v in config.routing_args.items())])
         progress(f"serving model {config.model_dir}, routing {routing}")
         handle = start_cluster(config, progress=progress)
-        asyncio.run(_serve_until_signalled(handle, server_config, progress))
+        try:
+            asyncio.run(_serve_until_signalled(handle, server_config, progress))
+        finally:
+            stop_on_sigterm()  # asyncio left it at the default action, which would kill the shutdown below
     except (ValueError, RuntimeError) as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         status = 1

@@ -12,8 +12,19 @@ call per batch of steps) and routes them to per-request ``OutputStream``s,
 which pace the messages of each stream (see ``output_stream.py``).  Outputs
 are fetched at that pace too, except while a stream awaits its first tokens.
 
+A call that ends before its request does (cancelled, deadline expired)
+aborts the request; until the scheduler's last delta for it (the abort)
+comes back, its id is draining: what the request still produced is dropped,
+and a new call with the same id (a client retrying) waits for the drain
+instead of receiving those outputs.
+
+Every output batch says how many replicas are healthy: ``on_serving_changed``
+hears when that number drops to 0 or rises from it (the server's health
+status follows).
+
 Status codes: ``INVALID_ARGUMENT`` (naming the field) for bad input and
-duplicate request ids; ``RESOURCE_EXHAUSTED`` when ``max_concurrent_requests``
+the request id of a call still in flight (or still draining after
+``DRAIN_TIMEOUT_S``); ``RESOURCE_EXHAUSTED`` when ``max_concurrent_requests``
 streams are in flight (and, from gRPC itself, for a message over the size
 limit); ``UNAVAILABLE`` when the request's replica failed while computing it
 (a request it had not started goes to another replica) or no replica is
@@ -41,6 +52,13 @@ from kvserve.scheduler.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_LENGTH = 256
+# How long a call waits for the cancelled request whose id it reuses to drain.
+DRAIN_TIMEOUT_S = 5.0
+# Text prompts longer than this are tokenized in a thread: a megabyte takes the
+# tokenizer about a second, which on the event loop stalled every stream.
+_TOKENIZE_IN_THREAD_CHARS = 1 << 16
+# Room in the quick refusal of text too long to fit (see ``_max_text_chars``).
+_TEXT_BOUND_FACTOR = 4
 _POLL_TIMEOUT_S = 1.0
 _FINISH_REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -58,7 +76,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     Call ``start()`` from the server's event loop before serving and
     ``stop()`` after.  ``on_scheduler_lost`` is called once if the scheduler
-    actor dies (the server then reports NOT_SERVING).  ``stream_interval_s``
+    actor dies (the server then reports NOT_SERVING), ``on_serving_changed``
+    when no replica is healthy any more (False) or one is again (True).  ``stream_interval_s``
     and ``max_messages_per_s`` pace the messages of the streams, as
     ``ServerConfig`` describes.
     """
@@ -73,14 +92,23 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         stream_interval_s: float = 0.0,
         max_messages_per_s: int | None = None,
         on_scheduler_lost: Callable[[], Awaitable[None]] | None = None,
+        on_serving_changed: Callable[[bool], Awaitable[None]] | None = None,
     ) -> None:
         self._scheduler = scheduler
         self._model_info = model_info
         self._tokenizer = tokenizer
+        self._max_text_chars = _max_text_chars(tokenizer, model_info.max_model_len)
         self._max_concurrent_requests = max_concurrent_requests
         self._pacing = StreamPacing(stream_interval_s, max_messages_per_s)
         self._on_scheduler_lost = on_scheduler_lost
+        self._on_serving_changed = on_serving_changed
+        # Whether some replica was healthy at the last batch that said (the cluster starts ready).
+        self._serving = True
         self._streams: dict[str, OutputStream] = {}
+        # Requests aborted by their call's end, until their last delta comes (see the module docstring).
+        self._draining: dict[str, asyncio.Event] = {}
+        # Requests sent to the scheduler (in an add call) whose call has not ended: only those can drain.
+        self._sent: set[str] = set()
         # Streams that have not received a token yet: outputs are fetched without pause for them.
         self._awaiting_first: set[str] = set()
         self._pause: asyncio.Future[None] | None = None
@@ -106,21 +134,33 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         try:
-            spec = self.to_request_spec(request)
+            if request.WhichOneof("prompt") == "text" and len(request.text) > _TOKENIZE_IN_THREAD_CHARS:
+                spec = await asyncio.to_thread(self.to_request_spec, request)
+            else:
+                spec = self.to_request_spec(request)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self._scheduler_error is not None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, self._scheduler_error)
-        if spec.req_id in self._streams:
+        req_id = spec.req_id
+        drained = self._draining.get(req_id)
+        if drained is not None:
+            try:
+                await asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"request_id {req_id!r} is still being cancelled after {DRAIN_TIMEOUT_S:g} s",
+                )
+        if req_id in self._streams:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {spec.req_id!r} is already in flight"
+                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req_id!r} is already in flight"
             )
         if len(self._streams) >= self._max_concurrent_requests:
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the server is at its limit of {self._max_concurrent_requests} concurrent requests",
             )
-        req_id = spec.req_id
         stream = OutputStream(req_id, self._pacing)
         self._streams[req_id] = stream
         self._pacing.set_num_streams(len(self._streams))
@@ -153,9 +193,12 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._awaiting_first.discard(req_id)
             if self._pause is not None:
                 resolve_waiter(self._pause)  # the interval is shorter now: the next fetch may be due
-            if not finished:
+            if not finished and not stream.ended:  # an ended request has nothing to abort or drain
                 logger.debug("request %s ended early: aborting it", req_id)
+                if req_id in self._sent:  # else it never reached the scheduler: no abort will come back
+                    self._draining.setdefault(req_id, asyncio.Event())
                 self._abort_quietly([req_id])
+            self._sent.discard(req_id)
 
     async def GetStats(
         self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
@@ -196,6 +239,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError("text is empty")
             if self._tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer and this model has none: send token_ids")
+            if self._max_text_chars is not None and len(request.text) > self._max_text_chars:
+                raise InvalidRequestError(
+                    f"text: {len(request.text)} characters are far more than max_model_len "
+                    f"{model.max_model_len} tokens can hold"
+                )
             prompt_token_ids = list(self._tokenizer(request.text)["input_ids"])
             if not prompt_token_ids:
                 raise InvalidRequestError("text tokenizes to no tokens")
@@ -216,9 +264,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError(
                     f"{field}: the prompt has {num_prompt_tokens} tokens; max_model_len is {model.max_model_len}"
                 )
+            default = "" if request.sampling_params.HasField("max_tokens") else " (the default)"
             raise InvalidRequestError(
                 f"sampling_params.max_tokens: {num_prompt_tokens} prompt tokens + max_tokens "
-                f"{sampling_params.max_tokens} exceed max_model_len {model.max_model_len}"
+                f"{sampling_params.max_tokens}{default} exceed max_model_len {model.max_model_len}"
             )
         return RequestSpec(
             req_id=req_id,
@@ -284,12 +333,17 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._to_add = []
             if not batch:
                 continue
+            self._sent.update(spec.req_id for spec, _ in batch)
             try:
                 results = await self._scheduler.add_requests.remote([spec for spec, _ in batch])
             except Exception as exc:  # noqa: BLE001 - every request of the call fails with it
                 results = [exc] * len(batch)
-            for (_, added), result in zip(batch, results, strict=True):
+            for (spec, added), result in zip(batch, results, strict=True):
                 if added.done():
+                    if isinstance(result, Exception):
+                        # Its call ended while this one was in flight, and the scheduler refused it:
+                        # it has no abort to send back.
+                        self._end_drain(spec.req_id)
                     continue
                 if isinstance(result, Exception):
                     added.set_exception(result)
@@ -311,6 +365,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 await asyncio.sleep(_POLL_TIMEOUT_S)
                 continue
             self._route(batch)
+            await self._note_health(batch.num_healthy_replicas)
             await self._pause_fetching(poll_start)
 
     def _route(self, batch: OutputBatch) -> None:
@@ -319,13 +374,16 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         for req_id, token_ids, replica in zip(batch.req_ids, batch.token_ids, batch.replicas):
             stream = streams.get(req_id)
             if stream is None:
-                orphans.append(req_id)
+                if req_id not in self._draining:  # those are aborted already
+                    orphans.append(req_id)
             else:
                 stream.add(token_ids, replica)
         for delta in batch.last_deltas:
             stream = streams.get(delta.req_id)
             if stream is not None:
                 stream.end(delta)
+            elif self._draining:
+                self._end_drain(delta.req_id)
         if self._awaiting_first:
             self._awaiting_first.difference_update(batch.req_ids)
             self._awaiting_first.difference_update(delta.req_id for delta in batch.last_deltas)
@@ -349,11 +407,30 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 self._pause = None
                 timer.cancel()
 
+    def _end_drain(self, req_id: str) -> None:
+        drained = self._draining.pop(req_id, None)
+        if drained is not None:
+            drained.set()
+
+    async def _note_health(self, num_healthy_replicas: int | None) -> None:
+        if num_healthy_replicas is None or (num_healthy_replicas > 0) == self._serving:
+            return
+        self._serving = num_healthy_replicas > 0
+        if self._serving:
+            logger.info("a replica is healthy again: serving")
+        else:
+            logger.error("no replica is healthy: requests fail with UNAVAILABLE until one is")
+        if self._on_serving_changed is not None:
+            await self._on_serving_changed(self._serving)
+
     async def _lose_scheduler(self, reason: str) -> None:
         logger.error("%s", reason)
         self._scheduler_error = reason
         for req_id, stream in self._streams.items():
             stream.end(RequestDelta(req_id, error=reason))
+        for drained in self._draining.values():
+            drained.set()  # calls waiting on a drain go on, to fail with the reason
+        self._draining.clear()
         if self._on_scheduler_lost is not None:
             await self._on_scheduler_lost()
 
@@ -364,3 +441,19 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._scheduler.abort_requests.remote(req_ids)
         except Exception:  # noqa: BLE001 - the scheduler going away is handled by the dispatcher
             logger.warning("could not abort %d requests", len(req_ids), exc_info=True)
+
+
+def _max_text_chars(tokenizer: Any | None, max_model_len: int) -> int | None:
+    """A length of text that cannot tokenize to ``max_model_len`` tokens or fewer, refused untokenized.
+
+    No token covers more bytes than the longest vocabulary entry's UTF-8
+    spelling (byte-level and SentencePiece vocabularies spell each byte with
+    at least one byte), and text has at least one byte per character; the
+    factor leaves room for normalizers that compose characters or tidy
+    whitespace.  ``None`` without a tokenizer or a vocabulary to read.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    longest = max((len(token.encode("utf-8")) for token in get_vocab()), default=0)
+    return _TEXT_BOUND_FACTOR * max_model_len * longest if longest else None

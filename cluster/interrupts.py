@@ -1,4 +1,11 @@
-"""Holding Ctrl-C back while a start-up that cannot be cut short safely runs."""
+"""Ctrl-C and SIGTERM as one: stop requests that a start-up which cannot be cut short safely holds back.
+
+``serve`` treats SIGTERM (what systemd, Kubernetes and ``kill`` send) as
+Ctrl-C: ``stop_on_sigterm`` makes it raise ``KeyboardInterrupt``.  Ray's
+``ray.init`` installs a handler of its own for SIGTERM (it prints a stack
+and aborts) and asyncio leaves SIGTERM at its default action after
+``asyncio.run``, so the command installs it again after each.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +15,25 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def stop_on_sigterm() -> None:
+    """From now on SIGTERM raises ``KeyboardInterrupt``, as Ctrl-C does (main thread only)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
 
 @contextmanager
-def sigint_deferred(on_interrupt: Callable[[], None] | None = None) -> Iterator[Callable[[], bool]]:
-    """Within the block a first SIGINT is recorded instead of raised; yields whether one came.
+def interrupts_deferred(on_interrupt: Callable[[], None] | None = None) -> Iterator[Callable[[], bool]]:
+    """Within the block a first SIGINT or SIGTERM is recorded instead of raised; yields whether one came.
 
     ``on_interrupt`` is called when it comes (to tell the user to wait).  A
-    second SIGINT raises ``KeyboardInterrupt`` at once, as a way out.  Outside
+    second one raises ``KeyboardInterrupt`` at once, as a way out.  Outside
     the main thread, where Python delivers no signals, the block runs as is.
     """
     received = False
@@ -34,10 +53,11 @@ def sigint_deferred(on_interrupt: Callable[[], None] | None = None) -> Iterator[
         if on_interrupt is not None:
             on_interrupt()
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
     try:
         yield interrupted
     finally:
-        # Unless the block installed a handler of its own, which is then its to keep.
-        if signal.getsignal(signal.SIGINT) is handler:
-            signal.signal(signal.SIGINT, previous)
+        for signum, before in previous.items():
+            # Unless the block installed a handler of its own, which is then its to keep.
+            if signal.getsignal(signum) is handler:
+                signal.signal(signum, before)

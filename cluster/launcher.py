@@ -11,9 +11,13 @@ scheduler can never leave orphaned workers holding GPUs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +26,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from kvserve.cluster.config import ClusterConfig
-from kvserve.cluster.interrupts import sigint_deferred
+from kvserve.cluster.interrupts import interrupts_deferred
 from kvserve.cluster.messages import ModelInfo
 from kvserve.cluster.ray_address import check_gcs_reachable, is_loopback
 from kvserve.cluster.ray_errors import remote_error_message
@@ -110,15 +114,15 @@ def init_local_ray(num_worker_slots: int = 0, on_interrupt: Callable[[], None] |
     """Start a new single-machine Ray instance on 127.0.0.1 (namespace ``kvserve``).
 
     ``num_worker_slots``: the ``WORKER_CPU_RESOURCE`` slots it offers, one per
-    CPU (or simulated) rank.  Ctrl-C while Ray starts (seconds) is held until
-    it has started, which is then stopped and ``KeyboardInterrupt`` raised;
-    ``on_interrupt`` is called when the Ctrl-C comes.
+    CPU (or simulated) rank.  Ctrl-C or SIGTERM while Ray starts (seconds) is
+    held until it has started, which is then stopped and ``KeyboardInterrupt``
+    raised; ``on_interrupt`` is called when the signal comes.
     """
     keep_ray_on_loopback()
     resources = {WORKER_CPU_RESOURCE: num_worker_slots} if num_worker_slots else {}
     # NOTE: an interrupt inside ray.init left Ray's dashboard and runtime-env
     # agents running after the process exited (they ignore SIGTERM).
-    with sigint_deferred(on_interrupt) as interrupted:
+    with interrupts_deferred(on_interrupt) as interrupted, _sigterm_handler_kept():
         # NOTE: address="local" always starts a new instance: without it, ray.init
         # joins whatever cluster this machine last started.
         ray.init(
@@ -129,6 +133,7 @@ def init_local_ray(num_worker_slots: int = 0, on_interrupt: Callable[[], None] |
             resources=resources,
             logging_level=logging.WARNING,
         )
+    _exit_on_unhandled_sigterm()
     if interrupted():
         ray.shutdown()
         raise KeyboardInterrupt
@@ -145,7 +150,38 @@ def join_ray(address: str) -> None:
         # A cluster on this machine's loopback: Ray would otherwise connect to
         # the host's routable address instead (see ray_loopback).
         keep_ray_on_loopback()
-    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+    with _sigterm_handler_kept():
+        ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+    _exit_on_unhandled_sigterm()
+
+
+@contextlib.contextmanager
+def _sigterm_handler_kept() -> Iterator[None]:
+    """Within the block ``ray.init`` leaves the SIGTERM handler as it is.
+
+    NOTE: ray.init first installs a SIGTERM handler that calls ``sys.exit(15)``
+    (through the private ``ray._private.utils.set_sigterm_handler``, stubbed
+    here): a SIGTERM in the seconds it started Ray then cut it short and left
+    Ray's agents running, and ``serve``'s own handler (SIGTERM as Ctrl-C) was
+    gone.  If Ray no longer has that function, the block runs as is.
+    """
+    import ray._private.utils as ray_utils
+
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    if original is None:
+        yield
+        return
+    ray_utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        ray_utils.set_sigterm_handler = original
+
+
+def _exit_on_unhandled_sigterm() -> None:
+    """Where nothing handles SIGTERM, what ray.init would have set: exit (atexit then stops Ray)."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(signum))
 
 
 def resolve_model_config(config: ClusterConfig) -> ModelConfig:

@@ -82,10 +82,12 @@ class OutputBatch:
     token_ids: list[list[int]] = field(default_factory=list)
     replicas: list[int] = field(default_factory=list)
     last_deltas: list[RequestDelta] = field(default_factory=list)
+    # How many replicas were healthy when the batch was taken (None: not reported).
+    num_healthy_replicas: int | None = None
 
     @classmethod
-    def from_deltas(cls, deltas: Iterable[RequestDelta]) -> OutputBatch:
-        batch = cls()
+    def from_deltas(cls, deltas: Iterable[RequestDelta], *, num_healthy_replicas: int | None = None) -> OutputBatch:
+        batch = cls(num_healthy_replicas=num_healthy_replicas)
         for delta in deltas:
             if delta.is_last:
                 batch.last_deltas.append(delta)

@@ -74,6 +74,11 @@ class OutputStream:
         if self._wake_on_data and self._waiter is not None:
             resolve_waiter(self._waiter)
 
+    @property
+    def ended(self) -> bool:
+        """Whether the request's last delta came (whether or not it has gone out yet)."""
+        return self._last is not None
+
     def end(self, delta: RequestDelta) -> None:
         """The request's last delta (``is_last``): it goes out at once, with the tokens held back."""
         self._last = delta

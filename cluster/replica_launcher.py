@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 # others must not hang the launch forever.
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 _DEATH_TIMEOUT_S = 30.0
+_PING_TIMEOUT_S = 10.0
 
 _RemoteWorkerActor = ray.remote(WorkerActor)
 
@@ -74,6 +75,22 @@ class ReplicaHandle:
     def kill(self) -> None:
         """Kill every rank's actor and free the placement group; no graceful shutdown."""
         _kill(self.actors, self.placement_group)
+
+    async def check_alive(self, timeout_s: float = _PING_TIMEOUT_S) -> None:
+        """``ReplicaFailedError`` naming the rank if a rank's actor has died.
+
+        Each rank's actor is pinged (an async actor answers even mid-step); one
+        that does not answer within ``timeout_s`` counts as alive: a hung rank
+        is the step timeout's to find.
+        """
+        pings = asyncio.gather(*(actor.ping.remote() for actor in self.actors), return_exceptions=True)
+        try:
+            outcomes = await asyncio.wait_for(pings, timeout_s)
+        except asyncio.TimeoutError:
+            return
+        for rank, outcome in enumerate(outcomes):
+            if isinstance(outcome, ActorDiedError):
+                raise ReplicaFailedError(f"replica {self.replica_id} rank {rank}'s worker died: {outcome}")
 
 
 async def launch_replica(

@@ -10,6 +10,10 @@ does.  Each replica runs its own step loop, concurrently with the others::
     while healthy:  plan = schedule()  →  await executor.execute(plan)  →  update()
                     (asleep on an asyncio.Event while the replica has nothing to do)
 
+An idle replica's workers are checked every ``IDLE_CHECK_S`` seconds
+(``ReplicaHandle.check_alive``), so that one that died between requests is
+found before a request is sent to it.
+
 The front end adds and aborts requests and fetches what the steps produced
 with ``poll_outputs``: one remote call returns every token of every request
 since the previous call, so traffic between the two is per batch of steps,
@@ -47,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 SCHEDULER_ACTOR_NAME = "kvserve-scheduler"
 _WATCHDOG_INTERVAL_S = 1.0
+# How often an idle replica's workers are checked (see the module docstring).
+IDLE_CHECK_S = 2.0
 
 
 @dataclass(slots=True)
@@ -272,7 +278,10 @@ class SchedulerActor:
             self._num_waiting_polls -= 1
             self._last_poll_time = time.monotonic()
         pending, self._pending = self._pending, {}
-        return OutputBatch.from_deltas(output.to_delta(req_id) for req_id, output in pending.items())
+        return OutputBatch.from_deltas(
+            (output.to_delta(req_id) for req_id, output in pending.items()),
+            num_healthy_replicas=sum(replica.healthy for replica in self._replicas.values()),
+        )
 
     async def get_stats(self) -> list[ReplicaStatsInfo]:
         return [self._replica_stats(replica) for _, replica in sorted(self._replicas.items())]
@@ -309,7 +318,15 @@ class SchedulerActor:
                 # NOTE: no await between schedule() and clear(): an add_request
                 # cannot slip in between and lose its wake-up.
                 replica.wakeup.clear()
-                await replica.wakeup.wait()
+                try:
+                    await asyncio.wait_for(replica.wakeup.wait(), IDLE_CHECK_S)
+                except asyncio.TimeoutError:
+                    try:
+                        await replica.handle.check_alive()
+                    except ReplicaFailedError as exc:
+                        logger.error("replica %d failed while idle: %s", replica.replica_id, exc)
+                        self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc}")
+                        return
                 continue
             try:
                 result = await executor.execute(plan)

@@ -2,7 +2,8 @@
 
 ``grpc.health.v1`` reports SERVING (for the whole server and for
 ``kvserve.v1.Generation``) once the server is started on a ready cluster, and
-NOT_SERVING while it stops or when the scheduler actor is lost.  Reflection
+NOT_SERVING while it stops, while no replica is healthy, or for good once the
+scheduler actor is lost.  Reflection
 lets ``grpcurl`` list and call the services without the ``.proto`` files.
 Message sizes are explicit limits in both directions.
 """
@@ -87,9 +88,13 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
     )
     health_servicer = health.aio.HealthServicer()
 
-    async def on_scheduler_lost() -> None:
+    async def set_serving(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in (_OVERALL, GENERATION_SERVICE):
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+            await health_servicer.set(service, status)
+
+    async def on_scheduler_lost() -> None:
+        await set_serving(False)  # for good: the front end fetches nothing more
 
     frontend = Frontend(
         scheduler,
@@ -99,6 +104,7 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         stream_interval_s=config.stream_interval_s,
         max_messages_per_s=config.max_messages_per_s,
         on_scheduler_lost=on_scheduler_lost,
+        on_serving_changed=set_serving,
     )
     generate_pb2_grpc.add_GenerationServicer_to_server(frontend, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -116,7 +122,6 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
     gc.freeze()
     frontend.start()
     await server.start()
-    for service in (_OVERALL, GENERATION_SERVICE):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(True)
     logger.info("serving %s on %s:%d", GENERATION_SERVICE, config.host, port)
     return GenerationServer(server, port, frontend, health_servicer)

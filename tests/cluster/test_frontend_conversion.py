@@ -7,6 +7,8 @@ what a delta turns into.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from kvserve.cluster.frontend import Frontend, InvalidRequestError
@@ -134,3 +136,24 @@ def test_the_last_delta_flushes_text_held_back(frontend, tokenizer):
     assert frontend.to_response("r", RequestDelta("r", token_ids=[first]), detokenizer).text == ""
     last = RequestDelta("r", token_ids=rest, finish_reason="length")
     assert frontend.to_response("r", last, detokenizer).text == "日"
+
+
+def test_text_far_too_long_to_fit_is_refused_without_tokenizing_it(frontend):
+    # 64 tokens of at most 22 bytes each (the tiny vocabulary's longest) cannot hold 4 MB.
+    start = time.perf_counter()
+    with pytest.raises(InvalidRequestError, match="text: 4000008 characters are far more than max_model_len 64 tokens can hold"):
+        frontend.to_request_spec(generate_pb2.GenerateRequest(text="hello world " * 333_334))
+    assert time.perf_counter() - start < 0.5  # tokenizing it takes seconds
+    # Under the bound, the tokens decide.
+    with pytest.raises(InvalidRequestError, match="text: the prompt has 1802 tokens; max_model_len is 64"):
+        frontend.to_request_spec(generate_pb2.GenerateRequest(text="hello " * 600))
+
+
+def test_a_prompt_too_long_for_the_default_max_tokens_says_it_is_the_default(frontend):
+    ids = generate_pb2.TokenIds(ids=[5] * (MAX_MODEL_LEN - 10))
+    with pytest.raises(InvalidRequestError, match="max_tokens 16 \\(the default\\) exceed max_model_len 64"):
+        frontend.to_request_spec(generate_pb2.GenerateRequest(token_ids=ids))
+    with pytest.raises(InvalidRequestError, match="max_tokens 20 exceed"):
+        frontend.to_request_spec(
+            generate_pb2.GenerateRequest(token_ids=ids, sampling_params=generate_pb2.SamplingParams(max_tokens=20))
+        )

@@ -8,6 +8,7 @@ end-to-end behaviour over real gRPC and Ray is in test_end_to_end.py.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -28,10 +29,18 @@ class _Remote:
 
 
 class FakeScheduler:
-    """Records every remote call; ``emit`` queues outputs for the next ``poll_outputs``."""
+    """Records every remote call; ``emit`` queues outputs for the next ``poll_outputs``.
+
+    As the actor does, aborting a request it knows emits its last delta (``finish_reason``
+    "abort"), unless ``hold_aborts`` keeps those back until ``release_aborts``.
+    """
 
     def __init__(self) -> None:
         self.added: list[list[str]] = []
+        self.known: set[str] = set()
+        self.hold_aborts = False
+        self.held_aborts: list[RequestDelta] = []
+        self.num_healthy_replicas: int | None = None
         self.aborted: list[str] = []
         self.num_polls = 0
         self._outputs: list[RequestDelta] = []
@@ -43,10 +52,21 @@ class FakeScheduler:
     async def _add_requests(self, specs: list[RequestSpec]) -> list[int | Exception]:
         await asyncio.sleep(0.01)  # a remote call takes a while: others queue behind it
         self.added.append([spec.req_id for spec in specs])
+        self.known.update(spec.req_id for spec in specs if not spec.req_id.startswith("bad"))
         return [ValueError(f"request_id {s.req_id!r} is refused") if s.req_id.startswith("bad") else 0 for s in specs]
 
     async def _abort_requests(self, req_ids: list[str]) -> None:
         self.aborted.extend(req_ids)
+        aborts = [RequestDelta(req_id, [], finish_reason="abort", replica=0) for req_id in req_ids if req_id in self.known]
+        self.known.difference_update(req_ids)
+        if self.hold_aborts:
+            self.held_aborts.extend(aborts)
+        elif aborts:
+            self.emit(*aborts)
+
+    def release_aborts(self) -> None:
+        aborts, self.held_aborts = self.held_aborts, []
+        self.emit(*aborts)
 
     async def _poll_outputs(self, timeout_s: float) -> OutputBatch:
         self.num_polls += 1
@@ -57,10 +77,16 @@ class FakeScheduler:
             except asyncio.TimeoutError:
                 pass
         outputs, self._outputs = self._outputs, []
-        return OutputBatch.from_deltas(outputs)
+        return OutputBatch.from_deltas(outputs, num_healthy_replicas=self.num_healthy_replicas)
 
     def emit(self, *deltas: RequestDelta) -> None:
         self._outputs.extend(deltas)
+        self.known.difference_update(d.req_id for d in deltas if d.is_last)  # ended: aborts ignore them
+        self._ready.set()
+
+    def set_healthy(self, num_replicas: int) -> None:
+        """From the next poll on, ``num_replicas`` replicas are healthy."""
+        self.num_healthy_replicas = num_replicas
         self._ready.set()
 
 
@@ -87,10 +113,10 @@ async def collect(frontend: Frontend, req_id: str) -> list[generate_pb2.Generate
     return [message async for message in frontend.Generate(request(req_id), FakeContext())]
 
 
-def serve(scenario: Callable[[Frontend, FakeScheduler], Awaitable[None]], **pacing: object) -> None:
+def serve(scenario: Callable[[Frontend, FakeScheduler], Awaitable[None]], **options: object) -> None:
     async def run() -> None:
         scheduler = FakeScheduler()
-        frontend = Frontend(scheduler, MODEL_INFO, None, max_concurrent_requests=64, **pacing)
+        frontend = Frontend(scheduler, MODEL_INFO, None, max_concurrent_requests=64, **options)
         frontend.start()
         try:
             await scenario(frontend, scheduler)
@@ -127,6 +153,78 @@ def test_a_request_refused_by_the_scheduler_is_invalid_argument_and_the_others_g
     serve(scenario)
 
 
+def test_a_call_reusing_the_id_of_one_just_cancelled_gets_only_its_own_outputs() -> None:
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        scheduler.hold_aborts = True  # the abort's last delta comes late
+        first = asyncio.ensure_future(collect(frontend, "retry"))
+        await asyncio.sleep(0.05)  # sent to the scheduler
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        again = asyncio.ensure_future(collect(frontend, "retry"))  # a client retrying with the same id
+        await asyncio.sleep(0.05)
+        # What the cancelled request still produced arrives after the retry started.
+        scheduler.emit(RequestDelta("retry", [9, 9], replica=0))
+        await asyncio.sleep(0.05)
+        assert scheduler.added == [["retry"]]  # the retry waits for the cancelled request to drain
+        scheduler.release_aborts()
+        await asyncio.sleep(0.05)
+        assert scheduler.added == [["retry"], ["retry"]]
+        scheduler.emit(RequestDelta("retry", [4, 5], finish_reason="length", replica=0))
+        messages = await again
+        assert [list(m.token_ids) for m in messages] == [[4, 5]]
+        assert messages[-1].finish_reason == generate_pb2.FINISH_REASON_LENGTH
+        assert scheduler.aborted == ["retry"]  # once: its late outputs were not aborted again
+
+    serve(scenario)
+
+
+def test_a_call_whose_id_never_drains_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvserve.cluster.frontend.DRAIN_TIMEOUT_S", 0.1)
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        scheduler.hold_aborts = True
+        first = asyncio.ensure_future(collect(frontend, "stuck"))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
+        with pytest.raises(Aborted, match="INVALID_ARGUMENT.*request_id 'stuck' is still being cancelled after 0.1 s"):
+            await collect(frontend, "stuck")
+
+    serve(scenario)
+
+
+def test_a_call_that_ends_after_its_request_did_leaves_its_id_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvserve.cluster.frontend.DRAIN_TIMEOUT_S", 0.5)
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        call = frontend.Generate(request("done"), FakeContext())
+        scheduler.emit(RequestDelta("done", [4], replica=0))
+        await call.__anext__()  # the first tokens went out
+        # Its last delta reaches the stream, and the call ends before it reads it.
+        scheduler.emit(RequestDelta("done", [5], finish_reason="length", replica=0))
+        await asyncio.sleep(0.05)
+        await call.aclose()
+        again = asyncio.ensure_future(collect(frontend, "done"))
+        await asyncio.sleep(0.05)
+        assert scheduler.added == [["done"], ["done"]]  # no drain to wait for
+        scheduler.emit(RequestDelta("done", [5], finish_reason="length", replica=0))
+        assert [list(m.token_ids) for m in await again] == [[5]]
+
+    serve(scenario)
+
+
+def test_a_second_call_with_the_id_of_one_in_flight_is_refused() -> None:
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        first = asyncio.ensure_future(collect(frontend, "same"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Aborted, match="INVALID_ARGUMENT.*request_id 'same' is already in flight"):
+            await collect(frontend, "same")
+        scheduler.emit(RequestDelta("same", [4], finish_reason="length", replica=0))
+        assert [list(m.token_ids) for m in await first] == [[4]]
+
+    serve(scenario)
+
+
 def test_a_request_cancelled_before_it_was_sent_never_reaches_the_scheduler() -> None:
     async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
         first = asyncio.ensure_future(collect(frontend, "first"))
@@ -136,10 +234,15 @@ def test_a_request_cancelled_before_it_was_sent_never_reaches_the_scheduler() ->
         gone.cancel()
         await asyncio.sleep(0.05)
         assert scheduler.added == [["first"]]
+        # Its id is free at once: nothing of it is in the scheduler to drain.
+        again = asyncio.ensure_future(collect(frontend, "gone"))
+        await asyncio.sleep(0.05)
+        assert scheduler.added == [["first"], ["gone"]]
         first.cancel()
-        await asyncio.gather(first, gone, return_exceptions=True)
+        again.cancel()
+        await asyncio.gather(first, gone, again, return_exceptions=True)
         await asyncio.sleep(0.01)
-        assert scheduler.added == [["first"]]
+        assert scheduler.added == [["first"], ["gone"]]
         assert "first" in scheduler.aborted
 
     serve(scenario)
@@ -176,3 +279,58 @@ def test_with_every_stream_served_outputs_are_fetched_once_per_interval() -> Non
         assert [t for m in messages for t in m.token_ids] == [3, 0, 1, 2, 3, 4, 9]
 
     serve(scenario, stream_interval_s=0.5)
+
+
+def test_the_server_hears_when_no_replica_is_healthy_and_when_one_is_again() -> None:
+    heard: list[bool] = []
+
+    async def on_serving_changed(serving: bool) -> None:
+        heard.append(serving)
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        for num_healthy in (2, 1, 0, 0, 1):
+            scheduler.set_healthy(num_healthy)
+            await asyncio.sleep(0.05)
+
+    serve(scenario, on_serving_changed=on_serving_changed)
+    assert heard == [False, True]
+
+
+def test_a_long_text_is_tokenized_off_the_event_loop() -> None:
+    from kvserve.worker.tiny_model import ensure_default_tiny_model
+    from kvserve.worker.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(ensure_default_tiny_model())
+
+    class NoVocabulary:
+        """The tokenizer without its vocabulary, so that no length bound refuses the text untokenized."""
+
+        def __call__(self, text: str) -> dict:
+            return tokenizer(text)
+
+    text = "hello world " * 150_000  # 1.8 MB
+    start = time.perf_counter()
+    tokenizer(text)
+    tokenize_s = time.perf_counter() - start
+    gaps: list[float] = []
+
+    async def scenario() -> None:
+        frontend = Frontend(FakeScheduler(), MODEL_INFO, NoVocabulary(), max_concurrent_requests=4)
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.ensure_future(tick())
+        with pytest.raises(Aborted, match="INVALID_ARGUMENT: text: the prompt has"):
+            async for _ in frontend.Generate(generate_pb2.GenerateRequest(text=text), FakeContext()):
+                pass
+        ticker.cancel()
+
+    asyncio.run(scenario())
+    # On the loop, one gap was the whole tokenization.
+    assert max(gaps) < 0.3 * tokenize_s, (max(gaps), tokenize_s)

@@ -1,4 +1,4 @@
-"""Ctrl-C held back during a start-up that must not be cut short."""
+"""Ctrl-C and SIGTERM held back during a start-up that must not be cut short, and SIGTERM as Ctrl-C."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvserve.cluster.interrupts import sigint_deferred
+from kvserve.cluster.interrupts import interrupts_deferred, stop_on_sigterm
 
 
 def send_sigint() -> None:
@@ -18,7 +18,7 @@ def send_sigint() -> None:
 def test_a_first_ctrl_c_is_recorded_and_the_block_runs_to_its_end():
     told: list[str] = []
     finished = False
-    with sigint_deferred(lambda: told.append("wait")) as interrupted:
+    with interrupts_deferred(lambda: told.append("wait")) as interrupted:
         assert not interrupted()
         send_sigint()
         finished = True
@@ -29,7 +29,7 @@ def test_a_first_ctrl_c_is_recorded_and_the_block_runs_to_its_end():
 
 def test_a_second_ctrl_c_raises_at_once():
     with pytest.raises(KeyboardInterrupt):
-        with sigint_deferred() as interrupted:
+        with interrupts_deferred() as interrupted:
             send_sigint()
             assert interrupted()
             send_sigint()
@@ -38,18 +38,46 @@ def test_a_second_ctrl_c_raises_at_once():
 
 def test_the_previous_handler_is_back_after_the_block():
     before = signal.getsignal(signal.SIGINT)
-    with sigint_deferred():
+    before_term = signal.getsignal(signal.SIGTERM)
+    with interrupts_deferred():
         assert signal.getsignal(signal.SIGINT) is not before
+        assert signal.getsignal(signal.SIGTERM) is not before_term
     assert signal.getsignal(signal.SIGINT) is before
+    assert signal.getsignal(signal.SIGTERM) is before_term
     with pytest.raises(KeyboardInterrupt):
         send_sigint()
+
+
+@pytest.fixture
+def sigterm_restored():
+    before = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+@pytest.mark.usefixtures("sigterm_restored")
+def test_sigterm_is_held_back_as_ctrl_c_is_and_a_second_one_raises():
+    told: list[str] = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred(lambda: told.append("wait")) as interrupted:
+            signal.raise_signal(signal.SIGTERM)
+            assert interrupted() and told == ["wait"]
+            signal.raise_signal(signal.SIGTERM)
+            pytest.fail("the second SIGTERM did not interrupt the block")
+
+
+@pytest.mark.usefixtures("sigterm_restored")
+def test_stop_on_sigterm_makes_sigterm_a_keyboard_interrupt():
+    stop_on_sigterm()
+    with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGTERM)
 
 
 def test_outside_the_main_thread_the_block_runs_as_is():
     results: list[bool] = []
 
     def run() -> None:
-        with sigint_deferred() as interrupted:
+        with interrupts_deferred() as interrupted:
             results.append(signal.getsignal(signal.SIGINT) is signal.default_int_handler)
             results.append(interrupted())
 

@@ -164,7 +164,11 @@ def test_killed_rank_fails_the_next_step_quickly_and_every_step_after(
     scheduler = make_scheduler(NUM_BLOCKS)
     scheduler.add_request(Request("after-kill", [5, 6, 7, 8], GREEDY))
     victim = ray.get_actor(worker_actor_name(0, 1), namespace=RAY_NAMESPACE)
+    loop.run_until_complete(replica.check_alive())  # every rank answers
     kill_and_wait_for_exit(victim)
+    # Found without a step (as the scheduler actor checks an idle replica).
+    with pytest.raises(ReplicaFailedError, match="replica 0 rank 1's worker died"):
+        loop.run_until_complete(replica.check_alive())
 
     plan = scheduler.schedule()
     start = time.monotonic()

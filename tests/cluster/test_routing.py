@@ -132,12 +132,16 @@ def test_serve_rejects_a_bad_routing_argument_before_starting_anything(capsys, a
 
 
 class FakeExecutor:
-    """Samples token 7 for every row; raises ``ReplicaFailedError`` once told to fail."""
+    """Samples token 7 for every row; raises ``ReplicaFailedError`` once told to fail.
+
+    ``died``: its workers are gone (its handle's ``check_alive`` says so) without a step failing.
+    """
 
     num_kv_blocks = 128
 
     def __init__(self) -> None:
         self.failed = False
+        self.died = False
 
     async def execute(self, plan: StepPlan) -> StepResult:
         await asyncio.sleep(0)
@@ -156,7 +160,13 @@ def fake_actor(monkeypatch: pytest.MonkeyPatch, routing: str) -> tuple[Scheduler
         async def shutdown() -> None:
             pass
 
-        return SimpleNamespace(executor=executors[replica_id], placement_group=None, shutdown=shutdown)
+        async def check_alive() -> None:
+            if executors[replica_id].died:
+                raise ReplicaFailedError(f"replica {replica_id} rank 0's worker died: test")
+
+        return SimpleNamespace(
+            executor=executors[replica_id], placement_group=None, shutdown=shutdown, check_alive=check_alive
+        )
 
     monkeypatch.setattr("kvserve.cluster.scheduler_actor.launch_replica", launch_replica)
     config = ClusterConfig(
@@ -304,6 +314,27 @@ def test_an_aborted_request_leaves_nothing_pending(monkeypatch: pytest.MonkeyPat
     assert left == [0, 0]
     # Nothing computed the prompt: the next request finds none of it.
     assert (served.error, served.num_cached_tokens) == (None, 0)
+
+
+def test_an_idle_replica_whose_workers_died_is_found_without_a_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("kvserve.cluster.scheduler_actor.IDLE_CHECK_S", 0.05)
+
+    async def scenario() -> tuple[list[bool], int | None, RequestDelta]:
+        actor, executors = fake_actor(monkeypatch, "round_robin")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        executors[0].died = True
+        await asyncio.sleep(0.3)  # a few idle checks
+        healthy = [s.healthy for s in await actor.get_stats()]
+        batch = await actor.poll_outputs(0.0)
+        served = await run_to_the_end(actor, "after", [1, 2, 3])
+        await actor.shutdown()
+        return healthy, batch.num_healthy_replicas, served
+
+    healthy, num_healthy, served = asyncio.run(scenario())
+    assert healthy == [False, True]
+    assert num_healthy == 1
+    assert (served.error, served.replica) == (None, 1)
 
 
 def test_a_queued_request_with_no_replica_left_ends_with_an_error_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
