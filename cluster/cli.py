@@ -150,7 +150,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--num-blocks", type=int, default=None,
-        help="KV-cache blocks per replica (default: as many as fit)",
+        help="KV-cache blocks per replica, one of them the null block (default: as many as fit)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=256,

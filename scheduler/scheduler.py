@@ -129,7 +129,7 @@ class Scheduler:
         if num_blocks_needed > self.cache_config.num_usable_blocks:
             raise ValueError(
                 f"request needs up to {num_blocks_needed} KV blocks but the pool has only "
-                f"{self.cache_config.num_usable_blocks}"
+                f"{self.cache_config.num_usable_blocks} usable (of {self.cache_config.num_blocks}: one is the null block)"
             )
         self.requests[request.req_id] = request
         self.waiting.append(request)

@@ -362,7 +362,7 @@ def test_prompt_longer_than_max_model_len_is_rejected() -> None:
 
 def test_request_that_could_never_fit_in_the_pool_is_rejected() -> None:
     scheduler = make_scheduler(num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match="KV blocks"):
+    with pytest.raises(ValueError, match=r"needs up to 4 KV blocks but the pool has only 3 usable \(of 4: one is the null"):
         add(scheduler, "a", list(range(1, 10)), max_tokens=8)
     add(scheduler, "b", list(range(1, 10)), max_tokens=4)  # 12 KV tokens = 3 blocks: fits
 
