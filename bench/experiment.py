@@ -29,7 +29,7 @@ every run has finished, ``requests.csv`` (one row per request and run),
 rate) last.  The result files of an earlier run in ``--out`` are removed at
 the start, and each file is written under a temporary name and renamed
 when complete: a folder without ``summary.md`` holds no finished run.
-Ctrl-C stops the experiment (exit status 130).
+Ctrl-C or SIGTERM stops the experiment (exit status 130).
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ from kvserve.bench.report import count, format_table
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.bench.workloads.cache_reference import infinite_cache_reference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
+from kvserve.cluster.interrupts import STOP_SIGNALS, sigterm_as_interrupt
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
@@ -208,7 +209,15 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
 
 
 def run_experiment(args: argparse.Namespace) -> int:
-    """Run the experiment ``args`` describe; returns the exit status."""
+    """Run the experiment ``args`` describe; returns the exit status.
+
+    SIGTERM stops it as Ctrl-C does, until it returns.
+    """
+    with sigterm_as_interrupt():
+        return _run_reporting_errors(args)
+
+
+def _run_reporting_errors(args: argparse.Namespace) -> int:
     try:
         status = _run(args)
         sys.stdout.flush()
@@ -427,7 +436,8 @@ def _run_live_all(
 
 
 def _ignore_interrupts() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _simulate_all(
@@ -438,8 +448,8 @@ def _simulate_all(
         return [(run, _run_one(run, stream, fleet)) for run in runs]
     # NOTE: fork, so that children need not re-import; each regenerates its
     # stream from the spec (deterministic) rather than receiving it pickled.
-    # Workers ignore Ctrl-C (the terminal sends it to them too): the parent
-    # alone handles it, and stops them.
+    # Workers ignore Ctrl-C and SIGTERM (a terminal or a process manager may
+    # send them to the whole group): the parent alone handles them, and stops them.
     other_children = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(
         max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=_ignore_interrupts
@@ -449,15 +459,16 @@ def _simulate_all(
         results = [(run, future.result()) for run, future in zip(runs, futures)]
     except BaseException:
         # Stop the runs under way (else shutting down waits for them), and
-        # let no second Ctrl-C cut that short: it would leave workers behind.
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # let no second Ctrl-C or SIGTERM cut that short: it would leave workers behind.
+        previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
         try:
             for worker in set(multiprocessing.active_children()) - other_children:
                 worker.kill()
                 worker.join()
             pool.shutdown(cancel_futures=True)
         finally:
-            signal.signal(signal.SIGINT, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
         raise
     pool.shutdown()
     return results

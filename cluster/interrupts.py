@@ -29,6 +29,21 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 @contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM raises ``KeyboardInterrupt`` (``stop_on_sigterm``); after it, what it was."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    stop_on_sigterm()
+    try:
+        yield
+    finally:
+        # A handler installed outside Python (getsignal gives None) cannot be put back; the default can.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextmanager
 def interrupts_deferred(on_interrupt: Callable[[], None] | None = None) -> Iterator[Callable[[], bool]]:
     """Within the block a first SIGINT or SIGTERM is recorded instead of raised; yields whether one came.
 

@@ -17,7 +17,14 @@ decode, and each step also pays the fixed cost and its running decodes::
 A replica running requests is in the middle of a step, which the request
 waits out: half of it, expected.  NOTE: without this term a replica busy
 computing a 2,000-token prompt looked as free as an idle one, and requests
-that saved a few hundred cached tokens there queued behind it.
+that saved a few hundred cached tokens there queued behind it.  NOTE: the
+scheduler knows when each step started, so the rest of the step could be
+priced exactly.  Tried in simulation (where the cost model's step time is
+exact): on multi-turn chat at 8 replicas, seeds 0-5 at the knee, TTFT p99
+was 38.5 / 50.0 / 41.2 / 60.5 / 37.7 / 36.4 ms against 35.1 / 36.7 / 36.6 /
+56.1 / 34.4 / 38.5 with the expected half, and the hit rate lower on 5 of
+6: a replica near the end of its step looks cheap, and turns leave their
+history's replica more often.  It is not done.
 
 The match counts blocks pending on a replica (sent there with an earlier
 request, not cached yet) as cached (``match_pending``, default on: its
@@ -76,6 +83,21 @@ rule a small cached prefix (a system prompt) held by a few busy replicas
 keeps new sessions away from idle ones until those replicas' batches are
 several times the mean.  A whole step of tolerance balances more but costs
 TTFT: the tail of TTFT is a few steps long.
+
+NOTE: a tie may compute more of the prompt than the best replica: on
+multi-turn chat at 64 replicas (seed 1, the knee, 16,000 requests) 76 turns
+went from their history's replica to one with fewer requests (mostly 1-2
+fewer, of ~63), recomputing about 300-1,500 tokens each, and TTFT p99 was
+40.61 ms against cache_aware's 40.40.  Tried: a tie only while that extra
+prefill costs at most the tolerance times (outstanding on the best + 1) /
+(outstanding there + 1), which keeps the system-prompt case above.  It made
+40.34 ms there but TTFT p99 worse on 7 of 11 other runs at the knee (ms,
+with / without; cache_aware): multi-turn 8 replicas seeds 0-5 37.8 / 35.1,
+38.3 / 36.7, 35.2 / 36.6, 57.9 / 56.1, 37.3 / 34.4, 39.2 / 38.5 (40.2, 40.6,
+38.0, 43.9, 37.2, 36.9); 64 replicas seed 0 40.5 / 40.3 (41.1); 16 replicas
+seed 1, customer contexts 38.8 / 40.3 (38.3), agent tools 58.7 / 55.8 (336);
+document QA (seed 7) identical, shared prefixes at 8 within 0.1 ms.  Moving
+a few turns changes which replica congests later; it is not done.
 
 When every replica has requests waiting (the fleet is backlogged, not just
 one replica), prefill work is no longer the request's own business: each

@@ -279,12 +279,12 @@ def test_a_failed_run_leaves_no_result_files_of_an_earlier_one(tmp_path, capsys,
     assert sorted(p.name for p in out.iterdir()) == ["config.json"]
 
 
-def _interrupt_the_parent(pid_dir: Path, *run: object) -> None:
+def _interrupt_the_parent(pid_dir: Path, signum: int, *run: object) -> None:
     (pid_dir / str(os.getpid())).touch()
     parent = os.getppid()
-    try:  # the first worker only: one Ctrl-C
+    try:  # the first worker only: one Ctrl-C (or SIGTERM)
         os.close(os.open(pid_dir.parent / "interrupted", os.O_CREAT | os.O_EXCL))
-        os.kill(parent, signal.SIGINT)
+        os.kill(parent, signum)
     except FileExistsError:
         pass
     end = time.monotonic() + 600
@@ -292,11 +292,13 @@ def _interrupt_the_parent(pid_dir: Path, *run: object) -> None:
         time.sleep(0.1)
 
 
-def test_ctrl_c_stops_the_worker_processes_of_jobs(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_or_sigterm_stops_the_worker_processes_of_jobs(tmp_path, capsys, monkeypatch, signum) -> None:  # noqa: ANN001
     # One worker (a fork of this process) interrupts its parent; both would run for ten minutes.
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    monkeypatch.setattr(experiment, "_run_one", functools.partial(_interrupt_the_parent, pid_dir))
+    monkeypatch.setattr(experiment, "_run_one", functools.partial(_interrupt_the_parent, pid_dir, signum))
+    sigterm_handler = signal.getsignal(signal.SIGTERM)
     args = parse([*TINY, "--policies", "round_robin,cache_aware", "--qps", "1", "--jobs", "2",
                   "--out", str(tmp_path / "run")])
     start = time.monotonic()
@@ -312,6 +314,7 @@ def test_ctrl_c_stops_the_worker_processes_of_jobs(tmp_path, capsys, monkeypatch
             os.kill(pid, 0)  # stopped and reaped
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "kvserve experiment: interrupted"
+    assert signal.getsignal(signal.SIGTERM) is sigterm_handler  # the caller's again
 
 
 def test_a_file_written_atomically_is_absent_until_complete(tmp_path) -> None:  # noqa: ANN001

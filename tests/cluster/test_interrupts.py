@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvserve.cluster.interrupts import interrupts_deferred, stop_on_sigterm
+from kvserve.cluster.interrupts import interrupts_deferred, sigterm_as_interrupt, stop_on_sigterm
 
 
 def send_sigint() -> None:
@@ -71,6 +71,22 @@ def test_stop_on_sigterm_makes_sigterm_a_keyboard_interrupt():
     stop_on_sigterm()
     with pytest.raises(KeyboardInterrupt):
         signal.raise_signal(signal.SIGTERM)
+
+
+@pytest.mark.usefixtures("sigterm_restored")
+def test_sigterm_is_a_keyboard_interrupt_within_the_block_only():
+    def mine(signum: int, frame: object) -> None:
+        pass
+
+    signal.signal(signal.SIGTERM, mine)
+    with pytest.raises(KeyboardInterrupt):
+        with sigterm_as_interrupt():
+            signal.raise_signal(signal.SIGTERM)
+            pytest.fail("SIGTERM did not interrupt the block")
+    assert signal.getsignal(signal.SIGTERM) is mine
+    with sigterm_as_interrupt():
+        pass
+    assert signal.getsignal(signal.SIGTERM) is mine
 
 
 def test_outside_the_main_thread_the_block_runs_as_is():
