@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM as one: stop requests that a start-up which cannot be cut short safely holds back.
 
-``serve`` treats SIGTERM (what systemd, Kubernetes and ``kill`` send) as
-Ctrl-C: ``stop_on_sigterm`` makes it raise ``KeyboardInterrupt``.  Ray's
+``serve`` and ``experiment`` treat SIGTERM (what systemd, Kubernetes and
+``kill`` send) as Ctrl-C: ``stop_on_sigterm`` (for the process's life) and
+``sigterm_as_interrupt`` (for a block) make it raise ``KeyboardInterrupt``.  Ray's
 ``ray.init`` installs a handler of its own for SIGTERM (it prints a stack
 and aborts) and asyncio leaves SIGTERM at its default action after
 ``asyncio.run``, so the command installs it again after each.

@@ -280,7 +280,9 @@ def test_a_failed_run_leaves_no_result_files_of_an_earlier_one(tmp_path, capsys,
 
 
 def _interrupt_the_parent(pid_dir: Path, signum: int, *run: object) -> None:
-    (pid_dir / str(os.getpid())).touch()
+    # Each worker leaves its pid, and which stop signals it ignores (a group's Ctrl-C or SIGTERM).
+    ignored = [name for name in ("SIGINT", "SIGTERM") if signal.getsignal(getattr(signal, name)) is signal.SIG_IGN]
+    (pid_dir / str(os.getpid())).write_text(" ".join(ignored))
     parent = os.getppid()
     try:  # the first worker only: one Ctrl-C (or SIGTERM)
         os.close(os.open(pid_dir.parent / "interrupted", os.O_CREAT | os.O_EXCL))
@@ -309,6 +311,7 @@ def test_ctrl_c_or_sigterm_stops_the_worker_processes_of_jobs(tmp_path, capsys, 
     assert not multiprocessing.active_children()
     workers = [int(path.name) for path in pid_dir.iterdir()]
     assert workers
+    assert all(path.read_text() == "SIGINT SIGTERM" for path in pid_dir.iterdir())
     for pid in workers:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # stopped and reaped
