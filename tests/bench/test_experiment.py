@@ -282,7 +282,10 @@ def test_a_failed_run_leaves_no_result_files_of_an_earlier_one(tmp_path, capsys,
 def _interrupt_the_parent(pid_dir: Path, signum: int, *run: object) -> None:
     # Each worker leaves its pid, and which stop signals it ignores (a group's Ctrl-C or SIGTERM).
     ignored = [name for name in ("SIGINT", "SIGTERM") if signal.getsignal(getattr(signal, name)) is signal.SIG_IGN]
-    (pid_dir / str(os.getpid())).write_text(" ".join(ignored))
+    # Written elsewhere and renamed: the parent may kill it at any point, and a pid file is whole.
+    draft = pid_dir.parent / f"{os.getpid()}.draft"
+    draft.write_text(" ".join(ignored))
+    draft.rename(pid_dir / str(os.getpid()))
     parent = os.getppid()
     try:  # the first worker only: one Ctrl-C (or SIGTERM)
         os.close(os.open(pid_dir.parent / "interrupted", os.O_CREAT | os.O_EXCL))
