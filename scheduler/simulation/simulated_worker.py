@@ -4,7 +4,7 @@ It stands in for ``kvserve.worker.worker.Worker`` behind the cluster's
 StepWorker gRPC server (it has the servicer's ``StepRunner`` shape), so that
 routing and scheduling can be exercised on real Ray and gRPC with dozens of
 replicas on one machine: no torch, no weights, no KV tensors.  Each step
-sleeps the cost model's time on the worker thread (``SimulatedExecutor``) and
+lasts the cost model's time on the worker thread (``SimulatedExecutor``) and
 rank 0 answers with the simulator's synthetic tokens, so a live run and the
 discrete-event simulator sample the same tokens for the same request ids.
 
@@ -91,10 +91,19 @@ class SimulatedWorker:
     """One rank of a simulated replica: sleeps each step's modelled time; rank 0 samples.
 
     Every rank sleeps (the ranks of a real replica step together); only rank
-    0 returns a ``StepResult``, the others ``None``, as ``Worker`` does.
+    0 returns a ``StepResult``, the others ``None``, as ``Worker`` does.  A
+    step that continues the previous one is timed from that one's end on
+    ``clock``, so Ray's and gRPC's time between steps is not added to the
+    model's (see ``SimulatedExecutor``); ``clock=None`` sleeps every step in full.
     """
 
-    def __init__(self, config: SimulatedWorkerConfig, *, sleep: Callable[[float], None] = time.sleep) -> None:
+    def __init__(
+        self,
+        config: SimulatedWorkerConfig,
+        *,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] | None = time.monotonic,
+    ) -> None:
         simulation = config.simulation
         self.config = config
         self._executor = SimulatedExecutor(
@@ -103,6 +112,7 @@ class SimulatedWorker:
             vocab_size=simulation.vocab_size,  # type: ignore[arg-type]  # checked by the config
             time_scale=simulation.time_scale,
             sleep=sleep,
+            clock=clock,
         )
         self._scripts = simulation.scripted_output_token_ids
         # Prompt lengths of the scripted requests in flight: the n-th sampled

@@ -75,3 +75,75 @@ def test_async_executor_answers_after_the_modelled_time() -> None:
     asyncio.run(executor.shutdown())
     with pytest.raises(RuntimeError):
         asyncio.run(executor.execute(scheduler.schedule()))
+
+
+class FakeTime:
+    """A clock that only sleeping, and the test, move."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def clock(self) -> float:
+        return self.now
+
+
+def paced_executor(fake: FakeTime) -> SimulatedExecutor:
+    return SimulatedExecutor(MODEL, num_kv_blocks=64, vocab_size=500, sleep=fake.sleep, clock=fake.clock)
+
+
+def step(scheduler: Scheduler, executor: SimulatedExecutor) -> float:
+    """Run one step; its modelled seconds."""
+    plan = scheduler.schedule()
+    scheduler.update(plan, executor.execute(plan).sampled_token_ids, [0.0] * sum(plan.sample))
+    return MODEL.step_time(plan)
+
+
+def test_a_step_that_continues_the_previous_one_is_timed_from_its_end() -> None:
+    fake = FakeTime()
+    executor = paced_executor(fake)
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=3, ignore_eos=True)))
+
+    first = step(scheduler, executor)
+    fake.now += 0.004  # the result's way back, the scheduler, the next plan's way out
+    second = step(scheduler, executor)
+
+    assert fake.slept == [pytest.approx(first), pytest.approx(second - 0.004)]
+    # The two steps end when the model says, as in the simulator.
+    assert fake.now == pytest.approx(first + second)
+
+
+def test_a_step_after_an_idle_spell_sleeps_in_full_and_overhead_is_never_carried() -> None:
+    fake = FakeTime()
+    executor = paced_executor(fake)
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=1)))
+    first = step(scheduler, executor)
+    assert not scheduler.has_unfinished_requests()
+
+    fake.now += 0.5  # idle: nothing to schedule until "b" comes
+    scheduler.add_request(Request("b", list(range(10)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    second = step(scheduler, executor)
+    fake.now += 1.0  # longer than a step: this one sleeps nothing, and the next one in full
+    step(scheduler, executor)
+    fake.now += 0.001
+    fourth = step(scheduler, executor)
+
+    assert fake.slept == [pytest.approx(first), pytest.approx(second), pytest.approx(fourth - 0.001)]
+    assert fake.slept[-1] > 0
+
+
+def test_without_a_clock_every_step_sleeps_in_full() -> None:
+    slept: list[float] = []
+    executor = SimulatedExecutor(MODEL, num_kv_blocks=64, vocab_size=500, sleep=slept.append)
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("a", list(range(10)), SamplingParams(max_tokens=3, ignore_eos=True)))
+
+    modelled = [step(scheduler, executor) for _ in range(3)]
+
+    assert slept == [pytest.approx(seconds) for seconds in modelled]
