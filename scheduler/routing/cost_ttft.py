@@ -99,6 +99,20 @@ seed 1, customer contexts 38.8 / 40.3 (38.3), agent tools 58.7 / 55.8 (336);
 document QA (seed 7) identical, shared prefixes at 8 within 0.1 ms.  Moving
 a few turns changes which replica congests later; it is not done.
 
+NOTE: most turns that leave their history are not ties: its replica is
+computing a long prompt, in its step in flight or queued (in the warm-up,
+sessions under way at the start arrive with no history cached).  The copies
+they leave push other histories out later: on multi-turn chat at 8
+replicas (seed 5, the knee) 26 turns left their history (23 in the
+warm-up; 21 because its replica's estimate was 11-110 ms above another's,
+5 in ties), and 12 measured turns found theirs evicted against
+cache_aware's 2 (TTFT p99 38.5 ms against 36.9).  Tried: charging the
+prefill beyond the best match's ``k`` times more (``b * k * (uncached -
+fewest uncached)``).  ``k = 20`` removed those evictions there (35.2 ms); on
+seeds 0-2 it made 38.5 / 39.6 / 36.3 ms against 35.1 / 36.7 / 36.6, ``k = 8``
+35.9 / 39.2 / 38.3 (seed 5: 36.0); shared prefixes at 8 replicas 131.6
+against 130.5.  It is not done.
+
 When every replica has requests waiting (the fleet is backlogged, not just
 one replica), prefill work is no longer the request's own business: each
 token it computes also delays at least the requests waiting on every replica.
@@ -156,6 +170,15 @@ idle.  Three remedies:
   29.67 ms on seeds 0-3 against cache_aware's 29.65 / 29.60 / 29.74 /
   29.69), at 8 replicas or on multi-turn chat.  It costs some of the Zipf
   tail (35-39 ms with a slack of 2).  ``share_factor=None`` turns it off.
+  NOTE: there (64 equally popular prefixes, 64 replicas) no routing was
+  found to beat cache_aware: both keep each prefix on a replica of its own,
+  and their runs are identical.  Of the 160 requests above TTFT p99 (16,000
+  measured), about 80 are the 64 first prefills and the requests that
+  waited for them, 0.1 s or more under any policy; p99 is the 80th slowest
+  hit, set by arrivals that meet in one replica's step.  A second holder of a
+  prefix costs one more first prefill, and a 0.11 s step that delays the
+  hits on its replica: tie tolerances of 0 and 2 steps left the run
+  identical, and ``share_factor=1.2, share_slack=2`` made it 29.82 ms.
 * ``decode_horizon`` (default 0: off) charges the decoding that follows,
   over that many tokens (or the request's ``max_tokens`` if fewer)::
 
