@@ -129,7 +129,7 @@ def test_a_step_after_an_idle_spell_sleeps_in_full_and_overhead_is_never_carried
     fake.now += 0.5  # idle: nothing to schedule until "b" comes
     scheduler.add_request(Request("b", list(range(10)), SamplingParams(max_tokens=3, ignore_eos=True)))
     second = step(scheduler, executor)
-    fake.now += 1.0  # longer than a step: this one sleeps nothing, and the next one in full
+    fake.now += 1.0  # longer than a step: this one sleeps nothing, and the excess is not taken off the next
     step(scheduler, executor)
     fake.now += 0.001
     fourth = step(scheduler, executor)
