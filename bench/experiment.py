@@ -13,7 +13,8 @@ and arrivals X times (times are reported / X), ``--model`` names the model direc
 whose vocabulary and tokenizer the front end uses.
 
 Every policy sees the same requests at each rate.  ``--qps knee`` finds the rate at which the baseline's TTFT p99 is
-``--knee-factor`` times its unloaded value.  Replica caches are sized as a
+``--knee-factor`` times its unloaded value, by simulation (with ``--live``
+too: the live runs follow at that rate).  Replica caches are sized as a
 fraction of the stream's prefix working set (the blocks an infinite cache
 would reuse) unless ``--kv-blocks-per-replica`` is given.  Session workloads
 start in their steady state and mark a warm-up (served, not measured): the
@@ -146,7 +147,8 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     parser.add_argument("--replicas", type=int, default=8, help="replicas in the fleet (default 8)")
     parser.add_argument(
         "--qps", required=True,
-        help="comma-separated request rates, or 'knee' (the baseline's TTFT p99 at --knee-factor x unloaded); "
+        help="comma-separated request rates, or 'knee' (the baseline's TTFT p99 at --knee-factor x unloaded, "
+        "found by simulation, with --live too); "
         "the mooncake workload also takes 'trace' (its own timing)",
     )
     parser.add_argument(
@@ -299,6 +301,8 @@ def _run(args: argparse.Namespace) -> int:
             return dataclasses.replace(stream, num_requests=num_requests).at(qps)
 
         baseline_kwargs = policy_kwargs[args.baseline]
+        if model is not None:
+            _print_progress("knee: searched for in simulation (the same stream and fleet); the live runs follow at it")
         try:
             knee_qps = find_knee_qps(
                 stream_at, stream.num_requests, fleet, lambda: make_policy(args.baseline, **baseline_kwargs),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import json
 import socket
 import subprocess
 import sys
@@ -177,6 +178,29 @@ def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_
     assert {row["num_preemptions"] for row in rows} == {""}
     assert "|       - |" in (live_out / "summary.md").read_text()
     assert (live_out / "summary.md").read_text().startswith("multi_turn (live, simulated replicas)")
+
+
+def test_kvserve_experiment_live_at_the_knee_finds_it_by_simulation_and_runs_live_there(
+    ray_cluster, model_dir, vocab_size, tmp_path, capsys
+):
+    out = tmp_path / "knee"
+    argv = [
+        "--workload", "shared_prefix", "--workload-arg", "num_groups=4", "--workload-arg", "system_prompt_len=64",
+        "--workload-arg", "question_len=16", "--workload-arg", "output_len=4", "--replicas", "2",
+        "--num-requests", "24", "--kv-blocks-per-replica", "64", "--qps", "knee", "--knee-factor", "2",
+        "--policies", "round_robin", "--cost-model", str(write_cost_model(tmp_path)), "--no-plots",
+        "--live", "--time-scale", "2", "--model", str(model_dir), "--out", str(out),
+    ]
+
+    assert run_command(argv) == 0
+    printed = capsys.readouterr()
+
+    assert "knee: searched for in simulation" in printed.err
+    assert "round_robin @ " in printed.err and "100% (24/24 requests" in printed.err
+    knee_qps = json.loads((out / "config.json").read_text())["knee_qps"]
+    [summary] = read_summary(out)
+    assert float(summary["qps"]) == pytest.approx(knee_qps)
+    assert (out / "summary.md").read_text().startswith("shared_prefix (live, simulated replicas)")
 
 
 def test_kvserve_experiment_live_says_at_once_when_no_ray_cluster_is_at_the_address(model_dir, tmp_path):
