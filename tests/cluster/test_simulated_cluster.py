@@ -181,7 +181,7 @@ def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_
 
 
 def test_kvserve_experiment_live_at_the_knee_finds_it_by_simulation_and_runs_live_there(
-    ray_cluster, model_dir, vocab_size, tmp_path, capsys
+    ray_cluster, model_dir, tmp_path, capsys
 ):
     out = tmp_path / "knee"
     argv = [
