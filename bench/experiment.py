@@ -96,7 +96,7 @@ from kvserve.bench.report import count, format_table
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.bench.workloads.cache_reference import infinite_cache_reference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
-from kvserve.cluster.interrupts import STOP_SIGNALS, sigterm_as_interrupt
+from kvserve.cluster.interrupts import ignore_stop_signals, sigterm_as_interrupt, stop_signals_ignored
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
@@ -440,11 +440,6 @@ def _run_live_all(
     return results
 
 
-def _ignore_interrupts() -> None:
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, signal.SIG_IGN)
-
-
 def _simulate_all(
     runs: Sequence[Run], stream: StreamSpec, fleet: FleetConfig, jobs: int
 ) -> list[tuple[Run, SimulationResult]]:
@@ -457,7 +452,7 @@ def _simulate_all(
     # send them to the whole group): the parent alone handles them, and stops them.
     other_children = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(
-        max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=_ignore_interrupts
+        max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=ignore_stop_signals
     )
     try:
         futures = [pool.submit(_run_one, run, stream, fleet) for run in runs]
@@ -465,15 +460,11 @@ def _simulate_all(
     except BaseException:
         # Stop the runs under way (else shutting down waits for them), and
         # let no second Ctrl-C or SIGTERM cut that short: it would leave workers behind.
-        previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
-        try:
+        with stop_signals_ignored():
             for worker in set(multiprocessing.active_children()) - other_children:
                 worker.kill()
                 worker.join()
             pool.shutdown(cancel_futures=True)
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
         raise
     pool.shutdown()
     return results

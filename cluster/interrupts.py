@@ -5,7 +5,9 @@
 ``sigterm_as_interrupt`` (for a block) make it raise ``KeyboardInterrupt``.  Ray's
 ``ray.init`` installs a handler of its own for SIGTERM (it prints a stack
 and aborts) and asyncio leaves SIGTERM at its default action after
-``asyncio.run``, so the command installs it again after each.
+``asyncio.run``, so the command installs it again after each.  Worker
+processes that their parent stops ignore both (``ignore_stop_signals``), as
+does a clean-up that must not be cut short (``stop_signals_ignored``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,26 @@ def sigterm_as_interrupt() -> Iterator[None]:
     finally:
         # A handler installed outside Python (getsignal gives None) cannot be put back; the default can.
         signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def ignore_stop_signals() -> None:
+    """From now on SIGINT and SIGTERM are ignored: for a worker process that its parent stops."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+@contextmanager
+def stop_signals_ignored() -> Iterator[None]:
+    """Within the block SIGINT and SIGTERM are ignored (a clean-up not to cut short); after it, what they were."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, before in previous.items():
+            signal.signal(signum, signal.SIG_DFL if before is None else before)
 
 
 @contextmanager

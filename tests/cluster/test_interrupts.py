@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvserve.cluster.interrupts import interrupts_deferred, sigterm_as_interrupt, stop_on_sigterm
+from kvserve.cluster.interrupts import interrupts_deferred, sigterm_as_interrupt, stop_on_sigterm, stop_signals_ignored
 
 
 def send_sigint() -> None:
@@ -101,3 +101,17 @@ def test_outside_the_main_thread_the_block_runs_as_is():
     thread.start()
     thread.join()
     assert results == [True, False]
+
+
+@pytest.mark.usefixtures("sigterm_restored")
+def test_stop_signals_are_ignored_within_the_block_only():
+    def mine(signum: int, frame: object) -> None:
+        raise AssertionError("the block let a stop signal through")
+
+    signal.signal(signal.SIGTERM, mine)
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    with stop_signals_ignored():
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) is mine
+    assert signal.getsignal(signal.SIGINT) is ctrl_c
