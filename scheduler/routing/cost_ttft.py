@@ -14,9 +14,9 @@ decode, and each step also pays the fixed cost and its running decodes::
     ttft    = in flight + steps * step + b * work
     in flight = (step + b * prefill tokens of the step in flight) / 2   (0 on an idle replica)
 
-The rules below each carry the reason it exists; the measurements behind
-them, the alternatives tried and not adopted, and the experiments that made
-this policy the default are in ``README.md`` beside this file.
+Each rule below says why it exists; the measurements behind the rules, the
+alternatives tried and not adopted, and the experiments that made this
+policy the default are in ``README.md`` beside this file.
 
 * **The step in flight.**  A replica running requests is in the middle of a
   step, which the request waits out: half of it, expected.  NOTE: without it
