@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -34,16 +35,8 @@ def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:
 @contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Within the block SIGTERM raises ``KeyboardInterrupt`` (``stop_on_sigterm``); after it, what it was."""
-    if threading.current_thread() is not threading.main_thread():
+    with _handling(_raise_keyboard_interrupt, (signal.SIGTERM,)):
         yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-    stop_on_sigterm()
-    try:
-        yield
-    finally:
-        # A handler installed outside Python (getsignal gives None) cannot be put back; the default can.
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def ignore_stop_signals() -> None:
@@ -55,15 +48,8 @@ def ignore_stop_signals() -> None:
 @contextmanager
 def stop_signals_ignored() -> Iterator[None]:
     """Within the block SIGINT and SIGTERM are ignored (a clean-up not to cut short); after it, what they were."""
-    if threading.current_thread() is not threading.main_thread():
+    with _handling(signal.SIG_IGN, STOP_SIGNALS):
         yield
-        return
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, before in previous.items():
-            signal.signal(signum, signal.SIG_DFL if before is None else before)
 
 
 @contextmanager
@@ -79,10 +65,6 @@ def interrupts_deferred(on_interrupt: Callable[[], None] | None = None) -> Itera
     def interrupted() -> bool:
         return received
 
-    if threading.current_thread() is not threading.main_thread():
-        yield interrupted
-        return
-
     def handler(signum: int, frame: FrameType | None) -> None:
         nonlocal received
         if received:
@@ -91,11 +73,30 @@ def interrupts_deferred(on_interrupt: Callable[[], None] | None = None) -> Itera
         if on_interrupt is not None:
             on_interrupt()
 
-    previous = {signum: signal.signal(signum, handler) for signum in STOP_SIGNALS}
-    try:
+    # Unless the block installs a handler of its own, which is then its to keep.
+    with _handling(handler, STOP_SIGNALS, keep_replaced=True):
         yield interrupted
+
+
+@contextmanager
+def _handling(
+    handler: Callable[[int, FrameType | None], Any] | int, signums: tuple[int, ...], *, keep_replaced: bool = False
+) -> Iterator[None]:
+    """Within the block ``handler`` handles ``signums``; after it, what handled them before.
+
+    Outside the main thread, where Python delivers no signals and cannot
+    install handlers, the block runs as is.  With ``keep_replaced``, a signal
+    whose handler the block replaced keeps the block's.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
+    try:
+        yield
     finally:
         for signum, before in previous.items():
-            # Unless the block installed a handler of its own, which is then its to keep.
-            if signal.getsignal(signum) is handler:
-                signal.signal(signum, before)
+            if keep_replaced and signal.getsignal(signum) is not handler:
+                continue
+            # A handler installed outside Python (getsignal gives None) cannot be put back; the default can.
+            signal.signal(signum, signal.SIG_DFL if before is None else before)

@@ -115,3 +115,24 @@ def test_stop_signals_are_ignored_within_the_block_only():
         signal.raise_signal(signal.SIGINT)
     assert signal.getsignal(signal.SIGTERM) is mine
     assert signal.getsignal(signal.SIGINT) is ctrl_c
+
+
+def its_own(signum: int, frame: object) -> None:
+    raise AssertionError("not to be called")
+
+
+@pytest.mark.usefixtures("sigterm_restored")
+def test_a_handler_the_deferring_block_installs_is_its_to_keep():
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    with interrupts_deferred():
+        signal.signal(signal.SIGTERM, its_own)
+    assert signal.getsignal(signal.SIGTERM) is its_own
+    assert signal.getsignal(signal.SIGINT) is ctrl_c
+
+
+@pytest.mark.usefixtures("sigterm_restored")
+def test_after_sigterm_as_interrupt_the_previous_handler_is_back_even_if_the_block_installed_one():
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    with sigterm_as_interrupt():
+        signal.signal(signal.SIGTERM, its_own)  # as ray.init does
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
