@@ -31,7 +31,11 @@ pending blocks as held.  A request that leaves its replica without computing
 some of its blocks (refused there, or aborted before its prefill finished)
 takes them back (``drop_pending``).  The index counts the requests that
 brought each pending block, so that one request taken back leaves the
-block pending for another still on its way to compute it.
+block pending for another still on its way to compute it.  Each
+``add_pending`` returns a claim (a sequence number) that its request gives
+back to ``drop_pending``: a block cached since, evicted, and brought again
+by a later request is that request's, and the earlier one's withdrawal
+leaves it pending.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from kvserve.scheduler.block_hash import BlockHash
 class GlobalPrefixIndex:
     """Which replicas cache which blocks, from every replica pool's events."""
 
-    __slots__ = ("_holders", "_copies", "_pending", "_pending_of")
+    __slots__ = ("_holders", "_copies", "_pending", "_pending_of", "_next_claim", "_observers")
 
     def __init__(self) -> None:
         # hash -> bit mask of the replicas holding at least one copy.
@@ -52,9 +56,13 @@ class GlobalPrefixIndex:
         # replica -> hash -> number of its cached blocks with that hash.
         self._copies: dict[int, dict[BlockHash, int]] = {}
         # hash -> bit mask of the replicas it is pending on, and replica -> its pending hashes,
-        # each with the number of routed requests that brought it there.
+        # each with the number of routed requests that brought it there and the claim
+        # (add_pending's sequence number) of the first of them.
         self._pending: dict[BlockHash, int] = {}
-        self._pending_of: dict[int, dict[BlockHash, int]] = {}
+        self._pending_of: dict[int, dict[BlockHash, tuple[int, int]]] = {}
+        self._next_claim = 0
+        # replica -> the observer of its current pool: an earlier pool's events are ignored.
+        self._observers: dict[int, ReplicaIndexObserver] = {}
 
     # -- events ------------------------------------------------------------------
 
@@ -62,13 +70,15 @@ class GlobalPrefixIndex:
         """The ``KVCacheEventObserver`` to give replica ``replica_id``'s new pool.
 
         A new pool caches nothing: whatever an earlier pool of the replica
-        cached (one that crashed without resetting) is forgotten.
+        cached (one that crashed without resetting) is forgotten, and the
+        earlier pool's observer stops forwarding its events.
         """
         if isinstance(replica_id, bool) or not isinstance(replica_id, int) or replica_id < 0:
             raise ValueError(f"replica_id must be a non-negative integer, got {replica_id!r}")
         self.clear_replica(replica_id)
         self._copies.setdefault(replica_id, {})
-        return ReplicaIndexObserver(self, replica_id)
+        observer = self._observers[replica_id] = ReplicaIndexObserver(self, replica_id)
+        return observer
 
     def add_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         copies = self._copies.setdefault(replica_id, {})
@@ -83,9 +93,14 @@ class GlobalPrefixIndex:
                 copies[block_hash] = count + 1
         self._resolve_pending(replica_id, block_hashes)
 
-    def add_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
+    def add_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> int:
         """Replica ``replica_id`` was sent a request with these blocks: those it does not
-        cache are pending there until it does (or every request that brought them is taken back)."""
+        cache are pending there until it does (or every request that brought them is taken back).
+
+        Returns the request's claim, for ``drop_pending``.
+        """
+        claim = self._next_claim
+        self._next_claim = claim + 1
         copies = self._copies.get(replica_id, {})
         mine = self._pending_of.setdefault(replica_id, {})
         pending = self._pending
@@ -94,24 +109,31 @@ class GlobalPrefixIndex:
         for block_hash in dict.fromkeys(block_hashes):
             if block_hash in copies:
                 continue
-            count = mine.get(block_hash)
-            if count is None:
-                mine[block_hash] = 1
+            entry = mine.get(block_hash)
+            if entry is None:
+                mine[block_hash] = (1, claim)
                 pending[block_hash] = pending.get(block_hash, 0) | bit
             else:
-                mine[block_hash] = count + 1
+                mine[block_hash] = (entry[0] + 1, entry[1])
+        return claim
 
-    def drop_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
-        """A request that brought these blocks to ``replica_id`` (``add_pending``) left it
-        without computing them: each stays pending only while another request brought it."""
+    def drop_pending(self, replica_id: int, block_hashes: Sequence[BlockHash], claim: int) -> None:
+        """The request that brought these blocks to ``replica_id`` (``add_pending``, which
+        returned ``claim``) left it without computing them: each stays pending only while
+        another request brought it.
+
+        A block pending since a later claim is another request's: it was cached
+        after this request brought it (which ended this request's part in it),
+        evicted, and brought again.
+        """
         mine = self._pending_of.get(replica_id)
         if mine:
             for block_hash in dict.fromkeys(block_hashes):
-                count = mine.get(block_hash)
-                if count is None:
+                entry = mine.get(block_hash)
+                if entry is None or entry[1] > claim:
                     continue
-                if count > 1:
-                    mine[block_hash] = count - 1
+                if entry[0] > 1:
+                    mine[block_hash] = (entry[0] - 1, entry[1])
                 else:
                     del mine[block_hash]
                     _drop_bit(self._pending, block_hash, replica_id)
@@ -248,10 +270,17 @@ class ReplicaIndexObserver:
         self.replica_id = replica_id
 
     def blocks_stored(self, block_hashes: list[BlockHash], block_ids: list[int]) -> None:
-        self.index.add_blocks(self.replica_id, block_hashes)
+        if self._is_current():
+            self.index.add_blocks(self.replica_id, block_hashes)
 
     def blocks_removed(self, block_hashes: list[BlockHash], block_ids: list[int]) -> None:
-        self.index.remove_blocks(self.replica_id, block_hashes)
+        if self._is_current():
+            self.index.remove_blocks(self.replica_id, block_hashes)
 
     def all_blocks_cleared(self) -> None:
-        self.index.clear_replica(self.replica_id)
+        if self._is_current():
+            self.index.clear_replica(self.replica_id)
+
+    def _is_current(self) -> bool:
+        """Whether this observer's pool is still the replica's (``observer_for`` was not called again)."""
+        return self.index._observers.get(self.replica_id) is self

@@ -98,7 +98,7 @@ class Router:
         if not self.loads.available[replica_id]:
             raise RuntimeError(f"policy {self.policy.name!r} chose replica {replica_id}, which is unavailable")
         if self._tracks_pending:
-            self.index.add_pending(replica_id, request.block_hashes)
+            request.pending_claim = self.index.add_pending(replica_id, request.block_hashes)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
         return replica_id
@@ -109,6 +109,8 @@ class Router:
 
         Call it before the replica's scheduler aborts it (which forgets its progress).
         """
-        if self._tracks_pending:
+        claim = request.pending_claim
+        if claim is not None:
+            request.pending_claim = None
             computed = request.num_computed_tokens // self.hasher.block_size
-            self.index.drop_pending(replica_id, request.block_hashes[computed:])
+            self.index.drop_pending(replica_id, request.block_hashes[computed:], claim)

@@ -229,22 +229,25 @@ def test_pending_blocks_stay_until_their_replica_caches_them_or_is_cleared(
     index = GlobalPrefixIndex()
     pools = [BlockPool(8, observer=index.observer_for(r)) for r in range(NUM_REPLICAS)]
     held: list[list[list[KVCacheBlock]]] = [[] for _ in range(NUM_REPLICAS)]
-    # Per replica: the requests sent there, each as the blocks it brought that are still pending.
-    sent: list[list[set[BlockHash]]] = [[] for _ in range(NUM_REPLICAS)]
+    # Per replica: the requests sent there, each as its claim, the blocks it was sent with,
+    # and those of them it brought that are still pending.
+    sent: list[list[tuple[int, list[BlockHash], set[BlockHash]]]] = [[] for _ in range(NUM_REPLICAS)]
     for kind, replica_id, arg in operations:
         pool = pools[replica_id]
         requests = sent[replica_id]
         if kind == "send":
-            index.add_pending(replica_id, arg)
-            requests.append({h for h in arg if pool.get_cached_block(h) is None})
+            claim = index.add_pending(replica_id, arg)
+            requests.append((claim, arg, {h for h in arg if pool.get_cached_block(h) is None}))
         elif kind == "withdraw" and requests:
-            brought = requests.pop(arg % len(requests))
-            index.drop_pending(replica_id, list(brought))
+            # It gives back every block it was sent with, as the router does: the index
+            # must leave alone those another request brought after they were cached.
+            claim, blocks_sent, _ = requests.pop(arg % len(requests))
+            index.drop_pending(replica_id, blocks_sent, claim)
         elif kind == "store" and pool.get_num_free_blocks() >= len(arg):
             blocks = pool.get_new_blocks(len(arg))
             pool.cache_full_blocks(blocks, arg, 0, len(arg))
             held[replica_id].append(blocks)
-            for brought in requests:
+            for _, _, brought in requests:
                 brought.difference_update(arg)
         elif kind == "allocate" and pool.get_num_free_blocks() >= arg:
             held[replica_id].append(pool.get_new_blocks(arg))
@@ -252,7 +255,7 @@ def test_pending_blocks_stay_until_their_replica_caches_them_or_is_cleared(
             pool.free_blocks(reversed(held[replica_id].pop(arg % len(held[replica_id]))))
         elif kind == "reset" and pool.reset_prefix_cache():
             requests.clear()
-    pending = [set().union(*requests) for requests in sent]
+    pending = [set().union(*(brought for _, _, brought in requests)) for requests in sent]
     for r in range(NUM_REPLICAS):
         assert index.num_pending(r) == len(pending[r])
     for query in queries:
@@ -269,27 +272,63 @@ def test_a_block_pending_on_one_replica_and_cached_on_another_matches_both() -> 
     h0, h1, h2 = HASHES[:3]
     index = GlobalPrefixIndex()
     index.add_blocks(0, [h0])
-    index.add_pending(0, [h0, h1, h2])  # h0 is cached already
+    first = index.add_pending(0, [h0, h1, h2])  # h0 is cached already
     index.add_blocks(1, [h0, h1])
 
     assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
     assert index.match([h0, h1, h2]) == {0: 1, 1: 2}
     assert index.num_pending(0) == 2
-    index.add_pending(0, [h0, h1, h2, h0])  # a second request with them: no new block
+    second = index.add_pending(0, [h0, h1, h2, h0])  # a second request with them: no new block
     assert index.num_pending(0) == 2
 
     index.add_blocks(0, [h1])
     assert index.num_pending(0) == 1
-    index.drop_pending(0, [h0, h1])  # neither is pending: nothing changes
+    index.drop_pending(0, [h0, h1], first)  # neither is pending: nothing changes
     assert index.num_pending(0) == 1
     assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
-    index.drop_pending(0, [h2, h2])  # one of the two requests that brought h2 is taken back
+    index.drop_pending(0, [h2, h2], first)  # one of the two requests that brought h2 is taken back
     assert index.num_pending(0) == 1
     assert index.match([h0, h1, h2], pending=True) == {0: 3, 1: 2}
-    index.drop_pending(0, [h2])  # and the other
+    index.drop_pending(0, [h2], second)  # and the other
     assert index.num_pending(0) == 0
     assert index.match([h0, h1, h2], pending=True) == {0: 2, 1: 2}
     index.add_pending(0, [h0, h1, h2])
     index.clear_replica(0)
     assert index.num_pending(0) == 0
     assert index.match([h0, h1, h2], pending=True) == {1: 2}
+
+
+def test_a_withdrawn_request_leaves_a_block_another_request_brought_after_it_was_cached() -> None:
+    """A waiting request's block is computed by another request there and cached, then evicted,
+    and a third request brings it again: the first request's withdrawal leaves it pending."""
+    h0 = HASHES[0]
+    index = GlobalPrefixIndex()
+    observer = index.observer_for(0)
+    waiting = index.add_pending(0, [h0])
+    observer.blocks_stored([h0], [1])
+    observer.blocks_removed([h0], [1])
+    later = index.add_pending(0, [h0])
+
+    index.drop_pending(0, [h0], waiting)
+    assert index.match([h0], pending=True) == {0: 1}
+    index.drop_pending(0, [h0], later)
+    assert index.match([h0], pending=True) == {}
+
+
+def test_a_replaced_pool_no_longer_feeds_the_index() -> None:
+    """A replica's new pool (``observer_for`` again) replaces the old one: the old pool's
+    events, evicting a block the index forgot or resetting its cache, change nothing."""
+    index = GlobalPrefixIndex()
+    old_pool = BlockPool(4, observer=index.observer_for(0))
+    old_blocks = old_pool.get_new_blocks(1)
+    old_pool.cache_full_blocks(old_blocks, [HASHES[0]], 0, 1)
+    new_pool = BlockPool(4, observer=index.observer_for(0))
+    new_blocks = new_pool.get_new_blocks(1)
+    new_pool.cache_full_blocks(new_blocks, [HASHES[1]], 0, 1)
+    assert index.match([HASHES[0]]) == {}
+
+    old_pool.free_blocks(old_blocks)
+    old_pool.free_blocks(old_pool.get_new_blocks(3))  # evicts HASHES[0] from the old pool
+    assert old_pool.reset_prefix_cache()
+    assert index.match([HASHES[1]]) == {0: 1}
+    assert index.num_blocks(0) == 1
