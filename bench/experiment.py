@@ -185,7 +185,7 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "shared prefixes at 20 qps came out 2.3x the simulator's with X=5 and 1.1x with X=20: raise X with the "
         "replicas per core)",
     )
-    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    parser.add_argument("--out", type=_output_dir, required=True, help="output directory")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the policies (default 0)")
     low, high = DEFAULT_NUM_REQUESTS_RANGE
     parser.add_argument(
@@ -220,6 +220,13 @@ def run_experiment(args: argparse.Namespace) -> int:
     """
     with sigterm_as_interrupt():
         return _run_reporting_errors(args)
+
+
+def _output_dir(text: str) -> Path:
+    """``--out``: an empty name would silently mean the current directory."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must name a directory, got an empty string")
+    return Path(text)
 
 
 def _run_reporting_errors(args: argparse.Namespace) -> int:

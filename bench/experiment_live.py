@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -129,7 +130,10 @@ def ray_session(address: str | None, num_worker_slots: int) -> Iterator[None]:
     if address is not None:
         join_ray(address)
     else:
-        init_local_ray(num_worker_slots)
+        init_local_ray(
+            num_worker_slots,
+            on_interrupt=lambda: print("interrupted: stopping once Ray has started", file=sys.stderr, flush=True),
+        )
     try:
         yield
     finally:

@@ -219,6 +219,8 @@ def parse_policy_args(items: Sequence[str], policies: Sequence[str]) -> dict[str
         option = EXPERIMENT_POLICY_ARGS.get(policy, {}).get(name)
         if option is not None:
             raise ExperimentError(f"--policy-arg {key}: the experiment sets it from {option}")
+        if name in parsed.get(policy, {}):
+            raise ExperimentError(f"--policy-arg {key} is given more than once")
         parsed.setdefault(policy, {})[name] = value
     return parsed
 

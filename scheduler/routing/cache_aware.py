@@ -6,8 +6,12 @@ min), the request goes to the least loaded replica.  Otherwise it goes to the
 replica caching the longest prefix of its prompt, if that covers at least
 ``cache_threshold`` of the prompt's tokens, else to the least loaded.
 Unavailable replicas count for nothing: neither loads nor matches.
-Unlike SGLang, whose router approximates caches with a radix tree of the
-requests it routed, the match here is the exact global index.
+
+Where this differs from SGLang's router, it follows kvserve's specification
+of the policy: the match is the exact global index (SGLang approximates
+caches with a radix tree of the requests it routed); a match of exactly
+the threshold counts (SGLang: more than it); and without one the request
+goes to the least loaded replica (SGLang: the one whose tree is smallest).
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ class ConsistentHashPolicy:
         seed: int = 0,
     ) -> None:
         check_ints(1, num_prefix_blocks=num_prefix_blocks, virtual_nodes=virtual_nodes)
+        check_ints(0, seed=seed)
         check_numbers(1, above=True, load_factor=load_factor)
         self.num_prefix_blocks = num_prefix_blocks
         self.load_factor = load_factor

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from kvserve.scheduler.checks import check_ints
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -21,6 +22,7 @@ class LeastLoadedPolicy:
     name = "least_loaded"
 
     def __init__(self, seed: int = 0) -> None:
+        check_ints(0, seed=seed)
         self._rng = random.Random(seed)
 
     def select(

@@ -166,6 +166,14 @@ def test_bad_options_are_reported_before_the_output_folder_is_made(tmp_path, cap
     assert not out.exists()
 
 
+def test_an_empty_out_is_refused_rather_than_taken_as_the_current_directory(capsys) -> None:  # noqa: ANN001
+    with pytest.raises(SystemExit) as exit_info:
+        parse([*TINY, "--qps", "1", "--out", ""])
+
+    assert exit_info.value.code == 2
+    assert "--out: must name a directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -177,6 +185,10 @@ def test_bad_options_are_reported_before_the_output_folder_is_made(tmp_path, cap
         (["--policy-arg", "least_loaded.seed=1"], "the experiment sets it from --seed"),
         (["--policy-arg", "consistent_hash.load_factor=2", "--policies", "round_robin"], "consistent_hash is not run"),
         (["--policy-arg", "round_robin.x=1", "--jobs", "2"], "--policy-arg round_robin: bad arguments"),
+        (
+            ["--policy-arg", "cache_aware.cache_threshold=0.5", "--policy-arg", "cache_aware.cache_threshold=0.6"],
+            "--policy-arg cache_aware.cache_threshold is given more than once",
+        ),
     ],
 )
 def test_every_policy_is_built_before_the_first_run(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
