@@ -191,7 +191,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--time-scale", type=float, default=None, metavar="X",
-        help="with --simulated: steps last X times the cost model's time (default: 1)",
+        help="with --simulated: steps last X times the cost model's time (default: 1; 0: no wait at all)",
     )
     parser.add_argument(
         "--placement-timeout", type=float, default=None, metavar="S",

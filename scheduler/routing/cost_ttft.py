@@ -71,6 +71,19 @@ policy the default are in ``README.md`` beside this file.
     bound leaves near 2x.  Each new holder of a hot prefix costs one miss,
     and a miss of a long prefix is the TTFT tail, so the factor trades TTFT
     p99 against balance; ``share_factor=None`` turns it off.
+* **Idle capacity is used** (``spread_tolerance_steps``, default 2).  A
+  replica far under its share of recent requests (``RecentShare.under_share``,
+  the share bound's mirror: with the defaults, under the mean less the larger
+  of half the mean and 3 deviations of chance) takes the request when its
+  estimate is within that many steps of the best replica's;
+  ``share_factor=None`` turns it off too.  NOTE: the estimate prices a short shared prefix's miss
+  (a 256-token system prompt: 13 ms) but not what keeping every new session
+  on the replicas holding it costs: on 3-turn chat at 16 replicas, the 8
+  replicas that cached the system prompt while starting up got every
+  request, the other 8 and their KV caches stayed idle, and histories were
+  evicted.  Two steps cover such a prompt's miss, not a history's (a turn's
+  is 640 tokens or more, 4 steps); under balanced load no replica is that
+  far under its share and the rule never fires.
 * **Decoding to come** (``decode_horizon``, default 0: off) charges the
   decoding that follows, over that many tokens (or the request's
   ``max_tokens`` if fewer)::
@@ -120,6 +133,7 @@ class CostTTFTPolicy:
         share_deviations: float = 3.0,
         share_window: int = 1000,
         share_slack: float = 8.0,
+        spread_tolerance_steps: float = 2.0,
         match_pending: bool = True,
     ) -> None:
         if cost_model is not None and not isinstance(cost_model, StepCostModel):
@@ -127,7 +141,10 @@ class CostTTFTPolicy:
         self.cost_model = cost_model or StepCostModel.default()
         check_ints(2, max_num_batched_tokens=max_num_batched_tokens)
         check_ints(0, load_slack=load_slack, decode_horizon=decode_horizon)
-        check_numbers(0, tie_tolerance_steps=tie_tolerance_steps, work_penalty=work_penalty)
+        check_numbers(
+            0, tie_tolerance_steps=tie_tolerance_steps, work_penalty=work_penalty,
+            spread_tolerance_steps=spread_tolerance_steps,
+        )
         check_numbers(0, maximum=1, min_match_fraction=min_match_fraction)
         if load_factor is not None:
             check_numbers(1, above=True, load_factor=load_factor)
@@ -138,6 +155,7 @@ class CostTTFTPolicy:
         self.load_slack = load_slack
         self.work_penalty = work_penalty
         self.decode_horizon = decode_horizon
+        self.spread_tolerance_steps = spread_tolerance_steps
         if not isinstance(match_pending, bool):
             raise ValueError(f"match_pending must be True or False, got {match_pending!r}")
         # Blocks a replica was sent and has not cached yet count as cached there (see the module docstring).
@@ -186,6 +204,13 @@ class CostTTFTPolicy:
             if not np.isinf(score[~over]).all():  # never bind when nothing would be left
                 score[over] = np.inf
         best = int(score.argmin())
+        if self.recent_share is not None and self.spread_tolerance_steps:
+            under = self.recent_share.under_share(available, len(table))
+            if not under[best]:
+                near = under & (score <= score[best] + self.spread_tolerance_steps * float(step_time[best]))
+                if near.any():
+                    score = np.where(near, score, np.inf)
+                    best = int(score.argmin())
         tolerance = self.tie_tolerance_steps * float(step_time[best]) + 1e-12
         ties = np.flatnonzero(score <= score[best] + tolerance)
         if len(ties) > 1:

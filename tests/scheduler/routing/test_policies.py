@@ -310,6 +310,7 @@ def test_make_policy_rejects_unknown_names_and_arguments() -> None:
         ("cost_ttft", "share_deviations", float("inf")),
         ("cost_ttft", "cost_model", 1),
         ("cost_ttft", "match_pending", "yes"),
+        ("cost_ttft", "spread_tolerance_steps", float("nan")),
         ("least_loaded", "seed", "x"),
         ("least_loaded", "seed", -1),
         ("consistent_hash", "seed", 2.5),
@@ -356,6 +357,40 @@ def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holdin
     assert policy.select(req, loads, index) == 1
     ttft_only = CostTTFTPolicy(StepCostModel.default(), tie_tolerance_steps=0, decode_horizon=0)
     assert ttft_only.select(req, loads, index) == 0
+
+
+def test_cost_ttft_sends_a_new_session_to_a_replica_far_under_its_share_within_two_steps() -> None:
+    """A busy replica holding the system prompt saves a new session 8 ms over an idle one that does
+    not (more than a tie); once the idle replica is far under its share, it takes the session."""
+    model = StepCostModel.default()
+    first_turn = request(prompt_len=384)
+    index = index_with({0: 16}, first_turn)  # replica 0 caches the 256-token system prompt
+    loads = [
+        ReplicaLoad(0, num_running=10, num_running_tokens=6000, num_free_blocks=1000, num_total_blocks=1000),
+        ReplicaLoad(1, num_free_blocks=1000, num_total_blocks=1000),
+    ]
+
+    def policy_after(routed: list[int], **kwargs: float) -> CostTTFTPolicy:
+        policy = CostTTFTPolicy(model, **kwargs)
+        for replica_id in routed:
+            policy.recent_share.record(replica_id, 2)
+        return policy
+
+    estimate = policy_after([]).estimate_ttft(first_turn, loads, index)
+    step = model.a + 10 * model.c + 6000 * model.d
+    assert 0.5 * step < estimate[1] - estimate[0] < 2 * step
+    # Balanced so far, or not far enough from it at start-up: the estimate decides.
+    assert policy_after([0, 1] * 100).select(first_turn, loads, index) == 0
+    assert policy_after([0] * 16).select(first_turn, loads, index) == 0  # mean 8: 3 deviations exceed it
+    # 200 requests all on replica 0: replica 1's count is under the mean (~95) less half of it.
+    assert policy_after([0] * 200).select(first_turn, loads, index) == 1
+    assert policy_after([0] * 200, spread_tolerance_steps=0).select(first_turn, loads, index) == 0
+    assert policy_after([0] * 200, spread_tolerance_steps=1).select(first_turn, loads, index) == 0
+    # A later turn whose 1,024-token history replica 0 holds costs 46 ms more elsewhere: it stays.
+    later_turn = request(prompt_len=1152)
+    assert policy_after([0] * 200).select(later_turn, loads, index_with({0: 64}, later_turn)) == 0
+    with pytest.raises(ValueError, match="spread_tolerance_steps"):
+        CostTTFTPolicy(model, spread_tolerance_steps=-1)
 
 
 def test_cost_ttft_waits_for_the_step_in_flight_on_a_replica_computing_a_long_prompt() -> None:

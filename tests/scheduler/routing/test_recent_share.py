@@ -56,6 +56,17 @@ def test_the_slack_keeps_a_start_up_burst_within_its_share() -> None:
     assert share_with([11] + counts[1:], deviations=3.0, slack=8.0).over_share(None, 64).tolist() == [True] + [False] * 63
 
 
+def test_a_replica_is_far_under_its_share_below_the_mirrored_bound_without_slack() -> None:
+    # mean 20, factor 2: bound 20 - (1 - 1 / 2) * 20 = 10, whatever the slack.
+    assert share_with([30, 30, 10, 10], factor=2.0, slack=8.0).under_share(None, 4).tolist() == [False] * 4
+    assert share_with([30, 31, 10, 9], factor=2.0, slack=8.0).under_share(None, 4).tolist() == [False] * 3 + [True]
+    # Chance widens it as it widens the upper bound: 3 deviations (3 * sqrt(20) = 13.4) exceed half the mean.
+    assert not share_with([30, 31, 12, 7], factor=2.0, deviations=3.0).under_share(None, 4).any()
+    assert share_with([30, 31, 13, 6], factor=2.0, deviations=3.0).under_share(None, 4).tolist() == [False] * 3 + [True]
+    # While the mean is under deviations ** 2, no count is under it: at start-up no replica is idle.
+    assert not share_with([27, 5, 0, 0], factor=2.0, deviations=3.0).under_share(None, 4).any()
+
+
 def test_the_mean_is_taken_over_available_replicas_only() -> None:
     share = share_with([12, 12, 0, 0])  # mean 6 over all: bound 9.2; mean 12 over the first two: 16.4
     available = np.array([True, True, False, False])
