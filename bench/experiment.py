@@ -435,7 +435,7 @@ def _run_live_all(
 
     _print_progress(f"{count(len(runs), 'live run')}, {count(fleet.num_replicas, 'simulated replica')} each")
     results = []
-    with ray_session(args.address, num_worker_slots=fleet.num_replicas):
+    with ray_session(args.address, num_worker_slots=fleet.num_replicas, report=_print_progress):
         for run in runs:
             requests = stream.at(run.qps)
             try:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -119,10 +118,13 @@ def live_cluster_config(
 
 
 @contextmanager
-def ray_session(address: str | None, num_worker_slots: int) -> Iterator[None]:
+def ray_session(
+    address: str | None, num_worker_slots: int, report: Callable[[str], None] | None = None
+) -> Iterator[None]:
     """Ray for live runs: the driver's if it is connected, else ``address``'s, else a new local one.
 
-    A local instance offers ``num_worker_slots`` worker slots and stops at the end.
+    A local instance offers ``num_worker_slots`` worker slots and stops at the
+    end; ``report`` is told of a Ctrl-C while it starts (``init_local_ray``).
     """
     if ray.is_initialized():
         yield
@@ -130,10 +132,7 @@ def ray_session(address: str | None, num_worker_slots: int) -> Iterator[None]:
     if address is not None:
         join_ray(address)
     else:
-        init_local_ray(
-            num_worker_slots,
-            on_interrupt=lambda: print("interrupted: stopping once Ray has started", file=sys.stderr, flush=True),
-        )
+        init_local_ray(num_worker_slots, report)
     try:
         yield
     finally:

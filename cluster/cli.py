@@ -384,7 +384,7 @@ def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[st
         if config.device == "cpu" or not torch.cuda.is_available():
             num_worker_slots = config.parallel.num_workers
     progress("starting a local Ray instance")
-    init_local_ray(num_worker_slots, on_interrupt=lambda: progress("interrupted: stopping once Ray has started"))
+    init_local_ray(num_worker_slots, report=progress)
     progress("started a local Ray instance on 127.0.0.1")
 
 

@@ -110,18 +110,19 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
     return ClusterHandle(scheduler, model_info, config, device_kind, placement_groups)
 
 
-def init_local_ray(num_worker_slots: int = 0, on_interrupt: Callable[[], None] | None = None) -> None:
+def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | None = None) -> None:
     """Start a new single-machine Ray instance on 127.0.0.1 (namespace ``kvserve``).
 
     ``num_worker_slots``: the ``WORKER_CPU_RESOURCE`` slots it offers, one per
     CPU (or simulated) rank.  Ctrl-C or SIGTERM while Ray starts (seconds) is
     held until it has started, which is then stopped and ``KeyboardInterrupt``
-    raised; ``on_interrupt`` is called when the signal comes.
+    raised; ``report``, when given, is told so when the signal comes.
     """
     keep_ray_on_loopback()
     resources = {WORKER_CPU_RESOURCE: num_worker_slots} if num_worker_slots else {}
     # NOTE: an interrupt inside ray.init left Ray's dashboard and runtime-env
     # agents running after the process exited (they ignore SIGTERM).
+    on_interrupt = None if report is None else lambda: report("interrupted: stopping once Ray has started")
     with interrupts_deferred(on_interrupt) as interrupted, _sigterm_handler_kept():
         # NOTE: address="local" always starts a new instance: without it, ray.init
         # joins whatever cluster this machine last started.

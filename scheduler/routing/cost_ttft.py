@@ -76,12 +76,12 @@ policy the default are in ``README.md`` beside this file.
   the share bound's mirror: with the defaults, under the mean less the larger
   of half the mean and 3 deviations of chance) takes the request when its
   estimate is within that many steps of the best replica's;
-  ``share_factor=None`` turns it off too.  NOTE: the estimate prices a short shared prefix's miss
-  (a 256-token system prompt: 13 ms) but not what keeping every new session
-  on the replicas holding it costs: on 3-turn chat at 16 replicas, the 8
-  replicas that cached the system prompt while starting up got every
-  request, the other 8 and their KV caches stayed idle, and histories were
-  evicted.  Two steps cover such a prompt's miss, not a history's (a turn's
+  ``share_factor=None`` turns it off too.  NOTE: the estimate prices a short
+  shared prefix's miss (a 256-token system prompt: 13 ms) but not what
+  keeping every new session on the replicas holding it costs: on 3-turn chat
+  at 16 replicas, the 8 replicas that cached the system prompt while starting
+  up got every request, the other 8 and their KV caches stayed idle, and
+  histories were evicted.  Two steps cover such a prompt's miss, not a history's (a turn's
   is 640 tokens or more, 4 steps); under balanced load no replica is that
   far under its share and the rule never fires.
 * **Decoding to come** (``decode_horizon``, default 0: off) charges the

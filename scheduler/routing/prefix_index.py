@@ -61,7 +61,7 @@ class GlobalPrefixIndex:
         self._pending: dict[BlockHash, int] = {}
         self._pending_of: dict[int, dict[BlockHash, tuple[int, int]]] = {}
         self._next_claim = 0
-        # replica -> the observer of its current pool: an earlier pool's events are ignored.
+        # replica -> the observer of its current pool (observer_for retires the one it replaces).
         self._observers: dict[int, ReplicaIndexObserver] = {}
 
     # -- events ------------------------------------------------------------------
@@ -77,6 +77,9 @@ class GlobalPrefixIndex:
             raise ValueError(f"replica_id must be a non-negative integer, got {replica_id!r}")
         self.clear_replica(replica_id)
         self._copies.setdefault(replica_id, {})
+        replaced = self._observers.get(replica_id)
+        if replaced is not None:
+            replaced.active = False
         observer = self._observers[replica_id] = ReplicaIndexObserver(self, replica_id)
         return observer
 
@@ -263,24 +266,22 @@ def _bits(mask: int) -> list[int]:
 class ReplicaIndexObserver:
     """Forwards one replica pool's events to the global index (a ``KVCacheEventObserver``)."""
 
-    __slots__ = ("index", "replica_id")
+    __slots__ = ("index", "replica_id", "active")
 
     def __init__(self, index: GlobalPrefixIndex, replica_id: int) -> None:
         self.index = index
         self.replica_id = replica_id
+        # False once observer_for gave the replica a new pool: this one's events are ignored.
+        self.active = True
 
     def blocks_stored(self, block_hashes: list[BlockHash], block_ids: list[int]) -> None:
-        if self._is_current():
+        if self.active:
             self.index.add_blocks(self.replica_id, block_hashes)
 
     def blocks_removed(self, block_hashes: list[BlockHash], block_ids: list[int]) -> None:
-        if self._is_current():
+        if self.active:
             self.index.remove_blocks(self.replica_id, block_hashes)
 
     def all_blocks_cleared(self) -> None:
-        if self._is_current():
+        if self.active:
             self.index.clear_replica(self.replica_id)
-
-    def _is_current(self) -> bool:
-        """Whether this observer's pool is still the replica's (``observer_for`` was not called again)."""
-        return self.index._observers.get(self.replica_id) is self

@@ -58,19 +58,21 @@ class RecentShare:
 
         ``available`` (or ``None``: all) names the replicas the mean is taken over.
         """
-        self._resize(num_replicas)
-        counts = self.counts if available is None else self.counts[available]
-        mean = float(counts.mean())
+        mean = self._mean(available, num_replicas)
         bound = mean + max((self.factor - 1.0) * mean, self.deviations * math.sqrt(mean)) + self.slack
         return self.counts + 1.0 > bound
 
     def under_share(self, available: np.ndarray | None, num_replicas: int) -> np.ndarray:
         """Which replicas are far under their share (a boolean mask): the mirror of ``over_share``."""
-        self._resize(num_replicas)
-        counts = self.counts if available is None else self.counts[available]
-        mean = float(counts.mean())
+        mean = self._mean(available, num_replicas)
         bound = mean - max((1.0 - 1.0 / self.factor) * mean, self.deviations * math.sqrt(mean))
         return self.counts < bound
+
+    def _mean(self, available: np.ndarray | None, num_replicas: int) -> float:
+        """The mean count of the ``available`` replicas (``None``: all) of ``num_replicas``."""
+        self._resize(num_replicas)
+        counts = self.counts if available is None else self.counts[available]
+        return float(counts.mean())
 
     def record(self, replica_id: int, num_replicas: int) -> None:
         """One request was routed to ``replica_id``: decay every count, then count it."""
