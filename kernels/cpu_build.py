@@ -33,7 +33,9 @@ SOURCES = tuple(
     CSRC_DIR / name
     for name in ("paged_attention_cpu.cpp", "cpu_attention_plan.cpp", "cpu_row_ops.cpp", "cpu_row_tiles.cpp")
 )
-HEADERS = tuple(CSRC_DIR / name for name in ("cpu_attention.h", "cpu_attention_plan.h", "cpu_vector_math.h"))
+HEADERS = tuple(
+    CSRC_DIR / name for name in ("check_message.h", "cpu_attention.h", "cpu_attention_plan.h", "cpu_vector_math.h")
+)
 # NOTE: no -march=native: the build directory may be shared by machines with
 # different CPUs, and a library built for one would crash on another.  The vector
 # code carries target attributes and is chosen at run time instead.

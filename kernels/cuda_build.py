@@ -35,7 +35,9 @@ logger = logging.getLogger(__name__)
 EXTENSION_NAME = "kvserve_paged_attention_cuda"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC_DIR / "paged_attention_cuda.cu", CSRC_DIR / "paged_attention_cuda_binding.cpp")
-HEADERS = (CSRC_DIR / "paged_attention_cuda.h", CSRC_DIR / "paged_attention_kernels.cuh")
+HEADERS = (
+    CSRC_DIR / "check_message.h", CSRC_DIR / "paged_attention_cuda.h", CSRC_DIR / "paged_attention_kernels.cuh"
+)
 # -lineinfo maps profiler samples (ncu) to source lines at no run-time cost.
 EXTRA_CUDA_CFLAGS = ("-O3", "-lineinfo")
 EXTRA_CFLAGS = ("-O3",)

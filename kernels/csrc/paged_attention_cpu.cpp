@@ -70,8 +70,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "check_message.h"
 #include "cpu_attention.h"
 #include "cpu_attention_plan.h"
+
+using kvserve::check::require;
 
 namespace {
 
@@ -277,31 +280,31 @@ void check_block_tables(const at::Tensor& block_tables, const at::Tensor& seq_le
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   for (int64_t req = 0; req < seq_lens.size(0); ++req) {
     const int64_t seq_len = lens[req];
-    TORCH_CHECK(seq_len >= 1 && seq_len <= max_blocks * block_size, "seq_lens[", req, "] = ", seq_len,
-                " must be in [1, ", max_blocks * block_size, "] (max_blocks * block_size)");
+    require(seq_len >= 1 && seq_len <= max_blocks * block_size, "seq_lens[", req, "] = ", seq_len,
+            " must be in [1, ", max_blocks * block_size, "] (max_blocks * block_size)");
     for (int64_t block = 0; block < (seq_len + block_size - 1) / block_size; ++block) {
       const int64_t block_id = tables[req * max_blocks + block];
-      TORCH_CHECK(block_id >= 0 && block_id < num_blocks, "block_tables[", req, "][", block, "] = ",
-                  block_id, " is not a block of the cache (", num_blocks, " blocks)");
+      require(block_id >= 0 && block_id < num_blocks, "block_tables[", req, "][", block, "] = ",
+              block_id, " is not a block of the cache (", num_blocks, " blocks)");
     }
   }
 }
 
 void check_query_start_loc(const at::Tensor& starts, const at::Tensor& seq_lens, int64_t num_tokens) {
   const int64_t num_reqs = seq_lens.size(0);
-  TORCH_CHECK(starts.device().is_cpu() && starts.is_contiguous() && starts.scalar_type() == at::kInt &&
-                  starts.dim() == 1 && starts.size(0) == num_reqs + 1,
-              "query_start_loc must be a contiguous int32 CPU tensor of ", num_reqs + 1, " entries");
+  require(starts.device().is_cpu() && starts.is_contiguous() && starts.scalar_type() == at::kInt &&
+              starts.dim() == 1 && starts.size(0) == num_reqs + 1,
+          "query_start_loc must be a contiguous int32 CPU tensor of ", num_reqs + 1, " entries");
   const int32_t* loc = starts.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  TORCH_CHECK(loc[0] == 0 && loc[num_reqs] == num_tokens, "query_start_loc must run from 0 to ", num_tokens,
-              " (query's rows)");
+  require(loc[0] == 0 && loc[num_reqs] == num_tokens, "query_start_loc must run from 0 to ", num_tokens,
+          " (query's rows)");
   for (int64_t req = 0; req < num_reqs; ++req) {
-    TORCH_CHECK(loc[req + 1] > loc[req], "query_start_loc must be increasing, got ", loc[req], " then ",
-                loc[req + 1], " at ", req);
+    require(loc[req + 1] > loc[req], "query_start_loc must be increasing, got ", loc[req], " then ",
+            loc[req + 1], " at ", req);
     const int64_t num_new = loc[req + 1] - loc[req], seq_len = lens[req];
-    TORCH_CHECK(num_new <= seq_len, "request ", req, " has ", num_new, " new tokens but seq_lens[", req, "] = ",
-                seq_len);
+    require(num_new <= seq_len, "request ", req, " has ", num_new, " new tokens but seq_lens[", req, "] = ",
+            seq_len);
   }
 }
 
@@ -315,43 +318,43 @@ bool rows_are_dense(const at::Tensor& tensor) {
 bool paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      double scale, const std::optional<at::Tensor>& query_start_loc) {
-  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
-              "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got ",
-              key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes(), "out ", out.sizes(), " must have query's shape ", query.sizes());
+  require(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
+  require(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+          "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+          key_cache.sizes(), " and ", value_cache.sizes());
+  require(out.sizes() == query.sizes(), "out ", out.sizes(), " must have query's shape ", query.sizes());
   const int64_t num_heads = query.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == query.size(2), "query head_dim ", query.size(2), " != cache head_dim ",
-              key_cache.size(3));
-  TORCH_CHECK(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, "num_heads ", num_heads,
-              " is not a multiple of num_kv_heads ", num_kv_heads);
-  TORCH_CHECK(key_cache.size(1) >= 1, "block_size must be at least 1");
-  TORCH_CHECK(seq_lens.dim() == 1, "seq_lens must be [num_reqs], got ", seq_lens.sizes());
+  require(key_cache.size(3) == query.size(2), "query head_dim ", query.size(2), " != cache head_dim ",
+          key_cache.size(3));
+  require(num_kv_heads >= 1 && num_heads % num_kv_heads == 0, "num_heads ", num_heads,
+          " is not a multiple of num_kv_heads ", num_kv_heads);
+  require(key_cache.size(1) >= 1, "block_size must be at least 1");
+  require(seq_lens.dim() == 1, "seq_lens must be [num_reqs], got ", seq_lens.sizes());
   const int64_t num_reqs = seq_lens.size(0);
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_reqs, "block_tables must be [",
-              num_reqs, ", max_blocks], got ", block_tables.sizes());
+  require(block_tables.dim() == 2 && block_tables.size(0) == num_reqs, "block_tables must be [",
+          num_reqs, ", max_blocks], got ", block_tables.sizes());
   const auto dtype = query.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-              "query must be float32, bfloat16 or float16, got ", dtype);
-  TORCH_CHECK(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
-                  value_cache.scalar_type() == dtype,
-              "out, query and the caches must share one dtype");
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "block_tables and seq_lens must be int32");
+  require(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
+          "query must be float32, bfloat16 or float16, got ", dtype);
+  require(out.scalar_type() == dtype && key_cache.scalar_type() == dtype &&
+              value_cache.scalar_type() == dtype,
+          "out, query and the caches must share one dtype");
+  require(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+          "block_tables and seq_lens must be int32");
   for (const at::Tensor* tensor : {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens}) {
-    TORCH_CHECK(tensor->device().is_cpu(), "all tensors must be CPU tensors");
+    require(tensor->device().is_cpu(), "all tensors must be CPU tensors");
   }
   for (const at::Tensor* tensor : {&key_cache, &value_cache, &block_tables, &seq_lens}) {
-    TORCH_CHECK(tensor->is_contiguous(), "the caches, block_tables and seq_lens must be contiguous");
+    require(tensor->is_contiguous(), "the caches, block_tables and seq_lens must be contiguous");
   }
-  TORCH_CHECK(rows_are_dense(query) && rows_are_dense(out),
-              "query and out must have contiguous heads and dims (any stride between rows)");
+  require(rows_are_dense(query) && rows_are_dense(out),
+          "query and out must have contiguous heads and dims (any stride between rows)");
   const int64_t num_tokens = query.size(0);
   if (query_start_loc.has_value()) {
     check_query_start_loc(*query_start_loc, seq_lens, num_tokens);
   } else {
-    TORCH_CHECK(num_tokens == num_reqs, "without query_start_loc, query must have one row per request (",
-                num_reqs, "), got ", num_tokens);
+    require(num_tokens == num_reqs, "without query_start_loc, query must have one row per request (",
+            num_reqs, "), got ", num_tokens);
   }
   check_block_tables(block_tables, seq_lens, key_cache.size(0), key_cache.size(1));
 
@@ -379,31 +382,31 @@ bool paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
 
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes(), "key and value must both be [num_tokens, "
-              "num_kv_heads, head_dim], got ", key.sizes(), " and ", value.sizes());
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
-                  key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
-              "key_cache and value_cache must both be [num_blocks, block_size, ", key.size(1), ", ",
-              key.size(2), "], got ", key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
-                  slot_mapping.scalar_type() == at::kLong,
-              "slot_mapping must be int64 [", key.size(0), "], got ", slot_mapping.sizes());
+  require(key.dim() == 3 && key.sizes() == value.sizes(), "key and value must both be [num_tokens, "
+          "num_kv_heads, head_dim], got ", key.sizes(), " and ", value.sizes());
+  require(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
+              key_cache.size(2) == key.size(1) && key_cache.size(3) == key.size(2),
+          "key_cache and value_cache must both be [num_blocks, block_size, ", key.size(1), ", ",
+          key.size(2), "], got ", key_cache.sizes(), " and ", value_cache.sizes());
+  require(slot_mapping.dim() == 1 && slot_mapping.size(0) == key.size(0) &&
+              slot_mapping.scalar_type() == at::kLong,
+          "slot_mapping must be int64 [", key.size(0), "], got ", slot_mapping.sizes());
   const auto dtype = key_cache.scalar_type();
-  TORCH_CHECK(key.scalar_type() == dtype && value.scalar_type() == dtype && value_cache.scalar_type() == dtype,
-              "key, value and the caches must share one dtype");
+  require(key.scalar_type() == dtype && value.scalar_type() == dtype && value_cache.scalar_type() == dtype,
+          "key, value and the caches must share one dtype");
   for (const at::Tensor* tensor : {&key, &value, &key_cache, &value_cache, &slot_mapping}) {
-    TORCH_CHECK(tensor->device().is_cpu(), "all tensors must be CPU tensors");
+    require(tensor->device().is_cpu(), "all tensors must be CPU tensors");
   }
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous() && slot_mapping.is_contiguous(),
-              "the caches and slot_mapping must be contiguous");
-  TORCH_CHECK(rows_are_dense(key) && rows_are_dense(value),
-              "key and value must have contiguous heads and dims (any stride between rows)");
+  require(key_cache.is_contiguous() && value_cache.is_contiguous() && slot_mapping.is_contiguous(),
+          "the caches and slot_mapping must be contiguous");
+  require(rows_are_dense(key) && rows_are_dense(value),
+          "key and value must have contiguous heads and dims (any stride between rows)");
   const int64_t num_tokens = key.size(0), num_slots = key_cache.size(0) * key_cache.size(1);
   const int64_t row_bytes = key.size(1) * key.size(2) * key.element_size();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t token = 0; token < num_tokens; ++token) {
-    TORCH_CHECK(slots[token] >= 0 && slots[token] < num_slots, "slot_mapping[", token, "] = ", slots[token],
-                " is not a slot of the cache (", num_slots, " slots)");
+    require(slots[token] >= 0 && slots[token] < num_slots, "slot_mapping[", token, "] = ", slots[token],
+            " is not a slot of the cache (", num_slots, " slots)");
   }
   const auto* key_src = static_cast<const char*>(key.data_ptr());
   const auto* value_src = static_cast<const char*>(value.data_ptr());
@@ -423,12 +426,12 @@ void set_cpu_capability(const std::string& name) {
   const Capability detected = kvserve::cpu::detect_capability();
   for (const Capability value : {Capability::kPortable, Capability::kAvx2, Capability::kAvx512}) {
     if (name == capability_name(value)) {
-      TORCH_CHECK(value <= detected, "this CPU supports up to ", capability_name(detected), ", not ", name);
+      require(value <= detected, "this CPU supports up to ", capability_name(detected), ", not ", name);
       g_capability.store(static_cast<int>(value), std::memory_order_relaxed);
       return;
     }
   }
-  TORCH_CHECK(false, "unknown CPU capability '", name, "' (portable, avx2 or avx512)");
+  kvserve::check::fail("unknown CPU capability '", name, "' (portable, avx2 or avx512)");
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

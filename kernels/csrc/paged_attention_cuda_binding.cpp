@@ -14,11 +14,15 @@
 #include <cstdint>
 #include <limits>
 
+#include "check_message.h"
 #include "paged_attention_cuda.h"
 
 namespace {
 
 constexpr int64_t kMaxGridYZ = 65535;
+
+using kvserve::check::fail;
+using kvserve::check::require;
 
 kvserve::DType kernel_dtype(const at::Tensor& tensor) {
   switch (tensor.scalar_type()) {
@@ -27,42 +31,42 @@ kvserve::DType kernel_dtype(const at::Tensor& tensor) {
     case at::kBFloat16: return kvserve::DType::kBFloat16;
     default: break;
   }
-  TORCH_CHECK(false, "expected float32, float16 or bfloat16 tensors, got ", tensor.scalar_type());
+  fail("expected float32, float16 or bfloat16 tensors, got ", tensor.scalar_type());
 }
 
 void check_on_device(const at::Tensor& tensor, const at::Device& device, const char* name) {
-  TORCH_CHECK(tensor.is_cuda() && tensor.device() == device, name, " must be on ", device, ", got ",
-              tensor.device());
+  require(tensor.is_cuda() && tensor.device() == device, name, " must be on ", device, ", got ",
+          tensor.device());
 }
 
 // The kernels read and write 16 bytes at a time along the last dimension.
 void check_vectorizable(const at::Tensor& tensor, const char* name) {
   const int64_t elems_per_vector = 16 / static_cast<int64_t>(tensor.element_size());
-  TORCH_CHECK(tensor.stride(-1) == 1, name, " must be contiguous in its last dimension, got strides ",
-              tensor.strides());
+  require(tensor.stride(-1) == 1, name, " must be contiguous in its last dimension, got strides ",
+          tensor.strides());
   for (int64_t dim = 0; dim + 1 < tensor.dim(); ++dim) {
-    TORCH_CHECK(tensor.stride(dim) % elems_per_vector == 0, name, " strides ", tensor.strides(),
-                " must be multiples of ", elems_per_vector, " elements (16 bytes)");
+    require(tensor.stride(dim) % elems_per_vector == 0, name, " strides ", tensor.strides(),
+            " must be multiples of ", elems_per_vector, " elements (16 bytes)");
   }
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 == 0, name,
-              " must start on a 16-byte boundary");
+  require(reinterpret_cast<uintptr_t>(tensor.data_ptr()) % 16 == 0, name,
+          " must start on a 16-byte boundary");
 }
 
 void check_cache(const at::Tensor& key_cache, const at::Tensor& value_cache) {
-  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
-              "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got ",
-              key_cache.sizes(), " and ", value_cache.sizes());
-  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(key_cache.scalar_type() == value_cache.scalar_type(), "the caches must share one dtype");
-  TORCH_CHECK(key_cache.size(2) >= 1, "num_kv_heads must be at least 1");
+  require(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+          "key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+          key_cache.sizes(), " and ", value_cache.sizes());
+  require(key_cache.is_contiguous() && value_cache.is_contiguous(), "the caches must be contiguous");
+  require(key_cache.scalar_type() == value_cache.scalar_type(), "the caches must share one dtype");
+  require(key_cache.size(2) >= 1, "num_kv_heads must be at least 1");
   check_vectorizable(key_cache, "key_cache");
   check_vectorizable(value_cache, "value_cache");
 }
 
 void check_int_tensor(const at::Tensor& tensor, at::ScalarType dtype, at::IntArrayRef sizes, const char* name) {
-  TORCH_CHECK(tensor.scalar_type() == dtype, name, " must be ", dtype, ", got ", tensor.scalar_type());
-  TORCH_CHECK(tensor.sizes() == sizes, name, " must have shape ", sizes, ", got ", tensor.sizes());
-  TORCH_CHECK(tensor.is_contiguous(), name, " must be contiguous");
+  require(tensor.scalar_type() == dtype, name, " must be ", dtype, ", got ", tensor.scalar_type());
+  require(tensor.sizes() == sizes, name, " must have shape ", sizes, ", got ", tensor.sizes());
+  require(tensor.is_contiguous(), name, " must be contiguous");
 }
 
 }  // namespace
@@ -70,16 +74,16 @@ void check_int_tensor(const at::Tensor& tensor, at::ScalarType dtype, at::IntArr
 void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                     const at::Tensor& value_cache, const at::Tensor& slot_mapping) {
   check_cache(key_cache, value_cache);
-  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == key_cache.size(2) &&
-                  key.size(2) == key_cache.size(3),
-              "key and value must be [num_tokens, num_kv_heads, head_dim] matching the cache ",
-              key_cache.sizes(), ", got ", key.sizes(), " and ", value.sizes());
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
-              "key, value and the caches must share one dtype, got ", key.scalar_type(), ", ",
-              value.scalar_type(), " and ", key_cache.scalar_type());
+  require(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == key_cache.size(2) &&
+              key.size(2) == key_cache.size(3),
+          "key and value must be [num_tokens, num_kv_heads, head_dim] matching the cache ",
+          key_cache.sizes(), ", got ", key.sizes(), " and ", value.sizes());
+  require(key.scalar_type() == key_cache.scalar_type() && value.scalar_type() == key_cache.scalar_type(),
+          "key, value and the caches must share one dtype, got ", key.scalar_type(), ", ",
+          value.scalar_type(), " and ", key_cache.scalar_type());
   kernel_dtype(key);
-  TORCH_CHECK(key.size(2) * key.element_size() % 16 == 0, "head_dim * element size must be a multiple of 16 bytes");
-  TORCH_CHECK(key.size(0) <= std::numeric_limits<int32_t>::max(), "too many tokens: ", key.size(0));
+  require(key.size(2) * key.element_size() % 16 == 0, "head_dim * element size must be a multiple of 16 bytes");
+  require(key.size(0) <= std::numeric_limits<int32_t>::max(), "too many tokens: ", key.size(0));
   check_vectorizable(key, "key");
   check_vectorizable(value, "value");
   check_int_tensor(slot_mapping, at::kLong, {key.size(0)}, "slot_mapping");
@@ -114,45 +118,45 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
                      const at::Tensor& query_start_loc, double scale, int64_t split_tokens,
                      int64_t num_decode_splits, int64_t num_prefill_splits) {
   check_cache(key_cache, value_cache);
-  TORCH_CHECK(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
-  TORCH_CHECK(out.sizes() == query.sizes() && out.is_contiguous(), "out must be contiguous with query's shape ",
-              query.sizes(), ", got ", out.sizes());
+  require(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
+  require(out.sizes() == query.sizes() && out.is_contiguous(), "out must be contiguous with query's shape ",
+          query.sizes(), ", got ", out.sizes());
   const int64_t num_tokens = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ", key_cache.size(3));
-  TORCH_CHECK(num_heads >= 1, "query must have at least one head, got ", num_heads);
-  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " is not a multiple of num_kv_heads ",
-              num_kv_heads);
-  TORCH_CHECK(kvserve::is_supported_head_dim(head_dim), "head_dim ", head_dim,
-              " is not supported by the CUDA kernels (supported: 64, 128)");
-  TORCH_CHECK(kvserve::is_supported_block_size(block_size), "block_size ", block_size,
-              " is not supported by the CUDA kernels (supported: 16, 32)");
+  require(key_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ", key_cache.size(3));
+  require(num_heads >= 1, "query must have at least one head, got ", num_heads);
+  require(num_heads % num_kv_heads == 0, "num_heads ", num_heads, " is not a multiple of num_kv_heads ",
+          num_kv_heads);
+  require(kvserve::is_supported_head_dim(head_dim), "head_dim ", head_dim,
+          " is not supported by the CUDA kernels (supported: 64, 128)");
+  require(kvserve::is_supported_block_size(block_size), "block_size ", block_size,
+          " is not supported by the CUDA kernels (supported: 16, 32)");
   const kvserve::DType dtype = kernel_dtype(query);
-  TORCH_CHECK(out.scalar_type() == query.scalar_type() && key_cache.scalar_type() == query.scalar_type(),
-              "out, query and the caches must share one dtype, got ", out.scalar_type(), ", ",
-              query.scalar_type(), " and ", key_cache.scalar_type());
+  require(out.scalar_type() == query.scalar_type() && key_cache.scalar_type() == query.scalar_type(),
+          "out, query and the caches must share one dtype, got ", out.scalar_type(), ", ",
+          query.scalar_type(), " and ", key_cache.scalar_type());
   check_vectorizable(query, "query");
   check_vectorizable(out, "out");
   const int64_t num_reqs = seq_lens.size(0);
-  TORCH_CHECK(block_tables.dim() == 2, "block_tables must be [num_reqs, max_blocks], got ", block_tables.sizes());
+  require(block_tables.dim() == 2, "block_tables must be [num_reqs, max_blocks], got ", block_tables.sizes());
   check_int_tensor(seq_lens, at::kInt, {num_reqs}, "seq_lens");
   check_int_tensor(block_tables, at::kInt, {num_reqs, block_tables.size(1)}, "block_tables");
   check_int_tensor(query_start_loc, at::kInt, {num_reqs + 1}, "query_start_loc");
-  TORCH_CHECK(split_tokens > 0 && split_tokens % kvserve::kSplitTokensMultiple == 0 &&
-                  split_tokens <= kvserve::kMaxSplitTokens,
-              "split_tokens must be a positive multiple of ", kvserve::kSplitTokensMultiple, " up to ",
-              kvserve::kMaxSplitTokens, ", got ", split_tokens);
+  require(split_tokens > 0 && split_tokens % kvserve::kSplitTokensMultiple == 0 &&
+              split_tokens <= kvserve::kMaxSplitTokens,
+          "split_tokens must be a positive multiple of ", kvserve::kSplitTokensMultiple, " up to ",
+          kvserve::kMaxSplitTokens, ", got ", split_tokens);
   // NOTE: the split counts are trusted, not checked against seq_lens (on the device): each
   // must be ceil(longest context of its launch / split_tokens), 0 only when the launch has
   // no request.  Fewer leave output rows unwritten or combine partials never written;
   // kvserve.kernels.cuda_plan.plan_splits computes them.
-  TORCH_CHECK(num_decode_splits >= 0 && num_decode_splits <= kMaxGridYZ && num_prefill_splits >= 0 &&
-                  num_prefill_splits <= kMaxGridYZ,
-              "split counts must be in [0, ", kMaxGridYZ, "], got ", num_decode_splits, " and ", num_prefill_splits);
-  TORCH_CHECK(num_decode_splits == 0 || num_reqs <= kMaxGridYZ, "at most ", kMaxGridYZ,
-              " requests per decode launch, got ", num_reqs);
-  TORCH_CHECK(num_tokens <= std::numeric_limits<int32_t>::max() / num_heads, "too many tokens: ", num_tokens);
-  TORCH_CHECK(num_reqs >= 1 || num_tokens == 0, "a batch with tokens needs at least one request");
+  require(num_decode_splits >= 0 && num_decode_splits <= kMaxGridYZ && num_prefill_splits >= 0 &&
+              num_prefill_splits <= kMaxGridYZ,
+          "split counts must be in [0, ", kMaxGridYZ, "], got ", num_decode_splits, " and ", num_prefill_splits);
+  require(num_decode_splits == 0 || num_reqs <= kMaxGridYZ, "at most ", kMaxGridYZ,
+          " requests per decode launch, got ", num_reqs);
+  require(num_tokens <= std::numeric_limits<int32_t>::max() / num_heads, "too many tokens: ", num_tokens);
+  require(num_reqs >= 1 || num_tokens == 0, "a batch with tokens needs at least one request");
   const at::Device device = query.device();
   check_on_device(query, device, "query");
   check_on_device(out, device, "out");
