@@ -82,11 +82,21 @@ class WorkerConfig:
 
 
 def resolve_device(config: WorkerConfig) -> torch.device:
+    """The worker's device: ``config.device``, else a GPU when there is one; a GPU always by index.
+
+    ``"cuda"`` without an index means the rank's GPU among those visible (one per Ray
+    actor, which sees only its own).  NOTE: ``torch.cuda.set_device`` refuses a CUDA
+    device without an index (torch 2.11: "Expected a torch.device with a specified index").
+    """
     if config.device is not None:
-        return torch.device(config.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", config.rank % torch.cuda.device_count())
-    return torch.device("cpu")
+        device = torch.device(config.device)
+    else:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type != "cuda" or device.index is not None:
+        return device
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {config.device!r} was asked for, but no CUDA device is visible")
+    return torch.device("cuda", config.rank % torch.cuda.device_count())
 
 
 def resolve_dtype(config: WorkerConfig, device: torch.device) -> torch.dtype:
