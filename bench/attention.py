@@ -4,7 +4,8 @@ Decode batches of 1/16/64/256 requests x contexts of 512/4k/16k tokens, 32 query
 over 8 local KV heads of 128 dims, bfloat16, blocks of 16 in shuffled order.  In the
 same run:
 
-* copy bandwidth: a 1 GiB device-to-device copy, counting bytes read plus written;
+* copy bandwidth: a 4 GiB device-to-device copy, counting bytes read plus written; and,
+  for reference, the read rate of a 4 GiB ``sum`` (attention reads, it hardly writes);
 * the kernels (``CudaAttentionBackend``): bytes = K/V read + query + output, so
   ``% copy`` is achieved over measured copy bandwidth;
 * the torch baseline: gather each request's blocks (``index_select``), then
@@ -91,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
     l2_bytes = getattr(properties, "L2_cache_size", 50 * 2**20)
     copy_gbps = copy_bandwidth_gbps(args.replays)
+    read_gbps = read_bandwidth_gbps(args.replays)
     print(f"{properties.name}: {properties.multi_processor_count} SMs, L2 {l2_bytes / 2**20:.0f} MiB, "
-          f"device-to-device copy {copy_gbps:.0f} GB/s (read + write)")
+          f"device-to-device copy {copy_gbps:.0f} GB/s (read + write), sum reads {read_gbps:.0f} GB/s")
 
     results = []
     for batch in parse_ints(args.batches):
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     prefill_rows = run_prefill_cases(backend, args.replays) if args.prefill else []
     if args.json:
         with open(args.json, "w") as file:
-            json.dump({"device": properties.name, "copy_gbps": copy_gbps, "decode": [asdict(r) for r in results],
+            json.dump({"device": properties.name, "copy_gbps": copy_gbps, "read_gbps": read_gbps,
+                       "decode": [asdict(r) for r in results],
                        "prefill": prefill_rows}, file, indent=2)
     return 0 if all(r.relative_error < 1e-2 for r in results) else 1
 
@@ -157,11 +160,20 @@ def time_us_per_call(calls: list[Callable[[], object]], replays: int, *, use_gra
 
 
 def copy_bandwidth_gbps(replays: int) -> float:
-    source = torch.randn(2**29, dtype=DTYPE, device="cuda")  # 1 GiB
+    source = torch.randn(2**31, dtype=DTYPE, device="cuda")  # 4 GiB: far past L2, as the large decode cases
     target = torch.empty_like(source)
     us, _ = time_us_per_call([lambda: target.copy_(source)] * MIN_CALLS_PER_GRAPH, replays)
+    moved = 2 * source.numel() * source.element_size()
     del source, target
-    return 2 * 2**30 / (us * 1e-6) / 1e9
+    return moved / (us * 1e-6) / 1e9
+
+
+def read_bandwidth_gbps(replays: int) -> float:
+    source = torch.randn(2**31, dtype=DTYPE, device="cuda")  # 4 GiB
+    us, _ = time_us_per_call([lambda: source.sum()] * MIN_CALLS_PER_GRAPH, replays)
+    moved = source.numel() * source.element_size()
+    del source
+    return moved / (us * 1e-6) / 1e9
 
 
 def decode_sets(batch: int, context: int, num_sets: int) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:
@@ -211,8 +223,13 @@ def run_decode_case(backend, batch: int, context: int, l2_bytes: int, copy_gbps:
         relative_error = math.inf
 
     kernel_us, graphs = time_us_per_call([kernel_call(sets[i % num_sets]) for i in range(num_calls)], replays)
+    # A graph keeps every call's gathered copy of the cache alive: at 256 x 16k that is 17 GB a
+    # call.  Where the copies would not fit easily, plain launches (each call is milliseconds).
+    free_bytes, _ = torch.cuda.mem_get_info()
+    baseline_graph = num_calls * kv_bytes <= free_bytes // 4
     try:
-        baseline_us, _ = time_us_per_call([baseline_call(sets[i % num_sets]) for i in range(num_calls)], replays)
+        baseline_us, _ = time_us_per_call([baseline_call(sets[i % num_sets]) for i in range(num_calls)], replays,
+                                          use_graph=baseline_graph)
     except torch.cuda.OutOfMemoryError:
         baseline_us = None
     moved = kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
@@ -249,6 +266,10 @@ def print_decode_table(results: list[DecodeResult], copy_gbps: float) -> None:
     if speedups:
         print(f"target: >= {TARGET_SPEEDUP:.0f}x the torch baseline: worst {min(speedups):.2f}x, "
               f"median {statistics.median(speedups):.2f}x -> {'met' if min(speedups) >= TARGET_SPEEDUP else 'MISSED'}")
+    targeted_speedups = [r.speedup for r in targeted if r.speedup is not None]
+    if targeted_speedups:
+        print(f"        at batch >= 16, 4k context: worst {min(targeted_speedups):.2f}x -> "
+              f"{'met' if min(targeted_speedups) >= TARGET_SPEEDUP else 'MISSED'}")
     if any(r.relative_error >= 1e-2 for r in results):
         print("ERROR: the kernel and the baseline disagree (relative error >= 1e-2)")
 

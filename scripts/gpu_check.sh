@@ -41,12 +41,12 @@ if [[ " $steps " == *" sass "* ]]; then
     cuobjdump -res-usage "$library" >"$OUT/res_usage.txt" 2>&1
     cuobjdump -sass "$library" >"$OUT/sass.txt" 2>&1
     grep -E "Function|REG|STACK|LOCAL" "$OUT/res_usage.txt" | paste - - | sed -E 's/ +/ /g' | c++filt | cut -c1-220 | head -40
-    echo "128-bit global loads: $(grep -c 'LDG.E.128' "$OUT/sass.txt"); local loads/stores: $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
+    echo "128-bit global loads: $(grep -cE 'LDG\.E[A-Z0-9_.]*\.128' "$OUT/sass.txt"); local loads/stores: $(grep -cE 'LDL|STL' "$OUT/sass.txt")"
 fi
 
 if [[ " $steps " == *" tests "* ]]; then
     echo "== GPU tests"
-    "$PYTHON" -m pytest -m gpu tests/kernels tests/engine/test_llm_cuda_parity.py -q -p no:cacheprovider \
+    "$PYTHON" -m pytest -m gpu tests/kernels tests/engine/test_llm_cuda_parity.py tests/worker/test_sampler.py -q -p no:cacheprovider \
         >"$OUT/tests.txt" 2>&1 || status=1
     tail -25 "$OUT/tests.txt"
 fi

@@ -26,7 +26,8 @@
 //
 //   warp w, step s:  keys  kv_begin + (s * 4 + w) * kKeysPerWarpStep + u * kKeysPerLoad + g
 //                    for unroll slot u < kUnroll and thread group g < kKeysPerLoad: all K
-//                    and V loads of a step are issued before the first is used.
+//                    and V loads of step s + 1 are issued before step s is computed
+//                    (software pipelining: a warp always has a step in flight).
 //
 // Everything accumulates in float32.  Positions at or beyond seq_len are never read, so
 // NaN in unwritten slots of the cache cannot leak into the output.  A prefill tile reads
@@ -124,6 +125,22 @@ __device__ __forceinline__ uint4 load_vec(const void* ptr) {
   return __ldg(reinterpret_cast<const uint4*>(ptr));
 }
 
+// A K/V row piece: read once per CTA, so not kept in L1, and each miss fetches the whole
+// 256 bytes around it into L2 (a row of head_dim 128 in 16-bit types is 256 bytes, read by
+// the lanes of one thread group together).  Measured on an H200: 0.5-4% faster at batch
+// >= 16, 12% at batch 1 x 16k (NOTES.md).  Plain __ldg before sm_80, which lacks the hints.
+__device__ __forceinline__ uint4 load_kv(const void* ptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  uint4 raw;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(raw.x), "=r"(raw.y), "=r"(raw.z), "=r"(raw.w)
+      : "l"(ptr));
+  return raw;
+#else
+  return load_vec(ptr);
+#endif
+}
+
 // exp2(x - max) for a running max that may still be -inf (no key seen yet): the max is
 // then replaced by 0, so that exp2(-inf - 0) = 0 instead of exp2(-inf + inf) = NaN.
 __device__ __forceinline__ float finite_or_zero(float running_max) {
@@ -176,11 +193,12 @@ struct RowInfo {
 // ---------------------------------------------------------------------------------------
 // Attention: one CTA = kRows query rows of one kv head over one context split
 
-// Register budget: at most 128 registers (4 CTAs, 16 warps per SM) up to 4 rows; 8 rows
-// hold twice the query and accumulator registers and get 2 CTAs per SM.
+// Register budget: at most 168 registers (3 CTAs, 12 warps per SM) up to 4 rows; 8 rows
+// hold twice the query and accumulator registers and get 2 CTAs per SM.  (4 CTAs at 128
+// registers leave no room for the next step's loads; measured slower, see NOTES.md.)
 template <int kRows>
 constexpr int min_ctas_per_sm() {
-  return kRows <= 4 ? 4 : 2;
+  return kRows <= 4 ? 3 : 2;
 }
 
 // decode: grid (num_kv_heads * head_tiles, num_reqs, splits), the requests with one new
@@ -292,9 +310,7 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   const T* key_base = static_cast<const T*>(p.key_cache) + kv_head * kHeadDim + dim0;
   const T* value_base = static_cast<const T*>(p.value_cache) + kv_head * kHeadDim + dim0;
 
-  for (int step = kv_begin + warp * kKeysPerWarpStep; step < kv_end; step += kKeysPerStep) {
-    // Issue every load of the step first.
-    uint4 key_raw[kUnroll], value_raw[kUnroll];
+  auto load_step = [&](int step, uint4 (&key_raw)[kUnroll], uint4 (&value_raw)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int t = step + u * kKeysPerLoad + key_in_load;
@@ -303,13 +319,21 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
         const unsigned in_split = static_cast<unsigned>(t - kv_begin);
         const int64_t block_id = s_block_ids[in_split / kBlockSize];
         const int64_t offset = (block_id * kBlockSize + in_split % kBlockSize) * slot_stride;
-        key_raw[u] = load_vec(key_base + offset);
-        value_raw[u] = load_vec(value_base + offset);
+        key_raw[u] = load_kv(key_base + offset);
+        value_raw[u] = load_kv(value_base + offset);
       } else {
         key_raw[u] = make_uint4(0, 0, 0, 0);
         value_raw[u] = make_uint4(0, 0, 0, 0);
       }
     }
+  };
+  // Software pipelining: a step's loads are issued before the previous step is computed,
+  // so that every warp keeps a step of K/V in flight while it computes.
+  uint4 key_raw[kUnroll], value_raw[kUnroll];
+  load_step(kv_begin + warp * kKeysPerWarpStep, key_raw, value_raw);
+  for (int step = kv_begin + warp * kKeysPerWarpStep; step < kv_end; step += kKeysPerStep) {
+    uint4 next_key[kUnroll], next_value[kUnroll];
+    load_step(step + kKeysPerStep, next_key, next_value);  // all zeros past kv_end: no loads
 
     // Scores: partial dot products, summed over the lanes of each thread group.
     float score[kUnroll][kRows];
@@ -366,6 +390,11 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
 #pragma unroll
         for (int e = 0; e < kElems; ++e) acc[r][e] = fmaf(weight[u][r], v[e], acc[r][e]);
       }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      key_raw[u] = next_key[u];
+      value_raw[u] = next_value[u];
     }
   }
 
