@@ -304,6 +304,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         # A taken port or a bad --host, told before the minutes of start-up.
         check_address_free(server_config)
+        if args.address is None:
+            _check_local_gpus(config)
     except RuntimeError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 1
@@ -365,6 +367,27 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
             raise ValueError(f"--cost-model {args.cost_model}: {exc}") from None
     time_scale = 1.0 if args.time_scale is None else args.time_scale
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
+
+
+def _check_local_gpus(config: ClusterConfig) -> None:
+    """``RuntimeError`` when ``--device cuda`` asks a local cluster for more GPUs than this machine has.
+
+    NOTE: only for the local cluster serve starts itself: a joined cluster may gain GPU
+    nodes as it scales up, so there the replicas wait for their placement (and its timeout).
+    """
+    if config.device != "cuda" or config.simulation is not None:
+        return
+    import torch
+
+    needed = config.parallel.num_workers
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if visible < needed:
+        raise RuntimeError(
+            f"--device cuda needs {needed} GPU(s) ({config.parallel.num_replicas} replica(s) x TP "
+            f"{config.parallel.tensor_parallel_size}), and this machine has {visible} "
+            f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use fewer replicas, --device cpu, "
+            f"or --address to join a cluster with GPUs"
+        )
 
 
 def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str], None]) -> None:

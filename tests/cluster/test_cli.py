@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve.cluster.cli import main
 from kvserve.worker.tiny_model import create_tiny_model
@@ -154,6 +155,17 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_starting_ray(capsys
     captured = capsys.readouterr()
     assert f"cannot listen on {host}:{port}" in captured.err
     assert message in captured.err
+    assert "Ray" not in captured.out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
+def test_serve_on_cuda_without_a_gpu_says_so_at_once(capsys, model_dir):
+    # It waited out the 60 s placement timeout of each replica before saying anything.
+    start = time.monotonic()
+    assert main(["serve", "--model", str(model_dir), "--port", "0", "--device", "cuda", "--replicas", "2"]) == 1
+    assert time.monotonic() - start < 10.0
+    captured = capsys.readouterr()
+    assert "--device cuda needs 2 GPU(s) (2 replica(s) x TP 1), and this machine has 0" in captured.err
     assert "Ray" not in captured.out
 
 
