@@ -22,7 +22,7 @@ figures cover the measured requests, ``--num-requests`` of them (by
 default 250 per replica: with fewer, a big fleet's figures are its cold
 starts and sampling noise; see ``default_num_requests``).
 
-Writes to ``--out``: ``config.json`` (the settings; with ``--qps knee``, the
+Writes to ``--out``: ``config.json`` (the settings, defaults applied as values; with ``--qps knee``, the
 rate found is added to it) at the start; once
 every run has finished, ``requests.csv`` (one row per request and run),
 ``summary.csv``, ``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``, then
@@ -68,6 +68,7 @@ from kvserve.bench.experiment_setup import (
     DEFAULT_BASELINE,
     DEFAULT_KNEE_FACTOR,
     DEFAULT_TIME_SCALE,
+    DEFAULT_BURSTINESS,
     DEFAULT_KV_FRACTION,
     DEFAULT_NUM_REQUESTS_RANGE,
     REQUESTS_PER_REPLICA,
@@ -195,7 +196,8 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     )
     parser.add_argument(
         "--burstiness", type=float,
-        help="gamma shape of arrivals (default 1 = Poisson); not for a trace, whose arrivals keep their pattern",
+        help=f"gamma shape of arrivals (default {DEFAULT_BURSTINESS:g} = Poisson); not for a trace, whose arrivals keep "
+             "their pattern",
     )
     kv = parser.add_mutually_exclusive_group()
     kv.add_argument("--kv-blocks-per-replica", type=int, help="KV blocks per replica")

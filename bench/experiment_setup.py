@@ -27,6 +27,7 @@ from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
 
 DEFAULT_KV_FRACTION = 0.25
+DEFAULT_BURSTINESS = 1.0  # Poisson arrivals
 REQUESTS_PER_REPLICA = 250
 DEFAULT_NUM_REQUESTS_RANGE = (2_000, 100_000)
 DEFAULT_BASELINE = "round_robin"
@@ -268,7 +269,7 @@ def stream_spec(args: argparse.Namespace) -> StreamSpec:
         raise ExperimentError(f"unknown workload {args.workload!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")
     elif args.trace is not None:
         raise ExperimentError(f"--trace is for the {TRACE_WORKLOAD} workload, not {args.workload}")
-    burstiness = 1.0 if args.burstiness is None else args.burstiness
+    burstiness = DEFAULT_BURSTINESS if args.burstiness is None else args.burstiness
     spec = StreamSpec(args.workload, args.num_requests, args.seed, burstiness, params)
     try:
         spec.at(None if args.workload == TRACE_WORKLOAD else 1.0)[:1]
@@ -418,6 +419,11 @@ def prepare_output(
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "handler"}
     config["sim"] = not args.live  # the default mode, --sim or not
+    # Defaults the run applied, as values (null stays for a setting that does not apply).
+    if args.burstiness is None and args.workload != TRACE_WORKLOAD:
+        config["burstiness"] = DEFAULT_BURSTINESS
+    if args.kv_fraction is None and args.kv_blocks_per_replica is None:
+        config["kv_fraction"] = DEFAULT_KV_FRACTION
     config["kv_blocks_per_replica_used"] = fleet.cache_config.num_usable_blocks
     config["infinite_cache_hit_rate"] = reference.hit_rate
     config["prefix_working_set_blocks"] = reference.num_reused_blocks

@@ -409,6 +409,8 @@ def test_the_knees_baseline_gets_a_row_and_the_knee_is_recorded(tmp_path, capsys
     config = json.loads((out / "config.json").read_text())
     assert config["knee_qps"] == float(summary[0]["qps"])
     assert config["sim"] is True  # the default mode, without --sim
+    # The defaults it applied, as values rather than null.
+    assert (config["burstiness"], config["kv_fraction"], config["knee_factor"]) == (1.0, 0.25, 5.0)
 
 
 def test_a_reader_of_stdout_that_stops_early_loses_no_result_file(tmp_path) -> None:  # noqa: ANN001
