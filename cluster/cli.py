@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -235,6 +236,8 @@ def _routing_args(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
 
 def _placement_timeout(args: argparse.Namespace) -> float | None:
     if args.placement_timeout is not None:
+        if not (args.placement_timeout > 0 and math.isfinite(args.placement_timeout)):
+            raise ValueError(f"--placement-timeout must be a positive number of seconds, got {args.placement_timeout}")
         return args.placement_timeout
     return None if args.address is not None else 60.0
 
@@ -292,7 +295,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Fail on a wrong model directory before starting anything.
         resolve_model_config(config)
     except ValueError as exc:
-        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        print(f"kvserve serve: error: {_in_flag_terms(exc)}", file=sys.stderr)
         return 2
 
     import ray
@@ -334,7 +337,7 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             stop_on_sigterm()  # asyncio left it at the default action, which would kill the shutdown below
     except (ValueError, RuntimeError) as exc:
-        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        print(f"kvserve serve: error: {_in_flag_terms(exc)}", file=sys.stderr)
         status = 1
     except KeyboardInterrupt:
         progress("interrupted")
@@ -367,6 +370,30 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
             raise ValueError(f"--cost-model {args.cost_model}: {exc}") from None
     time_scale = 1.0 if args.time_scale is None else args.time_scale
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
+
+
+# The settings' own checks name their fields; serve's errors name the flags that set them.
+_FLAG_OF_FIELD = {
+    "tensor_parallel_size": "--tp",
+    "num_replicas": "--replicas",
+    "port": "--port",
+    "block_size": "--block-size",
+    "num_blocks": "--num-blocks",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "max_concurrent_requests": "--max-concurrent-requests",
+    "stream_interval_s": "--stream-interval",
+    "placement_timeout_s": "--placement-timeout",
+}
+
+
+def _in_flag_terms(error: Exception) -> str:
+    """``error``'s message with a leading settings field replaced by its flag."""
+    message = str(error)
+    field, space, rest = message.partition(" ")
+    flag = _FLAG_OF_FIELD.get(field)
+    return f"{flag}{space}{rest}" if flag else message
 
 
 def _check_local_gpus(config: ClusterConfig) -> None:

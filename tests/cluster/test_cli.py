@@ -121,13 +121,17 @@ def test_serve_help_names_the_worker_resource_of_cpu_nodes(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--tp", "0"], "tensor_parallel_size"),
+        (["--tp", "0"], "--tp must be a positive integer, got 0"),
+        (["--replicas", "0"], "--replicas must be a positive integer, got 0"),
+        (["--num-blocks", "1"], "--num-blocks must be at least 2"),
+        (["--stream-interval", "-1"], "--stream-interval must be in [0, 1] seconds"),
+        (["--placement-timeout", "-1"], "--placement-timeout must be a positive number of seconds, got -1.0"),
         (["--port", "70000"], "port"),
         (["--max-messages-per-s", "-1"], "--max-messages-per-s must be >= 0 (0: no budget), got -1"),
         (["--address", "head-node"], "expected 'auto' or HOST:PORT"),
         (["--model", "/nonexistent/model"], "config.json"),
         (["--time-scale", "2", "--model", "/nonexistent/model"], "need --simulated"),
-        (["--simulated", "--model", "/nonexistent/model"], "num_blocks is required with simulation"),
+        (["--simulated", "--model", "/nonexistent/model"], "--num-blocks is required with simulation"),
         (
             ["--simulated", "--num-blocks", "64", "--cost-model", "/nonexistent/cost.json",
              "--model", "/nonexistent/model"],
