@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     properties = torch.cuda.get_device_properties(torch.cuda.current_device())
     l2_bytes = getattr(properties, "L2_cache_size", 50 * 2**20)
-    copy_gbps = copy_bandwidth_gbps(args.replays)
-    read_gbps = read_bandwidth_gbps(args.replays)
+    copy_gbps, read_gbps = memory_bandwidths_gbps(args.replays)
     print(f"{properties.name}: {properties.multi_processor_count} SMs, L2 {l2_bytes / 2**20:.0f} MiB, "
           f"device-to-device copy {copy_gbps:.0f} GB/s (read + write), sum reads {read_gbps:.0f} GB/s")
 
@@ -159,21 +158,19 @@ def time_us_per_call(calls: list[Callable[[], object]], replays: int, *, use_gra
     return statistics.median(times), graph is not None
 
 
-def copy_bandwidth_gbps(replays: int) -> float:
-    source = torch.randn(2**31, dtype=DTYPE, device="cuda")  # 4 GiB: far past L2, as the large decode cases
+def memory_bandwidths_gbps(replays: int) -> tuple[float, float]:
+    """The device's copy rate (bytes read + written) and read rate (a ``sum``), in GB/s, on one 4 GiB buffer.
+
+    4 GiB is far past L2, as the large decode cases are.
+    """
+    source = torch.randn(2**31, dtype=DTYPE, device="cuda")
     target = torch.empty_like(source)
-    us, _ = time_us_per_call([lambda: target.copy_(source)] * MIN_CALLS_PER_GRAPH, replays)
-    moved = 2 * source.numel() * source.element_size()
-    del source, target
-    return moved / (us * 1e-6) / 1e9
-
-
-def read_bandwidth_gbps(replays: int) -> float:
-    source = torch.randn(2**31, dtype=DTYPE, device="cuda")  # 4 GiB
-    us, _ = time_us_per_call([lambda: source.sum()] * MIN_CALLS_PER_GRAPH, replays)
-    moved = source.numel() * source.element_size()
+    num_bytes = source.numel() * source.element_size()
+    copy_us, _ = time_us_per_call([lambda: target.copy_(source)] * MIN_CALLS_PER_GRAPH, replays)
+    del target
+    read_us, _ = time_us_per_call([lambda: source.sum()] * MIN_CALLS_PER_GRAPH, replays)
     del source
-    return moved / (us * 1e-6) / 1e9
+    return 2 * num_bytes / (copy_us * 1e-6) / 1e9, num_bytes / (read_us * 1e-6) / 1e9
 
 
 def decode_sets(batch: int, context: int, num_sets: int) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata]]:

@@ -66,9 +66,9 @@ from kvserve.bench.experiment_report import (
 from kvserve.bench.experiment_knee import KneeNotFound, find_knee_qps
 from kvserve.bench.experiment_setup import (
     DEFAULT_BASELINE,
+    DEFAULT_BURSTINESS,
     DEFAULT_KNEE_FACTOR,
     DEFAULT_TIME_SCALE,
-    DEFAULT_BURSTINESS,
     DEFAULT_KV_FRACTION,
     DEFAULT_NUM_REQUESTS_RANGE,
     REQUESTS_PER_REPLICA,
