@@ -309,7 +309,11 @@ def _run(args: argparse.Namespace) -> int:
 
     if knee:
         def stream_at(qps: float, num_requests: int) -> list[WorkloadRequest]:
-            return dataclasses.replace(stream, num_requests=num_requests).at(qps)
+            try:
+                return dataclasses.replace(stream, num_requests=num_requests).at(qps)
+            except ValueError as exc:
+                # A session workload's steady state grows with the rate the search tries.
+                raise ExperimentError(f"--qps knee: --workload {stream.workload} at {qps:g} qps: {exc}") from None
 
         baseline_kwargs = policy_kwargs[args.baseline]
         if model is not None:

@@ -20,6 +20,7 @@ from kvserve.bench import experiment
 from kvserve.bench.experiment import add_experiment_parser, run_experiment
 from kvserve.bench.experiment_report import atomic_open
 from kvserve.bench.experiment_setup import DEFAULT_TIME_SCALE, check_live_options, default_num_requests
+from kvserve.bench.workloads import sessions
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -237,6 +238,26 @@ def test_a_session_workload_rejects_a_think_time_that_is_not_finite(tmp_path, ca
             "--num-requests", "20", "--qps", "1", "--out", str(tmp_path / "run")]
 
     assert "think_time must be a finite number >= 0" in run_bad(argv, capsys)
+
+
+def test_a_knee_search_past_the_rates_a_session_workload_can_generate_ends_with_an_error(
+    tmp_path, capsys, monkeypatch  # noqa: ANN001
+) -> None:
+    # 1.5 s of warm-up x (4 turns + 1) = 7.5 turns generated per qps: the
+    # doubling search (2, 4, 8, 16 qps) passes the limit of 100 at 16 qps.
+    monkeypatch.setattr(sessions, "MAX_GENERATED_TURNS", 100)
+    argv = ["--workload", "multi_turn", *(f"--workload-arg={arg}" for arg in (
+        "system_prompt_len=8", "user_len=4", "answer_len=4", "think_time=1", "min_turns=2", "max_turns=4")),
+        "--replicas", "2", "--kv-blocks-per-replica", "64", "--num-requests", "20",
+        "--qps", "knee", "--knee-factor", "1000", "--policies", "round_robin", "--no-plots", "--out", str(tmp_path / "run")]
+
+    assert run_experiment(parse(argv)) == 2
+    err = capsys.readouterr().err
+
+    assert "Traceback" not in err and "knee: 8 qps ->" in err
+    assert err.strip().splitlines()[-1].startswith(
+        "kvserve experiment: error: --qps knee: --workload multi_turn at 16 qps: the steady state needs about 120 turns"
+    )
 
 
 def write_trace(path: Path, timestamps: list[int]) -> None:

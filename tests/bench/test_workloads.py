@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvserve.bench.workloads import TokenSegments, WorkloadRequest, make_workload
+from kvserve.bench.workloads import TokenSegments, WorkloadRequest, make_workload, sessions
 from kvserve.bench.workloads.agent_tools import agent_tools
 from kvserve.bench.workloads.arrivals import arrival_times
 from kvserve.bench.workloads.cache_reference import infinite_cache_reference
@@ -120,6 +120,26 @@ def test_sessions_are_in_steady_state_from_the_start_with_a_marked_warm_up() -> 
     assert (len(times) - 1) / (times.max() - times.min()) == pytest.approx(50, rel=0.1)
     # Sessions under way at 0 arrive with their history: long prompts from the first second.
     assert max(r.num_prompt_tokens for r in warm_up[:50]) > 16 + 3 * 16
+
+
+@pytest.mark.parametrize("workload", ["multi_turn", "customer_contexts", "agent_tools"])
+def test_a_rate_whose_steady_state_cannot_be_generated_is_refused_at_once(workload) -> None:  # noqa: ANN001
+    # Sessions start 1.5 x think_time x max_turns before 0 at the rate's pace:
+    # at 1e9 qps that is billions of turns, which the generator would grind
+    # through without end, whatever the number of measured requests.
+    with pytest.raises(ValueError, match=r"steady state needs about [\d,]+ turns generated .* the limit is 5,000,000"):
+        make_workload(workload, 10, qps=1e9)
+
+
+def test_the_turn_limit_counts_the_sessions_before_0_and_the_warm_up(monkeypatch) -> None:  # noqa: ANN001
+    # 2 qps x 1.5 s of warm-up x (4 turns + 1) = 15 turns expected.
+    monkeypatch.setattr(sessions, "MAX_GENERATED_TURNS", 15)
+    kwargs = {"think_time": 1.0, "min_turns": 2, "max_turns": 4, "system_prompt_len": 8, "user_len": 4,
+              "answer_len": 4}
+
+    assert multi_turn(5, qps=2.0, **kwargs)
+    with pytest.raises(ValueError, match="about 16 turns generated .* 3 of them a warm-up"):
+        multi_turn(5, qps=2.1, **kwargs)
 
 
 def test_customer_contexts_share_a_long_context_per_customer() -> None:
