@@ -323,6 +323,15 @@ def fleet_config(
     else:
         fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
         num_usable = math.ceil(fraction * reference.num_reused_blocks)
+        working_set = reference.num_reused_blocks
+        needed = _blocks_for(longest, block_size)
+        if num_usable < needed:
+            least = math.ceil(100 * needed / working_set) / 100  # rounded up: it holds the longest
+            raise ExperimentError(
+                f"{num_usable} KV blocks per replica ({fraction:g} of the {working_set}-block working set) cannot "
+                f"hold the longest request ({longest} tokens = {needed} blocks); give --kv-fraction {least:g} or "
+                "more, or --kv-blocks-per-replica"
+            )
     _check_room(num_usable, block_size, longest)
     try:
         return FleetConfig(

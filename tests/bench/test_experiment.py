@@ -123,6 +123,20 @@ def test_bad_setups_are_reported_without_a_traceback(tmp_path, capsys, extra, me
     assert message in capsys.readouterr().err
 
 
+def test_a_cache_fraction_too_small_for_the_longest_request_names_the_least_that_fits(tmp_path, capsys) -> None:  # noqa: ANN001
+    err = run_bad([*TINY, "--qps", "1", "--kv-fraction", "0.01", "--no-plots", "--out", str(tmp_path / "a")], capsys)
+
+    assert err.strip() == (
+        "kvserve experiment: error: 1 KV blocks per replica (0.01 of the 48-block working set) cannot hold the "
+        "longest request (152 tokens = 10 blocks); give --kv-fraction 0.21 or more, or --kv-blocks-per-replica"
+    )
+    # The fraction it names is enough: 0.21 x 48 blocks, rounded up, is 11.
+    args = parse([*TINY, "--qps", "1", "--kv-fraction", "0.21", "--policies", "round_robin", "--no-plots",
+                  "--out", str(tmp_path / "b")])
+    assert run_experiment(args) == 0
+    assert "3 replicas x 11 KV blocks" in capsys.readouterr().out
+
+
 def run_bad(argv: list[str], capsys) -> str:  # noqa: ANN001
     """The one-line error of a setup that must fail with exit status 2."""
     assert run_experiment(parse(argv)) == 2
