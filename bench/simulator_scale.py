@@ -11,6 +11,10 @@ Baseline, measured in the same run: the same fleet with a tenth of the
 requests, so ``ratio`` shows whether the cost per request stays flat as the
 run grows (1.0 = linear).
 
+The run is bound by memory latency (see ``kvserve.bench.memory_latency``),
+so the table ends with this machine's time to read an uncached object: read
+a total beside it, not alone.
+
     python -m kvserve.bench.simulator_scale [--replicas 1000] [--requests 100000] [--policy cost_ttft]
 """
 
@@ -21,6 +25,7 @@ import gc
 import sys
 import time
 
+from kvserve.bench.memory_latency import object_read_times
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
@@ -79,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1/10-size baseline run")
     args = parser.parse_args(argv)
+    reads = object_read_times()
     rows = [] if args.no_baseline else [run(args, max(1, args.requests // 10))]
     rows.append(run(args, args.requests))
     headers = ["requests", "workload s", "fleet s", "simulate s", "total s", "steps", "steps/s",
@@ -92,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(rows) == 2:
         ratio = float(rows[1][8]) / float(rows[0][8])
         lines.append(["ms/request vs 1/10-size run", f"{ratio:.2f}", "1.0 = linear in requests"])
+    lines.append([
+        "ns per random object read", f"{reads.random_ns:.0f}",
+        f"this machine's memory latency (in order: {reads.sequential_ns:.0f} ns)",
+    ])
     print()
     print(format_table(["figure", "value", "meaning"], lines))
     return 0
