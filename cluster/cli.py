@@ -490,7 +490,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--top-k", type=int, default=None, metavar="K",
-        help="sample among the K likeliest tokens; -1 disables (server default)",
+        help="sample among the K likeliest tokens; -1 or 0 disables (server default)",
     )
     parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     parser.add_argument(
@@ -502,7 +502,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="share cached prefixes only with requests of the same salt",
     )
     parser.add_argument(
-        "--timeout", type=float, default=60.0, metavar="S",
+        "--timeout", type=_positive_seconds, default=60.0, metavar="S",
         help="deadline of the call in seconds (default: %(default)s)",
     )
     parser.set_defaults(handler=run_generate)
@@ -517,6 +517,17 @@ def _target(text: str) -> str:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def _positive_seconds(text: str) -> float:
+    """A deadline: 0 or less expired before the call could start (grpc said only DEADLINE_EXCEEDED)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return seconds
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -271,6 +271,24 @@ def test_generate_refuses_a_port_out_of_range(capsys):
     assert "expected HOST:PORT with a port in 1..65535, got '127.0.0.1:99999'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("timeout", "message"),
+    [
+        ("0", "must be a positive number of seconds, got '0'"),
+        ("-1", "must be a positive number of seconds, got '-1'"),
+        ("nan", "must be a positive number of seconds, got 'nan'"),
+        ("inf", "must be a positive number of seconds, got 'inf'"),
+        ("soon", "expected a number of seconds, got 'soon'"),
+    ],
+)
+def test_generate_refuses_a_timeout_that_is_not_a_positive_number(capsys, timeout, message):
+    # A deadline of 0 expired before the call started: grpc said only DEADLINE_EXCEEDED.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--timeout", timeout, "hello"])
+    assert exit_info.value.code == 2
+    assert f"argument --timeout: {message}" in capsys.readouterr().err
+
+
 def test_serve_says_at_once_when_no_ray_cluster_is_at_the_address(capsys, model_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
