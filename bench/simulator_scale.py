@@ -11,7 +11,7 @@ Baseline, measured in the same run: the same fleet with a tenth of the
 requests, so ``ratio`` shows whether the cost per request stays flat as the
 run grows (1.0 = linear).
 
-The run is bound by memory latency (see ``kvserve.bench.memory_latency``),
+The run is largely bound by memory latency (see ``kvserve.bench.memory_latency``),
 so the table ends with this machine's time to read an uncached object: read
 a total beside it, not alone.
 
