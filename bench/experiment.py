@@ -249,6 +249,13 @@ def _run_reporting_errors(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("kvserve experiment: interrupted", file=sys.stderr)
         return 130
+    except MemoryError as exc:
+        print(
+            f"kvserve experiment: error: out of memory ({exc or 'no details'}): a shorter stream "
+            "(--num-requests) or a smaller fleet needs less",
+            file=sys.stderr,
+        )
+        return 1
     except (RuntimeError, ConnectionError) as exc:
         if not args.live:
             raise

@@ -22,10 +22,11 @@ under way has had a turn) are a warm-up, generated and served but marked
 ``measured=False``.  ``num_requests`` measured turns follow, and the
 warm-up turns come on top.  Contents come from their own random stream.
 
-What reaching the steady state costs grows with the rate, not with
-``num_requests``: about ``qps x 1.5 x think_time x (max_turns + 1)`` turns
-are generated.  A rate that needs more than ``MAX_GENERATED_TURNS`` is
-refused with a ``ValueError`` instead of generating without end.
+Reaching the steady state costs turns that grow with the rate, not with
+``num_requests``: about ``qps x 1.5 x think_time x (max_turns + 1)`` are
+generated before the measured ones.  A stream that needs more than
+``MAX_GENERATED_TURNS`` in all is refused with a ``ValueError`` instead of
+generating without end (or until memory runs out).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ from kvserve.bench.workloads.request import WorkloadRequest
 from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
 from kvserve.scheduler.checks import check_numbers
 
-# The most turns a stream may generate to reach its steady state: about two
-# minutes of generating here (multi_turn: 165k turns in 4 s), and a warm-up of
-# up to a tenth of them that takes far longer to simulate.
+# The most turns a stream may generate, its steady state's included: about two
+# minutes of generating here (multi_turn: 165k turns in 4 s), and hours to
+# simulate the requests among them.
 MAX_GENERATED_TURNS = 5_000_000
 
 
@@ -71,7 +72,7 @@ def session_requests(
     # NOTE: an infinite think time would start sessions at -inf and never end the loop below.
     check_numbers(0, think_time=think_time)
     check_rate(qps, burstiness)
-    _check_generated_turns(qps, think_time, max_turns)
+    _check_generated_turns(num_requests, qps, think_time, max_turns)
     content = np.random.default_rng([seed, 0])
     timing = np.random.default_rng([seed, 1])
     mean_turns = (min_turns + max_turns) / 2
@@ -122,19 +123,21 @@ def session_requests(
     return requests
 
 
-def _check_generated_turns(qps: float, think_time: float, max_turns: int) -> None:
-    """``ValueError`` when reaching the steady state means generating more than ``MAX_GENERATED_TURNS`` turns.
+def _check_generated_turns(num_requests: int, qps: float, think_time: float, max_turns: int) -> None:
+    """``ValueError`` when the stream means generating more than ``MAX_GENERATED_TURNS`` turns.
 
     Sessions start from ``1.5 x think_time x max_turns`` seconds before 0 and
     the warm-up lasts ``1.5 x think_time`` more, at ``qps`` turns a second in
-    the mean: that many turns are generated whatever ``num_requests`` is, so
-    a rate far too high for the think time would generate without end.
+    the mean: that many turns are generated whatever ``num_requests`` is (a
+    rate far too high for the think time would generate without end), and
+    the ``num_requests`` measured ones on top.
     """
     warmup = 1.5 * think_time
-    expected = qps * warmup * (max_turns + 1)
+    expected = qps * warmup * (max_turns + 1) + num_requests
     if expected > MAX_GENERATED_TURNS:
         raise ValueError(
-            f"the steady state needs about {expected:,.0f} turns generated (sessions start "
-            f"{warmup * max_turns:g} s before 0), {qps * warmup:,.0f} of them a warm-up that is served too; "
-            f"the limit is {MAX_GENERATED_TURNS:,}: lower the rate or think_time, or the turns per session"
+            f"the stream needs about {expected:,.0f} turns generated: {num_requests:,} measured, "
+            f"{qps * warmup:,.0f} a warm-up that is served too, and sessions start {warmup * max_turns:g} s "
+            f"before 0; the limit is {MAX_GENERATED_TURNS:,}: fewer requests, a lower rate or think_time, "
+            "or fewer turns per session"
         )

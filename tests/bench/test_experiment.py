@@ -257,8 +257,9 @@ def test_a_session_workload_rejects_a_think_time_that_is_not_finite(tmp_path, ca
 def test_a_knee_search_past_the_rates_a_session_workload_can_generate_ends_with_an_error(
     tmp_path, capsys, monkeypatch  # noqa: ANN001
 ) -> None:
-    # 1.5 s of warm-up x (4 turns + 1) = 7.5 turns generated per qps: the
-    # doubling search (2, 4, 8, 16 qps) passes the limit of 100 at 16 qps.
+    # 1.5 s of warm-up x (4 turns + 1) = 7.5 turns generated per qps, and 20
+    # measured: the doubling search (2, 4, 8, 16 qps) passes the limit of 100
+    # at 16 qps.
     monkeypatch.setattr(sessions, "MAX_GENERATED_TURNS", 100)
     argv = ["--workload", "multi_turn", *(f"--workload-arg={arg}" for arg in (
         "system_prompt_len=8", "user_len=4", "answer_len=4", "think_time=1", "min_turns=2", "max_turns=4")),
@@ -270,8 +271,21 @@ def test_a_knee_search_past_the_rates_a_session_workload_can_generate_ends_with_
 
     assert "Traceback" not in err and "knee: 8 qps ->" in err
     assert err.strip().splitlines()[-1].startswith(
-        "kvserve experiment: error: --qps knee: --workload multi_turn at 16 qps: the steady state needs about 120 turns"
+        "kvserve experiment: error: --qps knee: --workload multi_turn at 16 qps: the stream needs about 140 turns"
     )
+
+
+def test_a_stream_too_big_for_memory_is_reported_without_a_traceback(tmp_path, capsys) -> None:  # noqa: ANN001
+    # 1e15 arrival times alone are 8 PB: the allocation fails at once, past any address space.
+    argv = [*TINY_WORKLOAD, "--replicas", "2", "--num-requests", str(10**15), "--qps", "1", "--no-plots",
+            "--out", str(tmp_path / "run")]
+
+    assert run_experiment(parse(argv)) == 1
+    err = capsys.readouterr().err
+
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("kvserve experiment: error: out of memory (")
+    assert err.strip().endswith("a shorter stream (--num-requests) or a smaller fleet needs less")
 
 
 def write_trace(path: Path, timestamps: list[int]) -> None:

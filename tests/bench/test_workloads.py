@@ -123,23 +123,27 @@ def test_sessions_are_in_steady_state_from_the_start_with_a_marked_warm_up() -> 
 
 
 @pytest.mark.parametrize("workload", ["multi_turn", "customer_contexts", "agent_tools"])
-def test_a_rate_whose_steady_state_cannot_be_generated_is_refused_at_once(workload) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("num_requests", "qps"), [(10, 1e9), (10**12, 1.0)])
+def test_a_stream_too_long_to_generate_is_refused_at_once(workload, num_requests, qps) -> None:  # noqa: ANN001
     # Sessions start 1.5 x think_time x max_turns before 0 at the rate's pace:
-    # at 1e9 qps that is billions of turns, which the generator would grind
-    # through without end, whatever the number of measured requests.
-    with pytest.raises(ValueError, match=r"steady state needs about [\d,]+ turns generated .* the limit is 5,000,000"):
-        make_workload(workload, 10, qps=1e9)
+    # at 1e9 qps that is billions of turns whatever the number of measured
+    # requests, and 1e12 measured turns are as many; the generator ground
+    # through either until memory ran out.
+    with pytest.raises(ValueError, match=r"the stream needs about [\d,]+ turns generated: .* the limit is 5,000,000"):
+        make_workload(workload, num_requests, qps=qps)
 
 
-def test_the_turn_limit_counts_the_sessions_before_0_and_the_warm_up(monkeypatch) -> None:  # noqa: ANN001
-    # 2 qps x 1.5 s of warm-up x (4 turns + 1) = 15 turns expected.
-    monkeypatch.setattr(sessions, "MAX_GENERATED_TURNS", 15)
+def test_the_turn_limit_counts_the_sessions_before_0_the_warm_up_and_the_measured(monkeypatch) -> None:  # noqa: ANN001
+    # 2 qps x 1.5 s of warm-up x (4 turns + 1) + 5 measured = 20 turns expected.
+    monkeypatch.setattr(sessions, "MAX_GENERATED_TURNS", 20)
     kwargs = {"think_time": 1.0, "min_turns": 2, "max_turns": 4, "system_prompt_len": 8, "user_len": 4,
               "answer_len": 4}
 
     assert multi_turn(5, qps=2.0, **kwargs)
-    with pytest.raises(ValueError, match="about 16 turns generated .* 3 of them a warm-up"):
+    with pytest.raises(ValueError, match="about 21 turns generated: 5 measured, 3 a warm-up"):
         multi_turn(5, qps=2.1, **kwargs)
+    with pytest.raises(ValueError, match="about 21 turns generated: 6 measured, 3 a warm-up"):
+        multi_turn(6, qps=2.0, **kwargs)
 
 
 def test_customer_contexts_share_a_long_context_per_customer() -> None:
