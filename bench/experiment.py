@@ -46,6 +46,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,8 @@ from kvserve.bench.experiment_setup import (
     REQUESTS_PER_REPLICA,
     ExperimentError,
     StreamSpec,
+    available_memory_bytes,
+    check_fleet_memory,
     check_live_options,
     check_options,
     check_policies,
@@ -298,6 +301,8 @@ def _run(args: argparse.Namespace) -> int:
     num_measured = sum(r.measured for r in reference_stream)
     reference = infinite_cache_reference(reference_stream, args.block_size)
     fleet = fleet_config(args, reference_stream, reference, cost_model)
+    if args.address is None:  # a joined cluster's replicas live on its nodes
+        check_fleet_memory(fleet, args.jobs, available_memory_bytes())
     if model is not None:
         # Synthetic tokens come from the model's vocabulary, live and simulated alike.
         fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
@@ -479,7 +484,7 @@ def _simulate_all(
     try:
         futures = [pool.submit(_run_one, run, stream, fleet) for run in runs]
         results = [(run, future.result()) for run, future in zip(runs, futures)]
-    except BaseException:
+    except BaseException as exc:
         # Stop the runs under way (else shutting down waits for them), and
         # let no second Ctrl-C or SIGTERM cut that short: it would leave workers behind.
         with stop_signals_ignored():
@@ -487,6 +492,13 @@ def _simulate_all(
                 worker.kill()
                 worker.join()
             pool.shutdown(cancel_futures=True)
+        if isinstance(exc, BrokenProcessPool):
+            # Killed from outside: on Linux, most often by the kernel when memory ran out.
+            raise ExperimentError(
+                f"a simulation worker died (killed, most likely for memory: {jobs} fleets of "
+                f"{fleet.num_replicas:,} replicas x {fleet.cache_config.num_blocks:,} KV blocks at once); "
+                "fewer --jobs or a smaller fleet needs less"
+            ) from None
         raise
     pool.shutdown()
     return results

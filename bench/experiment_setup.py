@@ -348,6 +348,49 @@ def fleet_config(
         raise ExperimentError(str(exc)) from None
 
 
+# What a simulated fleet holds per KV block before it serves a request (its
+# block and free-list entry).  Measured on 200 replicas x 2,049 blocks: 117
+# bytes.  A full cache adds the blocks' hashes and index entries: about 430
+# bytes a block at the end of a run, so a fleet refused for this minimum could
+# never have run here, while one that passes may still need up to 4x more.
+FLEET_BYTES_PER_BLOCK = 120
+
+
+def check_fleet_memory(fleet: FleetConfig, num_fleets: int, available_bytes: int | None) -> None:
+    """``ExperimentError`` when ``num_fleets`` such fleets at once would need more than ``available_bytes``.
+
+    A fleet far too big for the machine would otherwise be built block by
+    block for minutes or hours before running out of memory.  ``None``: the
+    available memory is unknown; nothing is checked.
+    """
+    num_blocks = fleet.num_replicas * fleet.cache_config.num_blocks
+    needed = num_fleets * num_blocks * FLEET_BYTES_PER_BLOCK
+    if available_bytes is not None and needed > available_bytes:
+        jobs = f" ({num_fleets} parallel jobs at once)" if num_fleets > 1 else ""
+        raise ExperimentError(
+            f"{fleet.num_replicas:,} replicas x {fleet.cache_config.num_blocks:,} KV blocks need at least "
+            f"{_size(needed)} to simulate{jobs} ({FLEET_BYTES_PER_BLOCK} bytes a block before any request), more than "
+            f"the {_size(available_bytes)} available here: fewer replicas or KV blocks per replica"
+            f"{', or fewer --jobs' if num_fleets > 1 else ''}"
+        )
+
+
+def _size(num_bytes: int) -> str:
+    return f"{num_bytes / 1e9:,.1f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:,.1f} MB"
+
+
+def available_memory_bytes() -> int | None:
+    """The kernel's estimate of the memory available to a new process (``MemAvailable``); ``None`` if unknown."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def longest_request(requests: Sequence[WorkloadRequest]) -> int:
     """Tokens of the longest request of ``requests``, its output included."""
     return max(r.num_prompt_tokens + r.output_len for r in requests)

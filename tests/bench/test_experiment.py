@@ -19,8 +19,18 @@ import pytest
 from kvserve.bench import experiment
 from kvserve.bench.experiment import add_experiment_parser, run_experiment
 from kvserve.bench.experiment_report import atomic_open
-from kvserve.bench.experiment_setup import DEFAULT_TIME_SCALE, check_live_options, default_num_requests
+from kvserve.bench.experiment_setup import (
+    DEFAULT_TIME_SCALE,
+    FLEET_BYTES_PER_BLOCK,
+    ExperimentError,
+    check_fleet_memory,
+    check_live_options,
+    default_num_requests,
+)
 from kvserve.bench.workloads import sessions
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.simulation.simulator import FleetConfig
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -288,6 +298,33 @@ def test_a_stream_too_big_for_memory_is_reported_without_a_traceback(tmp_path, c
     assert err.strip().endswith("a shorter stream (--num-requests) or a smaller fleet needs less")
 
 
+def test_a_fleet_is_refused_when_its_blocks_would_not_fit_in_the_available_memory() -> None:
+    fleet = FleetConfig(
+        num_replicas=10, scheduler_config=SchedulerConfig(max_model_len=64),
+        cache_config=CacheConfig(block_size=16, num_blocks=101), cost_model=StepCostModel.default(),
+    )
+    needed = 10 * 101 * FLEET_BYTES_PER_BLOCK
+
+    check_fleet_memory(fleet, 1, needed)
+    check_fleet_memory(fleet, 4, None)  # unknown: nothing to check against
+    with pytest.raises(ExperimentError, match=r"^10 replicas x 101 KV blocks need at least 0.1 MB to simulate \(120 bytes a block before any request\), more than the 0.1 MB"):
+        check_fleet_memory(fleet, 1, needed - 1)
+    with pytest.raises(ExperimentError, match=r"\(2 parallel jobs at once\) .* or fewer --jobs$"):
+        check_fleet_memory(fleet, 2, 2 * needed - 1)
+
+
+def test_a_fleet_far_too_big_for_the_machine_is_refused_before_anything_is_built(tmp_path, capsys) -> None:  # noqa: ANN001
+    # A million replicas of a million blocks: at least 120 TB, past any machine's memory.
+    argv = [*TINY_WORKLOAD, "--replicas", str(10**6), "--kv-blocks-per-replica", str(10**6), "--num-requests", "20",
+            "--qps", "1",
+            "--out", str(tmp_path / "run")]
+
+    err = run_bad(argv, capsys)
+
+    assert err.startswith("kvserve experiment: error: 1,000,000 replicas x 1,000,001 KV blocks need at least 120,000.1 GB")
+    assert not (tmp_path / "run").exists()
+
+
 def write_trace(path: Path, timestamps: list[int]) -> None:
     path.write_text("".join(
         json.dumps({"timestamp": t, "input_length": 40, "output_length": 4, "hash_ids": [i % 2]}) + "\n"
@@ -382,6 +419,26 @@ def test_ctrl_c_or_sigterm_stops_the_worker_processes_of_jobs(tmp_path, capsys, 
     err = capsys.readouterr().err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "kvserve experiment: interrupted"
     assert signal.getsignal(signal.SIGTERM) is sigterm_handler  # the caller's again
+
+
+def _killed(*run: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer ends a process
+
+
+def test_a_worker_killed_from_outside_is_reported_without_a_traceback(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(experiment, "_run_one", _killed)
+    args = parse([*TINY, "--policies", "round_robin,cache_aware", "--qps", "1", "--jobs", "2", "--no-plots",
+                  "--out", str(tmp_path / "run")])
+
+    assert run_experiment(args) == 2
+
+    assert not multiprocessing.active_children()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(
+        "kvserve experiment: error: a simulation worker died (killed, most likely for memory: 2 fleets of 3 replicas x "
+    )
+    assert not (tmp_path / "run" / "summary.md").exists()
 
 
 def test_a_file_written_atomically_is_absent_until_complete(tmp_path) -> None:  # noqa: ANN001
