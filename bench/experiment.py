@@ -322,10 +322,10 @@ def _run(args: argparse.Namespace) -> int:
     if knee:
         def stream_at(qps: float, num_requests: int) -> list[WorkloadRequest]:
             try:
-                return dataclasses.replace(stream, num_requests=num_requests).at(qps)
-            except ValueError as exc:
+                return _stream_at(dataclasses.replace(stream, num_requests=num_requests), qps)
+            except ExperimentError as exc:
                 # A session workload's steady state grows with the rate the search tries.
-                raise ExperimentError(f"--qps knee: --workload {stream.workload} at {qps:g} qps: {exc}") from None
+                raise ExperimentError(f"--qps knee: {exc}") from None
 
         baseline_kwargs = policy_kwargs[args.baseline]
         if model is not None:
@@ -399,13 +399,25 @@ def _run(args: argparse.Namespace) -> int:
 
 def _fleet_at(fleet: FleetConfig, stream: StreamSpec, qps: float | None) -> FleetConfig:
     """``fleet_for`` the stream at ``qps``; ``ExperimentError`` naming the rate when it does not fit."""
-    rate = "as recorded" if qps is None else f"at {qps:g} qps"
+    requests = _stream_at(stream, qps)
     try:
-        return fleet_for(fleet, stream.at(qps))
+        return fleet_for(fleet, requests)
     except ExperimentError as exc:
-        raise ExperimentError(f"{stream.workload} {rate}: {exc}") from None
+        raise ExperimentError(f"{stream.workload} {_rate(qps)}: {exc}") from None
     except ValueError as exc:
-        raise ExperimentError(f"--workload {stream.workload} {rate}: {exc}") from None
+        raise ExperimentError(f"--workload {stream.workload} {_rate(qps)}: {exc}") from None
+
+
+def _stream_at(stream: StreamSpec, qps: float | None) -> list[WorkloadRequest]:
+    """``stream.at(qps)``; ``ExperimentError`` naming the workload and rate when it cannot be generated."""
+    try:
+        return stream.at(qps)
+    except ValueError as exc:
+        raise ExperimentError(f"--workload {stream.workload} {_rate(qps)}: {exc}") from None
+
+
+def _rate(qps: float | None) -> str:
+    return "as recorded" if qps is None else f"at {qps:g} qps"
 
 
 # -- running ------------------------------------------------------------------------

@@ -313,6 +313,7 @@ def fleet_config(
 ) -> FleetConfig:
     block_size = args.block_size
     longest = longest_request(requests)
+    sized_by = None
     if args.kv_blocks_per_replica is not None:
         num_usable = args.kv_blocks_per_replica
     elif not reference.num_reused_blocks:
@@ -323,16 +324,8 @@ def fleet_config(
     else:
         fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
         num_usable = math.ceil(fraction * reference.num_reused_blocks)
-        working_set = reference.num_reused_blocks
-        needed = _blocks_for(longest, block_size)
-        if num_usable < needed:
-            least = math.ceil(100 * needed / working_set) / 100  # rounded up: it holds the longest
-            raise ExperimentError(
-                f"{num_usable} KV blocks per replica ({fraction:g} of the {working_set}-block working set) cannot "
-                f"hold the longest request ({longest} tokens = {needed} blocks); give --kv-fraction {least:g} or "
-                "more, or --kv-blocks-per-replica"
-            )
-    _check_room(num_usable, block_size, longest)
+        sized_by = (fraction, reference.num_reused_blocks)
+    _check_room(num_usable, block_size, longest, sized_by)
     try:
         return FleetConfig(
             num_replicas=args.replicas,
@@ -400,13 +393,29 @@ def _blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def _check_room(num_usable_blocks: int, block_size: int, longest: int) -> None:
+def _check_room(
+    num_usable_blocks: int, block_size: int, longest: int, sized_by: tuple[float, int] | None = None
+) -> None:
+    """``ExperimentError`` unless a replica's cache holds the longest request.
+
+    ``sized_by``: the (fraction, working-set blocks) the cache was sized from,
+    for a message that names the least fraction that fits.
+    """
     blocks_for_longest = _blocks_for(longest, block_size)
-    if num_usable_blocks < blocks_for_longest:
+    if num_usable_blocks >= blocks_for_longest:
+        return
+    if sized_by is None:
         raise ExperimentError(
             f"{num_usable_blocks} KV blocks per replica cannot hold the longest request "
             f"({longest} tokens = {blocks_for_longest} blocks); raise --kv-fraction or --kv-blocks-per-replica"
         )
+    fraction, working_set = sized_by
+    least = math.ceil(100 * blocks_for_longest / working_set) / 100  # rounded up: it holds the longest
+    raise ExperimentError(
+        f"{num_usable_blocks} KV blocks per replica ({fraction:g} of the {working_set}-block working set) cannot "
+        f"hold the longest request ({longest} tokens = {blocks_for_longest} blocks); give --kv-fraction "
+        f"{least:g} or more, or --kv-blocks-per-replica"
+    )
 
 
 def fleet_for(fleet: FleetConfig, requests: Sequence[WorkloadRequest]) -> FleetConfig:

@@ -28,5 +28,5 @@ def test_the_simulator_benchmark_prints_the_machines_read_time_beside_its_total(
     out = capsys.readouterr().out
 
     figures = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in out.splitlines()[-3:]}
-    assert float(figures["total seconds"]) > 0
+    assert float(figures["total seconds"]) >= 0  # printed to 0.1 s: a tiny fleet's run may show 0.0
     assert float(figures["ns per random object read"]) > 0
