@@ -26,7 +26,9 @@ Reaching the steady state costs turns that grow with the rate, not with
 ``num_requests``: about ``qps x 1.5 x think_time x (max_turns + 1)`` are
 generated before the measured ones.  A stream that needs more than
 ``MAX_GENERATED_TURNS`` in all is refused with a ``ValueError`` instead of
-generating without end (or until memory runs out).
+generating without end (or until memory runs out), and one that generates
+more than twice its expected count stops with one (at a tiny burstiness,
+sessions start in bursts of millions).
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ def session_requests(
     # NOTE: an infinite think time would start sessions at -inf and never end the loop below.
     check_numbers(0, think_time=think_time)
     check_rate(qps, burstiness)
-    _check_generated_turns(num_requests, qps, think_time, max_turns)
+    expected = _check_generated_turns(num_requests, qps, think_time, max_turns)
+    # Chance stays far below this (10,000 of slack for short streams, whose counts vary most).
+    most_generated = 2 * expected + 10_000
     content = np.random.default_rng([seed, 0])
     timing = np.random.default_rng([seed, 1])
     mean_turns = (min_turns + max_turns) / 2
@@ -82,6 +86,7 @@ def session_requests(
     timed: list[tuple[float, int, WorkloadRequest]] = []
     measured_times: list[float] = []
     session = 0
+    num_generated = 0
     start = -1.5 * think_time * max_turns
     # Sessions are generated in start order until none can add a turn before
     # the num_requests-th measured one (every turn of a session is after its start).
@@ -89,6 +94,16 @@ def session_requests(
     while start <= cutoff:
         context_id = int(content.choice(len(base_contexts), p=context_probabilities))
         num_turns = int(content.integers(min_turns, max_turns + 1))
+        num_generated += num_turns
+        if num_generated > most_generated:
+            # NOTE: far beyond chance for a Poisson process.  At a tiny
+            # burstiness nearly every gap is 0: sessions start in bursts of
+            # millions, and time moves on only between them.
+            raise ValueError(
+                f"the stream generated {num_generated:,} turns, more than twice the {expected:,.0f} expected, "
+                f"before its last measured one: at burstiness {burstiness:g} sessions start in bursts too large; "
+                "a larger burstiness, fewer requests or a lower rate"
+            )
         base = base_contexts[context_id]
         # The session's messages, user and answer alternating, in one array:
         # the history before turn k is its first k * turn_len tokens.
@@ -123,8 +138,8 @@ def session_requests(
     return requests
 
 
-def _check_generated_turns(num_requests: int, qps: float, think_time: float, max_turns: int) -> None:
-    """``ValueError`` when the stream means generating more than ``MAX_GENERATED_TURNS`` turns.
+def _check_generated_turns(num_requests: int, qps: float, think_time: float, max_turns: int) -> float:
+    """The turns the stream means generating, about; ``ValueError`` when more than ``MAX_GENERATED_TURNS``.
 
     Sessions start from ``1.5 x think_time x max_turns`` seconds before 0 and
     the warm-up lasts ``1.5 x think_time`` more, at ``qps`` turns a second in
@@ -141,3 +156,4 @@ def _check_generated_turns(num_requests: int, qps: float, think_time: float, max
             f"before 0; the limit is {MAX_GENERATED_TURNS:,}: fewer requests, a lower rate or think_time, "
             "or fewer turns per session"
         )
+    return expected

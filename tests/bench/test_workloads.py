@@ -146,6 +146,16 @@ def test_the_turn_limit_counts_the_sessions_before_0_the_warm_up_and_the_measure
         multi_turn(6, qps=2.0, **kwargs)
 
 
+@pytest.mark.parametrize("workload", ["multi_turn", "agent_tools"])
+def test_sessions_in_bursts_too_large_to_generate_are_refused(workload) -> None:  # noqa: ANN001
+    # At burstiness 1e-6 nearly every gap between session starts is 0: time
+    # stood still while sessions piled up, and the generator never ended
+    # (agent_tools grew to 620 MB in 40 s).  The expected count passes the check.
+    with pytest.raises(ValueError, match=r"generated 1[\d,]{5} turns, more than twice the \d+ expected, .* 1e-06"):
+        make_workload(workload, 10, qps=1.0, burstiness=1e-6)
+    assert make_workload(workload, 10, qps=1.0, burstiness=1e-2)  # bursty, within the limit
+
+
 def test_customer_contexts_share_a_long_context_per_customer() -> None:
     requests = customer_contexts(300, qps=20, num_customers=5, context_len=256, user_len=8, answer_len=4)
     contexts: dict[str, set[tuple[int, ...]]] = {}
