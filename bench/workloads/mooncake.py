@@ -42,8 +42,9 @@ def mooncake_trace(
 
     Arrivals start at 0; with ``qps`` they are rescaled to that mean rate,
     otherwise they keep the trace's own timing.  Raises ``ValueError`` naming
-    the line of a malformed record, or when ``qps`` is given for requests that
-    all arrive at one instant (there is no timing to rescale).
+    the line of a malformed record, for a trace without records or whose
+    timestamps span more than a float holds, or when ``qps`` is given for
+    requests that all arrive at one instant (there is no timing to rescale).
     """
     check_ints(1, block_tokens=block_tokens)
     check_vocab_size(vocab_size)
@@ -63,7 +64,8 @@ def mooncake_trace(
     records: list[tuple[float, int, int, list[int]]] = []
     line_number = 0
     try:
-        with open(path, encoding="utf-8") as trace:
+        # utf-8-sig: a byte-order mark, as some Windows tools write, is not part of the first record.
+        with open(path, encoding="utf-8-sig") as trace:
             for line_number, line in enumerate(trace, 1):
                 if line.strip():
                     records.append(_parse_record(line, block_tokens))
@@ -72,6 +74,8 @@ def mooncake_trace(
     except ValueError as exc:
         raise ValueError(f"{path}:{line_number}: not a Mooncake record: {exc}") from None
     # The earliest requests, not the first lines: a trace need not be sorted (the sort is stable).
+    if not records:
+        raise ValueError(f"{path} holds no records")
     records.sort(key=lambda record: record[0])
     if num_requests is not None:
         del records[num_requests:]
@@ -79,6 +83,8 @@ def mooncake_trace(
         return []
     start = records[0][0]
     times = [(timestamp - start) / 1000.0 for timestamp, _, _, _ in records]
+    if not math.isfinite(times[-1]):
+        raise ValueError(f"{path}: its timestamps span from {start:g} to {records[-1][0]:g} ms, too long to replay")
     if qps is not None:
         span = times[-1]
         if span == 0:
@@ -113,8 +119,12 @@ def _parse_record(line: str, block_tokens: int) -> tuple[float, int, int, list[i
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
     timestamp = record["timestamp"]
-    if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or not math.isfinite(timestamp):
-        raise ValueError(f"timestamp must be a finite number, got {timestamp!r}")
+    try:
+        finite = not isinstance(timestamp, bool) and math.isfinite(timestamp)
+    except (TypeError, OverflowError):  # not a number; an integer too large for a float
+        finite = False
+    if not finite:
+        raise ValueError(f"timestamp must be a finite number, got {_shortened(repr(timestamp))}")
     check_ints(1, input_length=record["input_length"], output_length=record["output_length"])
     hash_ids = record["hash_ids"]
     if not isinstance(hash_ids, list):
@@ -129,3 +139,7 @@ def _parse_record(line: str, block_tokens: int) -> tuple[float, int, int, list[i
             f"got {len(hash_ids)}"
         )
     return float(timestamp), record["input_length"], record["output_length"], hash_ids
+
+
+def _shortened(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[: limit // 2]}... ({len(text):,} characters)"

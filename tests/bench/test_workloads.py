@@ -284,6 +284,11 @@ def test_mooncake_num_requests_takes_the_earliest_requests_of_an_unsorted_trace(
     [
         ("timestamp", float("nan"), "timestamp must be a finite number"),
         ("timestamp", "soon", "timestamp must be a finite number"),
+        # Too large for a float: math.isfinite raised OverflowError, a traceback.
+        pytest.param(
+            "timestamp", 10**400, r"timestamp must be a finite number, got 10000000000000000000\.\.\. \(401 characters\)",
+            id="timestamp-too-large-for-a-float",
+        ),
         ("input_length", 1024.5, "input_length must be an integer >= 1"),
         ("output_length", True, "output_length must be an integer >= 1"),
         ("output_length", 0, "output_length must be an integer >= 1"),
@@ -297,6 +302,26 @@ def test_a_mooncake_record_of_the_wrong_type_is_reported_with_its_line(tmp_path,
     write_trace(path, [SAMPLE_TRACE[0], {**SAMPLE_TRACE[1], field: value}])
 
     with pytest.raises(ValueError, match=f"trace.jsonl:2: not a Mooncake record: {message}"):
+        mooncake_trace(path)
+
+
+def test_a_trace_may_start_with_a_byte_order_mark(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, SAMPLE_TRACE)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # as some Windows tools write UTF-8
+
+    assert [r.num_prompt_tokens for r in mooncake_trace(path)] == [1100, 600, 1024, 300]
+
+
+def test_a_trace_without_records_or_with_an_endless_span_is_refused(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n  \n")
+    with pytest.raises(ValueError, match="trace.jsonl holds no records"):
+        mooncake_trace(path)
+
+    # Each timestamp is finite, their difference is not: arrivals at inf, and figures of nan.
+    write_trace(path, [{**SAMPLE_TRACE[0], "timestamp": -1e308}, {**SAMPLE_TRACE[1], "timestamp": 1e308}])
+    with pytest.raises(ValueError, match="span from -1e\\+308 to 1e\\+308 ms, too long to replay"):
         mooncake_trace(path)
 
 
