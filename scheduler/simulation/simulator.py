@@ -24,6 +24,7 @@ import contextlib
 import gc
 import heapq
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -161,7 +162,9 @@ class FleetSimulator:
 
         ``progress(num_finished, num_requests)`` is called every
         ``progress_every`` finished requests (default: every 1%).  Raises
-        ``ValueError`` for unsorted arrivals or a request no replica can hold.
+        ``ValueError`` for unsorted arrivals, a request no replica can hold or
+        that needs more than ``max_model_len`` tokens, or times beyond the
+        virtual clock's precision.
         """
         if self._used:
             raise ValueError("a FleetSimulator runs once; make a new one")
@@ -180,6 +183,7 @@ class FleetSimulator:
         num_replicas = self.config.num_replicas
         cost_model = self.config.cost_model
         vocab_size = self.config.vocab_size
+        max_model_len = self.config.scheduler_config.max_model_len
         schedulers = self.schedulers
         router = self.router
         plans: list[StepPlan | None] = [None] * num_replicas
@@ -212,10 +216,17 @@ class FleetSimulator:
                 return
             plans[replica_id] = plan
             duration = cost_model.step_time(plan)
+            end = now + duration
+            if not end < math.inf or (end == now and duration > 0):
+                # Beyond a float's precision, steps would take no time and figures come out inf or nan.
+                raise ValueError(
+                    f"the virtual clock cannot count a {duration:g} s step from {now:g} s: arrival times or "
+                    "step costs too large"
+                )
             busy_time[replica_id] += duration
             num_steps[replica_id] += 1
             sequence += 1
-            heapq.heappush(completions, (now + duration, sequence, replica_id))
+            heapq.heappush(completions, (end, sequence, replica_id))
 
         def finish_step(replica_id: int) -> None:
             nonlocal num_finished
@@ -266,11 +277,16 @@ class FleetSimulator:
             if params is None:
                 params = params_by_len[output_len] = SamplingParams(max_tokens=output_len, ignore_eos=True)
             req_id = str(index)
+            num_prompt_tokens = len(item.prompt_token_ids)
+            if num_prompt_tokens + output_len > max_model_len:
+                # The scheduler would stop it short of output_len tokens.
+                raise ValueError(
+                    f"request {index} cannot be served: {num_prompt_tokens} prompt + {output_len} output tokens "
+                    f"exceed max_model_len={max_model_len}"
+                )
             output_token_ids = item.output_token_ids
             if output_token_ids is None:
-                output_token_ids = synthetic_output_token_array(
-                    req_id, len(item.prompt_token_ids), output_len, vocab_size
-                )
+                output_token_ids = synthetic_output_token_array(req_id, num_prompt_tokens, output_len, vocab_size)
             elif len(output_token_ids) < output_len:
                 raise ValueError(
                     f"request {index} gives {len(output_token_ids)} output tokens but asks for {output_len}"

@@ -109,6 +109,40 @@ def test_a_request_too_big_for_a_replica_is_reported() -> None:
         FleetSimulator(config(1, num_blocks=4), make_policy("round_robin")).run([Item(0.0, [5] * 100, 1)])
 
 
+def test_a_request_longer_than_max_model_len_is_reported_at_admission() -> None:
+    # The scheduler stops it at max_model_len, short of its output_len tokens:
+    # the run ended with "1 requests never finished (a replica stalled)".
+    fleet = FleetConfig(
+        num_replicas=1,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_model_len=16),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
+        cost_model=MODEL,
+    )
+    with pytest.raises(ValueError, match="request 1 cannot be served: 10 prompt \\+ 10 output tokens exceed max_model_len=16"):
+        FleetSimulator(fleet, make_policy("round_robin")).run([Item(0.0, [5] * 10, 6), Item(0.0, [5] * 10, 10)])
+
+
+@pytest.mark.parametrize(
+    ("arrival_times", "model"),
+    [
+        # A step of 1 ms is nothing at 1e19 s: requests got a TTFT and latency of 0.
+        ([0.0, 1e19], MODEL),
+        # Steps of 1e308 s overflow the clock: figures of inf and nan.
+        ([0.0, 1.0], StepCostModel(a=1e308, b=0.0, c=0.0, d=0.0)),
+    ],
+)
+def test_times_beyond_the_virtual_clocks_precision_are_reported(arrival_times, model) -> None:  # noqa: ANN001
+    fleet = FleetConfig(
+        num_replicas=1,
+        scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE, num_blocks=64),
+        cost_model=model,
+    )
+    items = [Item(t, [5] * 10, 2) for t in arrival_times]
+    with pytest.raises(ValueError, match="the virtual clock cannot count a .* s step from .* s: arrival times or step costs"):
+        FleetSimulator(fleet, make_policy("round_robin")).run(items)
+
+
 def test_progress_is_reported_as_requests_finish() -> None:
     seen: list[tuple[int, int]] = []
 
