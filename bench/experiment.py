@@ -78,6 +78,7 @@ from kvserve.bench.experiment_setup import (
     available_memory_bytes,
     check_fleet_memory,
     check_live_options,
+    check_output_dir,
     check_options,
     check_policies,
     choose_baseline,
@@ -210,7 +211,9 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="step token budget (default 2048)")
-    parser.add_argument("--max-num-seqs", type=int, default=256, help="max running requests per replica")
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256, help="max running requests per replica (default 256)"
+    )
     parser.add_argument("--cost-model", type=Path, help="step cost model JSON (default: StepCostModel.default())")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes (default 1)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -289,12 +292,24 @@ def _run(args: argparse.Namespace) -> int:
         raise ExperimentError("--knee-factor is for --qps knee")
     policy_args = parse_policy_args(args.policy_arg, policies)
     cost_model = load_cost_model(args)
+    policy_kwargs = {
+        policy: {
+            **default_policy_kwargs(policy, args.seed, cost_model, args.max_num_batched_tokens),
+            **policy_args.get(policy, {}),
+        }
+        for policy in policies
+    }
+    # The cheap checks come before the stream is generated (a minute or more for a long one).
+    check_policies(policy_kwargs, policy_args)
+    check_output_dir(args.out)
     model = None
     if args.live:
         model = live_model(args)
         stream = stream.with_vocab_size(model.vocab_size)
 
-    reference_stream = stream.at(None if stream.workload == TRACE_WORKLOAD else 1.0)
+    reference_qps = None if stream.workload == TRACE_WORKLOAD else 1.0
+    _print_progress(f"generating the {stream.workload} stream {_rate(reference_qps)}")
+    reference_stream = _stream_at(stream, reference_qps)
     if not reference_stream:
         raise ExperimentError("the workload has no requests")
     # A trace may hold fewer than --num-requests; session workloads add a warm-up.
@@ -302,15 +317,11 @@ def _run(args: argparse.Namespace) -> int:
     reference = infinite_cache_reference(reference_stream, args.block_size)
     fleet = fleet_config(args, reference_stream, reference, cost_model)
     if args.address is None:  # a joined cluster's replicas live on its nodes
-        check_fleet_memory(fleet, args.jobs, available_memory_bytes())
+        num_runs = len(rates) * len(policies)  # the knee's search: one run at a time
+        check_fleet_memory(fleet, min(args.jobs, num_runs), available_memory_bytes())
     if model is not None:
         # Synthetic tokens come from the model's vocabulary, live and simulated alike.
         fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
-    policy_kwargs = {
-        policy: {**default_policy_kwargs(policy, args.seed, fleet), **policy_args.get(policy, {})}
-        for policy in policies
-    }
-    check_policies(policy_kwargs, policy_args)
     prepare_output(args, RESULT_FILES, reference, fleet)
     describe(stream, num_measured, reference, fleet)
     if model is not None:
@@ -335,7 +346,9 @@ def _run(args: argparse.Namespace) -> int:
                 stream_at, stream.num_requests, fleet, lambda: make_policy(args.baseline, **baseline_kwargs),
                 args.knee_factor, report=_print_progress,
             )
-        except KneeNotFound as exc:
+        except ExperimentError:
+            raise
+        except (KneeNotFound, ValueError) as exc:  # a ValueError: from the simulator (see simulate)
             raise ExperimentError(f"--qps knee: {exc}") from None
         rates = [knee_qps]
         record_in_config(args.out, knee_qps=knee_qps)
@@ -350,8 +363,8 @@ def _run(args: argparse.Namespace) -> int:
 
     # Every run has finished: the results are written, summary.md last (see the module docstring).
     summaries: list[RunSummary] = []
-    infinite_hit_rates: dict[float | None, float] = {}
-    measured: dict[float | None, list[bool]] = {}
+    infinite_hit_rates: dict[float | None, float] = {reference_qps: reference.hit_rate}
+    measured: dict[float | None, list[bool]] = {reference_qps: [r.measured for r in reference_stream]}
     request_csv = args.out / "requests.csv"
     with atomic_open(request_csv) as out:
         writer = csv.writer(out)
@@ -359,6 +372,7 @@ def _run(args: argparse.Namespace) -> int:
         for run, result in results:
             if run.qps not in infinite_hit_rates:
                 # Per rate: a session workload's stream depends on it.
+                _print_progress(f"infinite-cache hit rate {_rate(run.qps)}")
                 requests = stream.at(run.qps)
                 infinite_hit_rates[run.qps] = infinite_cache_reference(requests, args.block_size).hit_rate
                 measured[run.qps] = [r.measured for r in requests]
@@ -412,7 +426,7 @@ def _stream_at(stream: StreamSpec, qps: float | None) -> list[WorkloadRequest]:
     """``stream.at(qps)``; ``ExperimentError`` naming the workload and rate when it cannot be generated."""
     try:
         return stream.at(qps)
-    except ValueError as exc:
+    except (ValueError, TypeError, OSError) as exc:  # OSError: a trace that cannot be read
         raise ExperimentError(f"--workload {stream.workload} {_rate(qps)}: {exc}") from None
 
 
@@ -453,7 +467,13 @@ def _label(run: Run) -> str:
 
 def _run_one(run: Run, stream_spec: StreamSpec, fleet: FleetConfig) -> SimulationResult:
     stream = stream_spec.at(run.qps)
-    return simulate(stream, fleet_for(fleet, stream), make_policy(run.policy, **run.policy_kwargs), label=_label(run))
+    policy = make_policy(run.policy, **run.policy_kwargs)
+    try:
+        return simulate(stream, fleet_for(fleet, stream), policy, label=_label(run))
+    except ExperimentError:
+        raise
+    except ValueError as exc:  # e.g. times beyond the virtual clock's precision
+        raise ExperimentError(f"{_label(run)}: {exc}") from None
 
 
 def _run_live_all(
@@ -490,6 +510,7 @@ def _simulate_all(
     # Workers ignore Ctrl-C and SIGTERM (a terminal or a process manager may
     # send them to the whole group): the parent alone handles them, and stops them.
     other_children = set(multiprocessing.active_children())
+    jobs = min(jobs, len(runs))
     pool = ProcessPoolExecutor(
         max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=ignore_stop_signals
     )

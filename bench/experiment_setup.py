@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,7 +246,7 @@ def choose_baseline(baseline: str | None, policies: Sequence[str], knee: bool) -
     if knee:
         baseline = baseline or DEFAULT_BASELINE
         if baseline not in POLICIES:
-            raise ExperimentError(f"unknown --baseline {baseline!r}; choose from {sorted(POLICIES)}")
+            raise ExperimentError(f"unknown --baseline {baseline!r}; choose from {', '.join(POLICIES)}")
         return baseline
     if baseline is None:
         return DEFAULT_BASELINE if DEFAULT_BASELINE in policies else policies[0]
@@ -255,10 +256,16 @@ def choose_baseline(baseline: str | None, policies: Sequence[str], knee: bool) -
 
 
 def stream_spec(args: argparse.Namespace) -> StreamSpec:
-    params = dict(parse_key_values(args.workload_arg, "--workload-arg"))
+    """The stream ``args`` describe, checked as far as it can be without generating it."""
+    pairs = parse_key_values(args.workload_arg, "--workload-arg")
+    params = dict(pairs)
     for key in params:
         if key in WORKLOAD_ARG_OPTIONS:
             raise ExperimentError(f"--workload-arg {key}: use {WORKLOAD_ARG_OPTIONS[key]}")
+    if len(params) < len(pairs):
+        repeated = sorted({key for key, _ in pairs if [k for k, _ in pairs].count(key) > 1})
+        raise ExperimentError(f"--workload-arg {', '.join(repeated)} is given more than once")
+    workloads = ", ".join(sorted([*WORKLOADS, TRACE_WORKLOAD]))
     if args.workload == TRACE_WORKLOAD:
         if args.trace is None:
             raise ExperimentError("the mooncake workload needs --trace PATH")
@@ -266,16 +273,11 @@ def stream_spec(args: argparse.Namespace) -> StreamSpec:
             raise ExperimentError("--burstiness does not apply to a trace: its arrivals keep the trace's pattern")
         params["trace"] = str(args.trace)
     elif args.workload not in WORKLOADS:
-        raise ExperimentError(f"unknown workload {args.workload!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")
+        raise ExperimentError(f"unknown workload {args.workload!r}; choose from {workloads}")
     elif args.trace is not None:
         raise ExperimentError(f"--trace is for the {TRACE_WORKLOAD} workload, not {args.workload}")
     burstiness = DEFAULT_BURSTINESS if args.burstiness is None else args.burstiness
-    spec = StreamSpec(args.workload, args.num_requests, args.seed, burstiness, params)
-    try:
-        spec.at(None if args.workload == TRACE_WORKLOAD else 1.0)[:1]
-    except (ValueError, TypeError, OSError) as exc:
-        raise ExperimentError(f"--workload {args.workload}: {exc}") from None
-    return spec
+    return StreamSpec(args.workload, args.num_requests, args.seed, burstiness, params)
 
 
 def parse_rates(text: str, stream: StreamSpec) -> list[Any]:
@@ -302,7 +304,8 @@ def qps_label(qps: float | None, stream: Sequence[WorkloadRequest]) -> float:
     if qps is not None:
         return qps
     span = stream[-1].arrival_time - stream[0].arrival_time
-    return round((len(stream) - 1) / span, 3) if span > 0 else float(len(stream))
+    # Four significant digits: a trace of one request an hour is not 0 qps.
+    return float(f"{(len(stream) - 1) / span:.4g}") if span > 0 else float(len(stream))
 
 
 def fleet_config(
@@ -433,13 +436,11 @@ def fleet_for(fleet: FleetConfig, requests: Sequence[WorkloadRequest]) -> FleetC
     return dataclasses.replace(fleet, scheduler_config=dataclasses.replace(scheduler_config, max_model_len=longest))
 
 
-def default_policy_kwargs(policy: str, seed: int, fleet: FleetConfig) -> dict[str, Any]:
+def default_policy_kwargs(
+    policy: str, seed: int, cost_model: StepCostModel, max_num_batched_tokens: int
+) -> dict[str, Any]:
     """The arguments of ``EXPERIMENT_POLICY_ARGS`` for ``policy``."""
-    values = {
-        "seed": seed,
-        "cost_model": fleet.cost_model,
-        "max_num_batched_tokens": fleet.scheduler_config.max_num_batched_tokens,
-    }
+    values = {"seed": seed, "cost_model": cost_model, "max_num_batched_tokens": max_num_batched_tokens}
     return {name: values[name] for name in EXPERIMENT_POLICY_ARGS.get(policy, {})}
 
 
@@ -470,13 +471,25 @@ def describe(stream: StreamSpec, num_requests: int, reference: CacheReference, f
         print(line)
 
 
+def check_output_dir(out: Path) -> None:
+    """``ExperimentError`` when ``--out`` could not be made a directory and written to, as far as can be
+    told before anything is generated: it, or the nearest folder above it that exists, is not a
+    directory or not writable."""
+    existing = next((path for path in (out, *out.parents) if path.exists()), None)
+    if existing is None:
+        return
+    if not existing.is_dir():
+        raise ExperimentError(f"--out {out}{'' if existing == out else f': {existing}'} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ExperimentError(f"--out {out}: {existing} is not writable")
+
+
 def prepare_output(
     args: argparse.Namespace, result_files: Sequence[str], reference: CacheReference, fleet: FleetConfig
 ) -> None:
     """Create ``--out``, remove an earlier run's ``result_files`` there and write ``config.json``."""
     out: Path = args.out
-    if out.exists() and not out.is_dir():
-        raise ExperimentError(f"--out {out} is not a directory")
+    check_output_dir(out)
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "handler"}
     config["sim"] = not args.live  # the default mode, --sim or not

@@ -26,8 +26,9 @@ from kvserve.bench.experiment_setup import (
     check_fleet_memory,
     check_live_options,
     default_num_requests,
+    qps_label,
 )
-from kvserve.bench.workloads import sessions
+from kvserve.bench.workloads import WorkloadRequest, sessions
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
@@ -150,9 +151,14 @@ def test_a_cache_fraction_too_small_for_the_longest_request_names_the_least_that
 def run_bad(argv: list[str], capsys) -> str:  # noqa: ANN001
     """The one-line error of a setup that must fail with exit status 2."""
     assert run_experiment(parse(argv)) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-    return err
+    return error_line(capsys.readouterr().err)
+
+
+def error_line(err: str) -> str:
+    """The last line of ``err``: the only error, after progress lines if any, and no traceback."""
+    *before, last = err.strip().splitlines()
+    assert "Traceback" not in err and not any(line.startswith("kvserve experiment:") for line in before), err
+    return last + "\n"
 
 
 @pytest.mark.parametrize(
@@ -181,7 +187,9 @@ def run_bad(argv: list[str], capsys) -> str:  # noqa: ANN001
         (["--qps", "1", "--workload-arg", "num_requests=3"], "--workload-arg num_requests: use --num-requests"),
         (["--qps", "1", "--workload-arg", "qps=3"], "--workload-arg qps: use --qps"),
         (["--qps", "1", "--workload-arg", "zipf_exponent=nan"], "zipf_exponent must be a finite number"),
-        (["--qps", "1", "--workload-arg", "num_groups=2.5"], "num_groups must be an integer"),
+        (["--qps", "1", "--workload-arg", "num_tenants=2.5"], "num_tenants must be an integer"),
+        # --policy-arg refuses a repeated key; so does --workload-arg, which took the last silently.
+        (["--qps", "1", "--workload-arg", "num_groups=8"], "--workload-arg num_groups is given more than once"),
     ],
 )
 def test_bad_options_are_reported_before_the_output_folder_is_made(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
@@ -247,12 +255,72 @@ def test_a_bad_cost_model_file_is_reported_without_a_traceback(tmp_path, capsys,
     assert f"--cost-model {path}: " in err and message in err
 
 
+def test_a_cost_model_beyond_the_virtual_clock_is_reported_without_a_traceback(tmp_path, capsys) -> None:  # noqa: ANN001
+    # Steps of 1e308 s: the clock reached inf, and the table was nan with exit status 0.
+    path = tmp_path / "cost.json"
+    path.write_text('{"a": 1e308, "b": 0, "c": 0, "d": 0}')
+
+    err = run_bad([*TINY, "--qps", "1", "--policies", "round_robin", "--cost-model", str(path), "--no-plots",
+                   "--out", str(tmp_path / "run")], capsys)
+    assert err.startswith("kvserve experiment: error: round_robin @ 1 qps: the virtual clock cannot count a 1e+308 s step")
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--policy-arg", "cache_aware.cache_threshold=2"],
+        ["--policies", "cache_aware,round_robin", "--out", "FILE/run"],
+    ],
+)
+def test_options_are_checked_before_the_stream_is_generated(tmp_path, capsys, monkeypatch, extra) -> None:  # noqa: ANN001
+    # A long stream takes a minute or more to generate: a typo was reported after it.
+    def generate(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        raise AssertionError("the stream was generated")
+
+    monkeypatch.setattr(experiment.StreamSpec, "at", generate)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    argv = [*TINY, "--qps", "1", "--policies", "cache_aware", "--out", str(tmp_path / "run"), *extra]
+
+    assert run_bad([arg.replace("FILE", str(a_file)) for arg in argv], capsys).startswith("kvserve experiment: error: ")
+
+
+def test_the_memory_check_counts_the_fleets_that_run_at_once_not_the_jobs(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    # 2 runs with --jobs 1000 build 2 fleets at once, not 1000.
+    monkeypatch.setattr(experiment, "available_memory_bytes", lambda: 3 * 3 * 101 * FLEET_BYTES_PER_BLOCK)
+    argv = [*TINY, "--qps", "1", "--policies", "round_robin,cache_aware", "--kv-blocks-per-replica", "100",
+            "--no-plots", "--out", str(tmp_path / "run")]
+
+    assert run_experiment(parse([*argv, "--jobs", "1000"])) == 0
+    assert "(4 parallel jobs at once)" in run_bad([*argv, "--qps", "1,2", "--jobs", "1000"], capsys)
+
+
+def test_the_infinite_cache_reference_is_computed_once_per_rate_and_said(tmp_path, capsys) -> None:  # noqa: ANN001
+    args = parse([*TINY, "--qps", "1,2", "--policies", "round_robin", "--no-plots", "--out", str(tmp_path / "run")])
+
+    assert run_experiment(args) == 0
+    err = capsys.readouterr().err
+    # The reference at 1 qps sized the fleet: it is reused, not recomputed.
+    assert "infinite-cache hit rate at 2 qps" in err and "infinite-cache hit rate at 1 qps" not in err
+
+
+def test_a_traces_rate_is_reported_to_four_significant_digits() -> None:
+    # One request an hour was reported as 0 qps (rounded to 3 decimals).
+    hourly = [WorkloadRequest(arrival_time=3600.0 * i, prompt_token_ids=[5] * 4, output_len=1) for i in range(3)]
+
+    assert qps_label(None, hourly) == 0.0002778
+    assert qps_label(2.5, hourly) == 2.5
+
+
 def test_an_out_that_is_a_file_or_under_one_is_reported(tmp_path, capsys) -> None:  # noqa: ANN001
     a_file = tmp_path / "a_file"
     a_file.write_text("")
 
     assert "is not a directory" in run_bad([*TINY, "--qps", "1", "--out", str(a_file)], capsys)
-    assert "Not a directory" in run_bad([*TINY, "--qps", "1", "--out", str(a_file / "sub")], capsys)
+    # Before the stream is generated (a minute or more for a long one).
+    assert f"--out {a_file}/sub/run: {a_file} is not a directory" in run_bad(
+        [*TINY, "--qps", "1", "--out", str(a_file / "sub" / "run")], capsys
+    )
 
 
 @pytest.mark.parametrize("think_time", ["inf", "nan", "-1"])
@@ -291,9 +359,8 @@ def test_a_stream_too_big_for_memory_is_reported_without_a_traceback(tmp_path, c
             "--out", str(tmp_path / "run")]
 
     assert run_experiment(parse(argv)) == 1
-    err = capsys.readouterr().err
+    err = error_line(capsys.readouterr().err)
 
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert err.startswith("kvserve experiment: error: out of memory (")
     assert err.strip().endswith("a shorter stream (--num-requests) or a smaller fleet needs less")
 
