@@ -76,7 +76,7 @@ class Sampler:
         log_normalizers = torch.logsumexp(logits, dim=-1)
         if all(p.is_greedy for p in params):
             return SamplerOutput(token_ids=greedy_ids, logprobs=max_logits - log_normalizers)
-        token_ids = self._sample(logits, params, output_indices, greedy_ids)
+        token_ids = self._sample(logits, params, output_indices, max_logits, greedy_ids)
         logprobs = logits.gather(-1, token_ids[:, None]).squeeze(-1) - log_normalizers
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
@@ -85,12 +85,19 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         output_indices: Sequence[int],
+        max_logits: torch.Tensor,
         greedy_ids: torch.Tensor,
     ) -> torch.Tensor:
         device = logits.device
         # Greedy rows are sampled at temperature 1 and then replaced by their argmax.
         temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-        probs = _filtered_probs(logits / temperatures[:, None], params)
+        # NOTE: each row's best logit is 0 before the division, so that a tiny
+        # temperature sends the others to -inf, never the best to inf: logits
+        # of 20 / 1e-39 overflowed, softmax gave nan and every token was 0.
+        # A temperature below float32's smallest normal number (or rounding
+        # to 0) counts as that number: sampling is then greedy among ties.
+        temperatures.clamp_min_(torch.finfo(torch.float32).tiny)
+        probs = _filtered_probs((logits - max_logits[:, None]) / temperatures[:, None], params)
         noise = self._exponential_noise(probs.shape, params, output_indices, device)
         sampled_ids = (probs / noise).argmax(dim=-1)
         is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
@@ -143,9 +150,11 @@ def _filtered_probs(scaled_logits: torch.Tensor, params: Sequence[SamplingParams
     # cumulative mass to 1.0 before the last token, which would drop the tail.
     top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # The mass of the tokens ranked above each token; 0 for the best one, which is always kept.
+    # The mass of the tokens ranked above each token; 0 for the best one, which is always kept
+    # (a top_p that rounds to 0 in float32, 1e-46, would otherwise drop it too).
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_logits = sorted_logits.masked_fill(mass_above >= top_p[:, None], float("-inf"))
+    dropped = (mass_above >= top_p[:, None]) & (ranks[None, :] > 0)
+    sorted_logits = sorted_logits.masked_fill(dropped, float("-inf"))
 
     filtered_logits = torch.full_like(scaled_logits, float("-inf")).scatter_(-1, sorted_ids, sorted_logits)
     return torch.softmax(filtered_logits, dim=-1)

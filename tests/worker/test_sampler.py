@@ -146,6 +146,27 @@ def test_tiny_top_p_keeps_the_best_token() -> None:
     assert set(token_ids.tolist()) == {2}
 
 
+@pytest.mark.parametrize("top_p", [1e-40, 1e-46, 5e-324])
+def test_a_top_p_below_float32s_range_keeps_the_best_token(top_p: float) -> None:
+    # 1e-46 rounds to 0 in float32: every token was dropped, softmax gave nan and token 0 won.
+    row = log_probs([0.3, 0.05, 0.5, 0.15])
+    token_ids = sample_many(Sampler(seed=0), row, SamplingParams(top_p=top_p), 100)
+    assert set(token_ids.tolist()) == {2}
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-37, 1e-39, 1e-46, 1e-300, 5e-324])
+def test_a_tiny_temperature_samples_the_best_token(temperature: float) -> None:
+    # Logits of ~10 divided by 1e-39 overflowed to inf (1e-46: divided by 0),
+    # softmax gave nan and every sampled token was 0.
+    logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0)) * 10
+    logits[:, 0] = -30.0  # token 0 is never the best
+    params = [SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, seed=7)] * 4
+
+    out = Sampler(seed=0)(logits, params, [0] * 8)
+
+    assert out.token_ids.tolist() == logits.argmax(dim=-1).tolist()
+
+
 def test_top_p_applies_to_the_top_k_distribution() -> None:
     # top_k=3 renormalises to [0.44, 0.33, 0.22]; then 0.75 is reached by the
     # first two.  (On the unfiltered distribution token 2 would be kept.)
