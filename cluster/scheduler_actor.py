@@ -114,13 +114,14 @@ class SchedulerActor:
         self.config = config
         self.model_config = model_config
         self._scheduler_config = config.scheduler_config(model_config.max_model_len)
-        # NOTE: the block size and model id of every replica's CacheConfig
-        # (``config.cache_config``), so that the router's hashes are the pools'.
+        # NOTE: the block size, model id and caching of every replica's
+        # CacheConfig (``config.cache_config``), so that the router's hashes are the pools'.
         self._router = Router(
             config.parallel.num_replicas,
             config.routing_policy(),
             config.block_size,
             model_id=model_config.model_id,
+            enable_prefix_caching=config.enable_prefix_caching,
         )
         # A replica is routed to once it runs (start_replica).
         for replica_id in range(config.parallel.num_replicas):

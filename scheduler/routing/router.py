@@ -24,8 +24,9 @@ logger = logging.getLogger(__name__)
 class Router:
     """Routes requests among replicas ``0..num_replicas-1``.
 
-    ``block_size`` and ``model_id`` must be the replicas' (``CacheConfig``),
-    so that the router's hashes are the pools' hashes.  Every replica starts
+    ``block_size``, ``model_id`` and ``enable_prefix_caching`` must be the
+    replicas' (``CacheConfig``), so that the router's hashes are the pools'
+    hashes, and it expects blocks only from pools that cache them.  Every replica starts
     available; a caller that starts replicas one by one marks them
     unavailable until they run (``set_available``).
     """
@@ -37,10 +38,13 @@ class Router:
         block_size: int,
         *,
         model_id: str = "",
+        enable_prefix_caching: bool = True,
     ) -> None:
         self.policy = policy
         # Policies that count blocks on their way into a replica's cache as held (``RoutingPolicy``).
-        self._tracks_pending = bool(getattr(policy, "matches_pending", False))
+        # NOTE: not when the replicas cache nothing: no block would ever arrive to
+        # resolve a claim, and every prompt routed would stay pending for good.
+        self._tracks_pending = enable_prefix_caching and bool(getattr(policy, "matches_pending", False))
         self.hasher = BlockHasher(block_size, model_id)
         self.index = GlobalPrefixIndex()
         self.loads = LoadTable(num_replicas)

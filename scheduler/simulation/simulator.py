@@ -141,6 +141,7 @@ class FleetSimulator:
             policy,
             config.cache_config.block_size,
             model_id=config.cache_config.model_id,
+            enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
         with _cyclic_gc_paused():
             self.schedulers = [

@@ -114,6 +114,27 @@ def test_a_routed_prompt_is_pending_on_its_replica_until_its_pool_caches_it(poli
     assert router.index.match(hashes, pending=True) == router.index.match(hashes) == {replica_id: 10}
 
 
+def test_replicas_that_cache_nothing_leave_nothing_pending() -> None:
+    # No pool would ever store the blocks that resolve a claim: every prompt
+    # routed stayed pending for good, and cost_ttft priced them as cache hits.
+    router = Router(2, make_policy("cost_ttft"), BLOCK_SIZE, model_id="m", enable_prefix_caching=False)
+    schedulers = [
+        Scheduler(
+            SchedulerConfig(max_num_batched_tokens=256, max_model_len=256),
+            CacheConfig(block_size=BLOCK_SIZE, num_blocks=64, model_id="m", enable_prefix_caching=False),
+            observer=router.observer_for(r),
+        )
+        for r in range(2)
+    ]
+    requests = [Request(str(i), [i] * 40, SamplingParams(max_tokens=2)) for i in range(6)]
+
+    for request in requests:
+        serve(router, schedulers, request)
+
+    assert [router.index.num_pending(r) for r in range(2)] == [0, 0]
+    assert router.index.match(requests[0].block_hashes, pending=True) == {}
+
+
 def test_a_request_aborted_mid_prefill_takes_back_the_blocks_it_had_not_computed() -> None:
     router = Router(1, make_policy("cost_ttft"), BLOCK_SIZE, model_id="m")
     scheduler = Scheduler(
