@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.scheduler.block_hash import BlockHasher
+from kvserve.scheduler.block_hash import BlockHasher, token_ids_to_bytes
 from kvserve.scheduler.block_pool import BlockPool, KVCacheEventObserver
 from kvserve.scheduler.kv_cache_block import KVCacheBlock
 from kvserve.scheduler.request import Request
@@ -75,6 +75,18 @@ class KVCacheManager:
         block_hashes.extend(
             self.hasher.hash_token_ids(request.all_token_ids, request.cache_salt, parent, num_hashed)
         )
+
+    def hash_new_request(self, request: Request) -> None:
+        """Hash the full blocks of a request about to be queued, and check that the rest can be hashed.
+
+        ``ValueError`` for a token id outside [0, 2**32), before the request
+        is anywhere: its last, partial block would be hashed once a step
+        fills it.  Nothing to do without caching.
+        """
+        if not self.enable_caching:
+            return
+        self.update_block_hashes(request)
+        token_ids_to_bytes(request.all_token_ids[len(request.block_hashes) * self.block_size :])
 
     # -- lookups ---------------------------------------------------------------
 

@@ -54,8 +54,7 @@ class SchedulerLoad:
     computed of waiting requests and of running requests still in their
     prompt.  ``num_queued_cached_tokens`` is the part of it the prefix cache
     held when the waiting requests were queued (an estimate of what they will
-    not compute: they are looked up again when scheduled; requests queued
-    without block hashes count 0).  ``num_running_tokens`` is the KV context
+    not compute: they are looked up again when scheduled).  ``num_running_tokens`` is the KV context
     of the running requests (their computed tokens): what a step's attention
     reads.  ``num_total_blocks`` counts the usable blocks (the null block
     excluded).  ``num_inflight_prefill_tokens`` are the prompt tokens of the
@@ -109,7 +108,11 @@ class Scheduler:
     # -- requests --------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        """Queue ``request``; raises ``ValueError`` if it could never be served."""
+        """Queue ``request``; raises ``ValueError`` if it could never be served.
+
+        With prefix caching, that includes a prompt that cannot be hashed (a
+        token id outside [0, 2**32)).
+        """
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
@@ -131,6 +134,11 @@ class Scheduler:
                 f"request needs up to {num_blocks_needed} KV blocks but the pool has only "
                 f"{self.cache_config.num_usable_blocks} usable (of {self.cache_config.num_blocks}: one is the null block)"
             )
+        # NOTE: hashed here rather than when first scheduled, so that a token id
+        # that cannot be hashed is refused now.  In schedule() it raised halfway
+        # through a plan, after running requests had advanced for a step that
+        # never ran, and again at every later step.
+        self.kv_cache_manager.hash_new_request(request)
         self.requests[request.req_id] = request
         self.waiting.append(request)
         self._num_queued_prefill_tokens += request.num_tokens
@@ -411,11 +419,7 @@ class Scheduler:
         )
 
     def _note_waiting(self, request: Request) -> None:
-        """Record how much of a newly waiting request the prefix cache holds now.
-
-        Only requests that arrive with block hashes (a router filled them) are
-        looked up, so that queueing never hashes a prompt.
-        """
+        """Record how much of a newly waiting request the prefix cache holds now (from its block hashes)."""
         kv = self.kv_cache_manager
         if not kv.enable_caching or not request.block_hashes:
             return

@@ -360,6 +360,25 @@ def test_prompt_longer_than_max_model_len_is_rejected() -> None:
         add(scheduler, "a", list(range(9)))
 
 
+@pytest.mark.parametrize("position", [1, 9], ids=["in-a-full-block", "in-the-partial-last-block"])
+@pytest.mark.parametrize("bad_id", [-1, 2**32])
+def test_a_token_id_that_cannot_be_hashed_is_refused_before_it_wedges_the_scheduler(position, bad_id) -> None:  # noqa: ANN001
+    # Hashed in schedule(), it raised after running requests had advanced for a
+    # step that never ran (their counters off by it), then at every later step.
+    scheduler = make_scheduler(block_size=4)
+    running = add(scheduler, "a", [5] * 8, max_tokens=4)
+    scheduler.update(scheduler.schedule(), [6])
+    prompt = [5] * 10
+    prompt[position] = bad_id
+
+    with pytest.raises(ValueError, match=r"token ids must be in \[0, 2\*\*32\)"):
+        add(scheduler, "b", prompt)
+
+    plan = scheduler.schedule()  # the scheduler goes on without "b"
+    assert plan.req_ids == ["a"] and running.num_computed_tokens == 9
+    assert scheduler.get_load().num_running_tokens == 9 and "b" not in scheduler.requests
+
+
 def test_request_that_could_never_fit_in_the_pool_is_rejected() -> None:
     scheduler = make_scheduler(num_blocks=4, block_size=4)
     with pytest.raises(ValueError, match=r"needs up to 4 KV blocks but the pool has only 3 usable \(of 4: one is the null"):
