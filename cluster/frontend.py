@@ -46,6 +46,7 @@ from kvserve.cluster.detokenizer import IncrementalDetokenizer
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
 from kvserve.cluster.ray_errors import remote_error_message
+from kvserve.cluster.tolerant_handlers import abort_if_undecodable
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -133,6 +134,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     async def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        await abort_if_undecodable(request, context)
         try:
             if request.WhichOneof("prompt") == "text" and len(request.text) > _TOKENIZE_IN_THREAD_CHARS:
                 spec = await asyncio.to_thread(self.to_request_spec, request)
@@ -203,6 +205,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     async def GetStats(
         self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GetStatsResponse:
+        await abort_if_undecodable(request, context)
         try:
             stats: list[ReplicaStatsInfo] = await self._scheduler.get_stats.remote()
         except RayActorError as exc:

@@ -22,7 +22,8 @@ from grpc_reflection.v1alpha import reflection
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.frontend import Frontend
 from kvserve.cluster.messages import ModelInfo
-from kvserve.proto import generate_pb2, generate_pb2_grpc
+from kvserve.cluster.tolerant_handlers import add_tolerant_service
+from kvserve.proto import generate_pb2
 from kvserve.worker.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,14 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         on_scheduler_lost=on_scheduler_lost,
         on_serving_changed=set_serving,
     )
-    generate_pb2_grpc.add_GenerationServicer_to_server(frontend, server)
+    add_tolerant_service(
+        server,
+        GENERATION_SERVICE,
+        {
+            "Generate": (frontend.Generate, generate_pb2.GenerateRequest, generate_pb2.GenerateResponse, True),
+            "GetStats": (frontend.GetStats, generate_pb2.GetStatsRequest, generate_pb2.GetStatsResponse, False),
+        },
+    )
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     try:

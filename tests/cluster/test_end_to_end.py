@@ -7,6 +7,7 @@ the tests that kill a worker and shut the cluster down run last.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -337,6 +338,36 @@ def test_a_message_over_the_size_limit_is_resource_exhausted(served: Served):
     huge = request("x" * (ServerConfig().max_message_bytes + 1))
     error = rpc_error(served.stub.Generate(huge, timeout=RPC_TIMEOUT_S))
     assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize(
+    "method, body",
+    [
+        ("Generate", b"\x0a\x03\xff\xfe\xfd"),  # text: 3 bytes of bad UTF-8
+        ("Generate", b"\xff\xff\xff\xff"),  # not protobuf's wire format
+        ("GetStats", b"\xff\xff\xff\xff"),
+    ],
+)
+def test_a_body_that_is_not_a_valid_message_is_invalid_argument_without_a_logged_traceback(
+    served: Served, caplog: pytest.LogCaptureFixture, method: str, body: bytes
+):
+    # grpc answered UNKNOWN ("Unexpected <class DecodeError>") and logged a
+    # traceback at ERROR for each: any client could flood the server's log.
+    path = f"/kvserve.v1.Generation/{method}"
+    response_type = generate_pb2.GenerateResponse if method == "Generate" else generate_pb2.GetStatsResponse
+    make_call = served.channel.unary_stream if method == "Generate" else served.channel.unary_unary
+    call = make_call(path, request_serializer=None, response_deserializer=response_type.FromString)
+
+    with caplog.at_level(logging.ERROR):
+        with pytest.raises(grpc.RpcError) as info:
+            result = call(body, timeout=RPC_TIMEOUT_S)
+            if method == "Generate":
+                list(result)
+
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    request_type = "GenerateRequest" if method == "Generate" else "GetStatsRequest"
+    assert info.value.details().startswith(f"the request is not a valid kvserve.v1.{request_type}: ")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 def test_the_cluster_keeps_serving_after_bad_input(served: Served):
