@@ -12,6 +12,8 @@ import argparse
 import ast
 import logging
 import math
+import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -477,7 +479,7 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="server address, or any gRPC target such as unix:PATH (default: %(default)s)",
     )
     parser.add_argument(
-        "--max-tokens", type=int, default=None, metavar="N",
+        "--max-tokens", type=_int32, default=None, metavar="N",
         help="tokens to generate at most (server default: 16)",
     )
     parser.add_argument(
@@ -489,10 +491,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="nucleus sampling mass in (0, 1] (server default: 1.0)",
     )
     parser.add_argument(
-        "--top-k", type=int, default=None, metavar="K",
+        "--top-k", type=_int32, default=None, metavar="K",
         help="sample among the K likeliest tokens; -1 or 0 disables (server default)",
     )
-    parser.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    parser.add_argument("--seed", type=_int64, default=None, help="seed for reproducible sampling")
     parser.add_argument(
         "--ignore-eos", action="store_true",
         help="keep generating past the end-of-sequence token",
@@ -530,7 +532,39 @@ def _positive_seconds(text: str) -> float:
     return seconds
 
 
+def _int32(text: str) -> int:
+    """An integer of an ``int32`` field (``max_tokens``, ``top_k``); protobuf raised past its range."""
+    return _integer_in_range(text, 32)
+
+
+def _int64(text: str) -> int:
+    """An integer of an ``int64`` field (``seed``)."""
+    return _integer_in_range(text, 64)
+
+
+def _integer_in_range(text: str, bits: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+        low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        raise argparse.ArgumentTypeError(f"must be an integer from {low:,} to {high:,}, got {text}")
+    return value
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except BrokenPipeError:
+        # What read stdout stopped (``| head``); the channel is closed by then,
+        # which cancelled the call and freed the request on the server.  The
+        # interpreter must not fail once more flushing stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
+
+
+def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from kvserve.proto import generate_pb2, generate_pb2_grpc

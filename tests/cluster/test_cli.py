@@ -289,6 +289,23 @@ def test_generate_refuses_a_timeout_that_is_not_a_positive_number(capsys, timeou
     assert f"argument --timeout: {message}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--max-tokens", "99999999999", "must be an integer from -2,147,483,648 to 2,147,483,647, got 99999999999"),
+        ("--top-k", "-3000000000", "must be an integer from -2,147,483,648 to 2,147,483,647"),
+        ("--seed", "99999999999999999999", "must be an integer from -9,223,372,036,854,775,808 to"),
+        ("--max-tokens", "many", "expected an integer, got 'many'"),
+    ],
+)
+def test_generate_refuses_a_number_its_field_cannot_hold(capsys, flag, value, message):
+    # protobuf raised "ValueError: Value out of range" from setattr: a traceback.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", flag, value, "hello"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
 def test_serve_says_at_once_when_no_ray_cluster_is_at_the_address(capsys, model_dir):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -326,6 +343,19 @@ def test_generate_reports_invalid_input_without_a_traceback(server):
     assert "INVALID_ARGUMENT" in result.stderr
     assert "top_p" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_generate_into_a_closed_pipe_exits_as_sigpipe_without_a_traceback(server):
+    # `kvserve generate ... | head -c 5` printed a BrokenPipeError traceback.
+    _, port = server
+    proc = subprocess.Popen(
+        kvserve("generate", "--target", f"127.0.0.1:{port}", "--max-tokens", "8", "--ignore-eos", "hello"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    proc.stdout.close()  # before the first token: its write finds no reader
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=COMMAND_TIMEOUT_S) == 128 + signal.SIGPIPE
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
 
 
 def test_serve_stops_cleanly_on_sigterm(server):
