@@ -31,6 +31,9 @@ _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 # NOTE: kvserve.cluster.worker_actor.WORKER_CPU_RESOURCE, spelled out so that
 # `kvserve serve --help` need not import torch (a test keeps the two equal).
 _WORKER_CPU_RESOURCE = "kvserve_worker_slot"
+# NOTE: kvserve.worker.worker.DEFAULT_CPU_KV_CACHE_BYTES in MiB, for the same
+# reason (a test keeps the two equal).
+_CPU_KV_CACHE_MIB = 512
 # How long `serve` lets the streams in flight finish once told to stop.
 _SHUTDOWN_GRACE_S = 5.0
 # gRPC's name resolvers: a target that starts with one is not HOST:PORT.
@@ -39,6 +42,16 @@ _GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``kvserve`` command line and return its exit status."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # Where a command does not handle it itself: while modules load, or a
+        # model is created, before serve's own handling starts (a traceback).
+        print("kvserve: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -153,7 +166,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--num-blocks", type=int, default=None,
-        help="KV-cache blocks per replica, one of them the null block (default: as many as fit)",
+        help="KV-cache blocks per replica, one of them the null block (default: as many as fit in 90%% of a "
+        f"GPU's memory less what is in use, or in {_CPU_KV_CACHE_MIB} MiB on CPU)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=256,
@@ -387,6 +401,7 @@ _FLAG_OF_FIELD = {
     "max_concurrent_requests": "--max-concurrent-requests",
     "stream_interval_s": "--stream-interval",
     "placement_timeout_s": "--placement-timeout",
+    "time_scale": "--time-scale",
 }
 
 

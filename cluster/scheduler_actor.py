@@ -235,8 +235,10 @@ class SchedulerActor:
             replica.scheduler.add_request(request)
         except ValueError as exc:
             self._router.withdraw(replica.replica_id, request)
-            # The prompt's length is checked by the front end; what is left is its KV footprint.
-            raise ValueError(f"sampling_params.max_tokens: {exc}") from None
+            # The prompt's length is checked against max_model_len by the front
+            # end; what is left is its KV footprint, the prompt's own or with max_tokens.
+            field = "sampling_params.max_tokens" if replica.scheduler.prompt_fits_pool(request) else "prompt"
+            raise ValueError(f"{field}: {exc}") from None
         self._update_load(replica)
         self._requests[request.req_id] = (replica, request)
         replica.wakeup.set()

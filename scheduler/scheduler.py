@@ -129,10 +129,17 @@ class Scheduler:
             max(request.num_prompt_tokens, max_model_len - 1),
         )
         num_blocks_needed = -(-max_kv_tokens // self.cache_config.block_size)
-        if num_blocks_needed > self.cache_config.num_usable_blocks:
+        num_usable = self.cache_config.num_usable_blocks
+        if num_blocks_needed > num_usable:
+            pool = f"the pool has only {num_usable} usable (of {self.cache_config.num_blocks}: one is the null block)"
+            if not self.prompt_fits_pool(request):
+                raise ValueError(
+                    f"a prompt of {request.num_prompt_tokens} tokens alone needs "
+                    f"{-(-request.num_prompt_tokens // self.cache_config.block_size)} KV blocks but {pool}"
+                )
             raise ValueError(
-                f"request needs up to {num_blocks_needed} KV blocks but the pool has only "
-                f"{self.cache_config.num_usable_blocks} usable (of {self.cache_config.num_blocks}: one is the null block)"
+                f"request needs up to {num_blocks_needed} KV blocks with max_tokens="
+                f"{request.sampling_params.max_tokens} but {pool}"
             )
         # NOTE: hashed here rather than when first scheduled, so that a token id
         # that cannot be hashed is refused now.  In schedule() it raised halfway
@@ -143,6 +150,10 @@ class Scheduler:
         self.waiting.append(request)
         self._num_queued_prefill_tokens += request.num_tokens
         self._note_waiting(request)
+
+    def prompt_fits_pool(self, request: Request) -> bool:
+        """Whether ``request``'s prompt alone fits in the pool's usable blocks."""
+        return -(-request.num_prompt_tokens // self.cache_config.block_size) <= self.cache_config.num_usable_blocks
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Stop these requests now, wherever they are, and free their blocks.

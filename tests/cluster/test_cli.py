@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.cluster import cli
 from kvserve.cluster.cli import main
 from kvserve.worker.tiny_model import create_tiny_model
 
@@ -118,10 +119,30 @@ def test_serve_help_names_the_worker_resource_of_cpu_nodes(capsys):
     assert WORKER_CPU_RESOURCE in capsys.readouterr().out
 
 
+def test_serve_help_gives_the_cpu_kv_cache_budget_the_worker_uses(capsys):
+    # It said "as many as fit": on CPU the cache is a fixed budget.
+    from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    assert f"in {DEFAULT_CPU_KV_CACHE_BYTES // 2**20} MiB on CPU" in " ".join(capsys.readouterr().out.split())
+
+
+def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
+    # While modules load (serve's first seconds), Ctrl-C printed a KeyboardInterrupt traceback.
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert main(["serve"]) == 130
+    assert capsys.readouterr().err == "kvserve: interrupted\n"
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
         (["--tp", "0"], "--tp must be a positive integer, got 0"),
+        (["--simulated", "--num-blocks", "64", "--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
         (["--replicas", "0"], "--replicas must be a positive integer, got 0"),
         (["--num-blocks", "1"], "--num-blocks must be at least 2"),
         (["--stream-interval", "-1"], "--stream-interval must be in [0, 1] seconds"),

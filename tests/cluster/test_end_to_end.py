@@ -312,7 +312,12 @@ BAD_REQUESTS = {
     # Within max_model_len, but more KV blocks than a replica has (checked by the scheduler actor).
     "prompt + max_tokens past the KV pool": (
         request("hi", generate_pb2.SamplingParams(max_tokens=NUM_BLOCKS * BLOCK_SIZE)),
-        "max_tokens",
+        "sampling_params.max_tokens: request needs up to",
+    ),
+    # The prompt alone: blaming max_tokens sent the user to lower the wrong number.
+    "prompt past the KV pool": (
+        request([5] * (NUM_BLOCKS * BLOCK_SIZE), generate_pb2.SamplingParams(max_tokens=1)),
+        f"prompt: a prompt of {NUM_BLOCKS * BLOCK_SIZE} tokens alone needs {NUM_BLOCKS} KV blocks",
     ),
 }
 

@@ -381,8 +381,13 @@ def test_a_token_id_that_cannot_be_hashed_is_refused_before_it_wedges_the_schedu
 
 def test_request_that_could_never_fit_in_the_pool_is_rejected() -> None:
     scheduler = make_scheduler(num_blocks=4, block_size=4)
-    with pytest.raises(ValueError, match=r"needs up to 4 KV blocks but the pool has only 3 usable \(of 4: one is the null"):
+    with pytest.raises(
+        ValueError, match=r"needs up to 4 KV blocks with max_tokens=8 but the pool has only 3 usable \(of 4: one is the null"
+    ):
         add(scheduler, "a", list(range(1, 10)), max_tokens=8)
+    # The prompt alone is too big: max_tokens is not what to lower.
+    with pytest.raises(ValueError, match=r"a prompt of 13 tokens alone needs 4 KV blocks but the pool has only 3 usable"):
+        add(scheduler, "c", list(range(1, 14)), max_tokens=1)
     add(scheduler, "b", list(range(1, 10)), max_tokens=4)  # 12 KV tokens = 3 blocks: fits
 
 
