@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,4 +16,10 @@ def load_tokenizer(model_dir: str | Path) -> Any | None:
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # NOTE: callers check prompt lengths against the served max_model_len
+    # themselves; the tokenizer's own limit only made it log a warning
+    # ("Token indices sequence length is longer than ...") for every prompt
+    # past it, which a client could send at will.
+    tokenizer.model_max_length = sys.maxsize
+    return tokenizer

@@ -7,6 +7,7 @@ what a delta turns into.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -147,6 +148,25 @@ def test_text_far_too_long_to_fit_is_refused_without_tokenizing_it(frontend):
     # Under the bound, the tokens decide.
     with pytest.raises(InvalidRequestError, match="text: the prompt has 1802 tokens; max_model_len is 64"):
         frontend.to_request_spec(generate_pb2.GenerateRequest(text="hello " * 600))
+
+
+def test_a_prompt_past_the_tokenizers_own_limit_logs_no_warning():
+    # The tokenizer warned "Token indices sequence length is longer than the
+    # specified maximum sequence length" on the server's log: the served
+    # max_model_len is what limits a prompt, and the front end checks it.
+    from kvserve.worker.tiny_model import ensure_default_tiny_model
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    transformers_logger = logging.getLogger("transformers")
+    transformers_logger.addHandler(handler)
+    try:
+        ids = load_tokenizer(ensure_default_tiny_model())("hello " * 800)["input_ids"]  # a fresh tokenizer
+    finally:
+        transformers_logger.removeHandler(handler)
+    assert len(ids) == 2402  # past the tiny model's 2048
+    assert not [r for r in records if "sequence length" in r.getMessage()]
 
 
 def test_a_prompt_too_long_for_the_default_max_tokens_says_it_is_the_default(frontend):
