@@ -317,7 +317,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import ray
 
     from kvserve.cluster.interrupts import stop_on_sigterm
-    from kvserve.cluster.launcher import start_cluster
+    from kvserve.cluster.launcher import local_ray_lost, start_cluster
     from kvserve.cluster.server import check_address_free
 
     try:
@@ -361,6 +361,15 @@ def run_serve(args: argparse.Namespace) -> int:
         if handle is not None:
             progress("shutting down the replicas")
             handle.shutdown()
+        if local_ray_lost():
+            # A signal to the whole process group stopped Ray's processes too:
+            # ray.shutdown() and the interpreter's exit would wait 60 s for the
+            # GCS, then end the process with an error.
+            progress("Ray's own processes have stopped (a signal to the whole process group stops them too)")
+            progress("stopped")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
         ray.shutdown()
     except KeyboardInterrupt:
         progress("interrupted again: exiting without a clean shutdown")

@@ -17,6 +17,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from kvserve.worker.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_TIMEOUT_S = 20.0
+# How often a shutdown waiting on the scheduler checks that Ray itself still runs.
+_LOST_RAY_CHECK_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,9 +227,43 @@ def resolve_device_kind(config: ClusterConfig) -> str:
     return "gpu" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 
+def local_ray_lost() -> bool:
+    """Whether the Ray instance this process started has lost its GCS server or raylet.
+
+    NOTE: a signal sent to ``serve``'s whole process group (``timeout``,
+    ``kill -- -PGID``, a service manager stopping a unit) reaches the Ray
+    processes ``ray.init`` started too, and SIGTERM stops them at once.
+    Nothing can then be stopped through Ray (the actors went with the
+    raylet), and the driver's core worker waits 60 s for the GCS before it
+    ends the process with an error.  ``False`` for a joined cluster (this
+    process started none of it), or where Ray's private node handle is not
+    where Ray 2 keeps it.
+    """
+    import ray._private.worker as ray_worker
+    from ray._private import ray_constants
+
+    node = getattr(ray_worker, "_global_node", None)
+    processes = getattr(node, "all_processes", None) or {}
+    for kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET):
+        for info in processes.get(kind, ()):
+            process = getattr(info, "process", None)
+            if process is not None and process.poll() is not None:
+                return True
+    return False
+
+
 def _stop(scheduler: Any, placement_groups: tuple[PlacementGroup, ...], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     try:
-        ray.get(scheduler.shutdown.remote(), timeout=timeout_s)
+        done = scheduler.shutdown.remote()
+        # In slices, so that a Ray instance stopped underneath (local_ray_lost) is not waited out.
+        while not ray.wait([done], timeout=min(_LOST_RAY_CHECK_S, max(deadline - time.monotonic(), 0)))[0]:
+            if local_ray_lost():
+                logger.info("Ray's own processes have stopped: the replicas stopped with them")
+                return
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer in {timeout_s:g} s")
+        ray.get(done)
     except Exception as exc:  # noqa: BLE001 - the actor may already be dead; kill it regardless
         logger.warning("the scheduler did not shut down cleanly: %s", remote_error_message(exc))
     # The worker actors are owned by the scheduler actor and die with it;

@@ -256,6 +256,29 @@ def test_ctrl_c_or_sigterm_during_start_up_stops_everything_it_started(tmp_path,
         kill_what_is_left(session_id)
 
 
+def test_sigterm_to_the_whole_process_group_stops_without_waiting_for_rays_gcs(tmp_path, model_dir):
+    # As `timeout`, `kill -- -PGID` or a service manager send it: Ray's daemons
+    # stop at once too.  serve waited 20 s on the scheduler, then its core
+    # worker 40 s more for the GCS, and ended with exit status 1 ("Failed to
+    # connect to GCS within 60 seconds ... The program will terminate").
+    process = simulated_serve(tmp_path, model_dir)
+    session_id = process.proc.pid
+    try:
+        process.wait_for("listening on", STARTUP_TIMEOUT_S)
+        start = time.monotonic()
+        os.killpg(session_id, signal.SIGTERM)
+        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
+        elapsed = time.monotonic() - start
+        output = process.output()
+        assert returncode == 0, output
+        assert elapsed < 30.0, output  # the raylet's own shutdown takes about 10 s of it
+        assert "Ray's own processes have stopped" in output and "stopped" in output
+        assert "Traceback" not in output and "Failed to connect to GCS" not in output
+        assert_nothing_left(session_id)
+    finally:
+        kill_what_is_left(session_id)
+
+
 def test_a_second_sigterm_while_shutting_down_leaves_nothing_behind(tmp_path, model_dir):
     process = simulated_serve(tmp_path, model_dir)
     session_id = process.proc.pid
