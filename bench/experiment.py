@@ -76,6 +76,7 @@ from kvserve.bench.experiment_setup import (
     ExperimentError,
     StreamSpec,
     available_memory_bytes,
+    cache_sized_by,
     check_fleet_memory,
     check_live_options,
     check_output_dir,
@@ -353,8 +354,9 @@ def _run(args: argparse.Namespace) -> int:
         rates = [knee_qps]
         record_in_config(args.out, knee_qps=knee_qps)
     # Every rate's stream must fit the fleet before any run starts (a session workload's grows with the rate).
+    sized_by = cache_sized_by(args, reference)
     for qps in rates:
-        _fleet_at(fleet, stream, qps)
+        _fleet_at(fleet, stream, qps, sized_by)
     runs = [Run(qps, policy, policy_kwargs[policy]) for qps in rates for policy in policies]
     if model is not None:
         results = _run_live_all(runs, stream, fleet, model.model_dir, args)
@@ -411,11 +413,13 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_at(fleet: FleetConfig, stream: StreamSpec, qps: float | None) -> FleetConfig:
+def _fleet_at(
+    fleet: FleetConfig, stream: StreamSpec, qps: float | None, sized_by: tuple[float, int] | None
+) -> FleetConfig:
     """``fleet_for`` the stream at ``qps``; ``ExperimentError`` naming the rate when it does not fit."""
     requests = _stream_at(stream, qps)
     try:
-        return fleet_for(fleet, requests)
+        return fleet_for(fleet, requests, sized_by)
     except ExperimentError as exc:
         raise ExperimentError(f"{stream.workload} {_rate(qps)}: {exc}") from None
     except ValueError as exc:

@@ -308,6 +308,19 @@ def qps_label(qps: float | None, stream: Sequence[WorkloadRequest]) -> float:
     return float(f"{(len(stream) - 1) / span:.4g}") if span > 0 else float(len(stream))
 
 
+def cache_sized_by(args: argparse.Namespace, reference: CacheReference) -> tuple[float, int] | None:
+    """The (fraction, working-set blocks) replica caches are sized from; ``None`` for ``--kv-blocks-per-replica``."""
+    if args.kv_blocks_per_replica is not None:
+        return None
+    if not reference.num_reused_blocks:
+        raise ExperimentError(
+            "the stream reuses no prefix (a working set of 0 blocks), so --kv-fraction sizes no cache: "
+            "give --kv-blocks-per-replica"
+        )
+    fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
+    return fraction, reference.num_reused_blocks
+
+
 def fleet_config(
     args: argparse.Namespace,
     requests: Sequence[WorkloadRequest],
@@ -316,18 +329,12 @@ def fleet_config(
 ) -> FleetConfig:
     block_size = args.block_size
     longest = longest_request(requests)
-    sized_by = None
-    if args.kv_blocks_per_replica is not None:
+    sized_by = cache_sized_by(args, reference)
+    if sized_by is None:
         num_usable = args.kv_blocks_per_replica
-    elif not reference.num_reused_blocks:
-        raise ExperimentError(
-            "the stream reuses no prefix (a working set of 0 blocks), so --kv-fraction sizes no cache: "
-            "give --kv-blocks-per-replica"
-        )
     else:
-        fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
-        num_usable = math.ceil(fraction * reference.num_reused_blocks)
-        sized_by = (fraction, reference.num_reused_blocks)
+        fraction, working_set = sized_by
+        num_usable = math.ceil(fraction * working_set)
     _check_room(num_usable, block_size, longest, sized_by)
     try:
         return FleetConfig(
@@ -421,18 +428,22 @@ def _check_room(
     )
 
 
-def fleet_for(fleet: FleetConfig, requests: Sequence[WorkloadRequest]) -> FleetConfig:
+def fleet_for(
+    fleet: FleetConfig, requests: Sequence[WorkloadRequest], sized_by: tuple[float, int] | None = None
+) -> FleetConfig:
     """``fleet`` with a ``max_model_len`` that admits every one of ``requests``.
 
     The fleet is sized on the stream at 1 qps, but a session workload's
     stream differs with the rate (more sessions under way, longer histories),
     so each run's stream is fitted; its cache must still hold its longest.
+    ``sized_by``: as ``cache_sized_by`` gives it, for an error that names the
+    least fraction that would.
     """
     longest = longest_request(requests)
     scheduler_config = fleet.scheduler_config
     if longest <= scheduler_config.max_model_len:
         return fleet
-    _check_room(fleet.cache_config.num_usable_blocks, fleet.cache_config.block_size, longest)
+    _check_room(fleet.cache_config.num_usable_blocks, fleet.cache_config.block_size, longest, sized_by)
     return dataclasses.replace(fleet, scheduler_config=dataclasses.replace(scheduler_config, max_model_len=longest))
 
 

@@ -569,6 +569,17 @@ def test_every_rates_stream_is_fitted_before_the_first_run(tmp_path, capsys) -> 
     assert not (tmp_path / "run" / "requests.csv").exists()
 
 
+def test_a_cache_fraction_too_small_for_a_higher_rates_stream_names_the_least_that_fits(tmp_path, capsys) -> None:  # noqa: ANN001
+    # At 3 qps a session's history outgrows the cache sized at 1 qps: the error said only "raise --kv-fraction".
+    message = run_bad(["--workload", "multi_turn", "--replicas", "2", "--num-requests", "1", "--qps", "3",
+                       "--kv-fraction", "0.65", "--no-plots", "--out", str(tmp_path / "run")], capsys)
+
+    assert message.strip().endswith(
+        "multi_turn at 3 qps: 211 KV blocks per replica (0.65 of the 324-block working set) cannot hold the longest "
+        "request (4096 tokens = 256 blocks); give --kv-fraction 0.8 or more, or --kv-blocks-per-replica"
+    )
+
+
 def test_the_knees_baseline_gets_a_row_and_the_knee_is_recorded(tmp_path, capsys) -> None:  # noqa: ANN001
     out = tmp_path / "run"
     assert run_experiment(parse([*TINY, "--policies", "cache_aware", "--qps", "knee", "--no-plots",
