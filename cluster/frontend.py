@@ -437,6 +437,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         if self._on_scheduler_lost is not None:
             await self._on_scheduler_lost()
 
+    def end_streams(self, reason: str) -> None:
+        """End every stream in flight with ``UNAVAILABLE: reason`` and abort its request."""
+        req_ids = [req_id for req_id, stream in self._streams.items() if not stream.ended]
+        for req_id in req_ids:
+            self._streams[req_id].end(RequestDelta(req_id, error=reason))
+        if req_ids:
+            self._abort_quietly(req_ids)
+
     def _abort_quietly(self, req_ids: list[str]) -> None:
         if self._scheduler_error is not None:
             return

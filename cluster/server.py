@@ -10,6 +10,7 @@ Message sizes are explicit limits in both directions.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import socket
@@ -31,6 +32,10 @@ logger = logging.getLogger(__name__)
 GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _OVERALL = ""  # grpc.health.v1's name for the whole server
+# What a stream still running when the server stops ends with.
+SHUTTING_DOWN = "the server is shutting down"
+# How long the streams ended at shutdown have to send their status.
+_END_STREAMS_S = 1.0
 
 
 def check_address_free(config: ServerConfig) -> None:
@@ -66,9 +71,23 @@ class GenerationServer:
         await self.server.wait_for_termination()
 
     async def stop(self, grace_s: float | None = 5.0) -> None:
-        """Report NOT_SERVING, let streams in flight finish for ``grace_s``, then close."""
+        """Report NOT_SERVING, let streams in flight finish for ``grace_s``, then close.
+
+        Streams still running then end with ``UNAVAILABLE: the server is
+        shutting down`` (grpc's own cancellation said only "Cancelling all
+        calls") and their requests are aborted.
+        """
         await self.health_servicer.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        if grace_s is None:
+            await self.server.stop(None)
+        else:
+            # A moment more than the grace, for the streams ended below to send their status.
+            stopping = asyncio.ensure_future(self.server.stop(grace_s + _END_STREAMS_S))
+            try:
+                await asyncio.wait_for(asyncio.shield(stopping), grace_s)
+            except asyncio.TimeoutError:
+                self.frontend.end_streams(SHUTTING_DOWN)
+            await stopping
         await self.frontend.stop()
 
 

@@ -142,6 +142,48 @@ def test_simulated_ranks_load_no_torch_and_serve_prompts_beyond_the_models_lengt
     assert responses[-1].usage.prompt_tokens == len(prompt)
 
 
+def test_a_stream_still_running_when_the_server_stops_is_told_so_and_its_request_aborted(ray_cluster, model_dir):
+    # After the grace, grpc cancelled it with "UNAVAILABLE: Cancelling all calls".
+    config = ClusterConfig(
+        model_dir=str(model_dir),
+        parallel=ParallelConfig(num_replicas=1),
+        num_blocks=128,
+        routing="round_robin",
+        simulation=SimulationConfig(cost_model=COST_MODEL, time_scale=TIME_SCALE),  # 60 ms a step
+    )
+    handle = start_cluster(config)
+    try:
+
+        async def stopped_mid_stream() -> tuple[grpc.aio.AioRpcError, int]:
+            server = await start_server(handle.scheduler, handle.model_info, ServerConfig(port=0))
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                request = generate_pb2.GenerateRequest(
+                    token_ids=generate_pb2.TokenIds(ids=[5] * 20),
+                    sampling_params=generate_pb2.SamplingParams(max_tokens=1000, ignore_eos=True),
+                )
+                call = generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)
+                await call.read()  # under way: about a minute of tokens to come
+                stopping = asyncio.ensure_future(server.stop(grace_s=0.5))
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    while await call.read() is not grpc.aio.EOF:
+                        pass
+                await stopping
+            deadline = time.monotonic() + 10.0
+            while (running := sum(s.num_running + s.num_waiting for s in await handle.scheduler.get_stats.remote())):
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            return error.value, running
+
+        error, running = asyncio.run(stopped_mid_stream())
+    finally:
+        handle.shutdown()
+
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert error.details() == "the server is shutting down"
+    assert running == 0  # aborted, not left to run out its 1000 tokens
+
+
 def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_rate(
     ray_cluster, model_dir, vocab_size, tmp_path, capsys
 ):
