@@ -54,9 +54,9 @@ class SchedulerLoad:
     computed of waiting requests and of running requests still in their
     prompt.  ``num_queued_cached_tokens`` is the part of it the prefix cache
     held when the waiting requests were queued (an estimate of what they will
-    not compute: they are looked up again when scheduled).  ``num_running_tokens`` is the KV context
-    of the running requests (their computed tokens): what a step's attention
-    reads.  ``num_total_blocks`` counts the usable blocks (the null block
+    not compute: they are looked up again when scheduled).
+    ``num_running_tokens`` is the KV context of the running requests (their
+    computed tokens): what a step's attention reads.  ``num_total_blocks`` counts the usable blocks (the null block
     excluded).  ``num_inflight_prefill_tokens`` are the prompt tokens of the
     step in flight (scheduled, not yet updated): no longer queued, not yet
     computed, and the step that computes them delays every later token.
