@@ -29,6 +29,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.interrupts import interrupts_deferred
 from kvserve.cluster.messages import ModelInfo
+from kvserve.cluster.placement import DeviceKind, describe_shortfall, replica_bundles
 from kvserve.cluster.ray_address import check_gcs_reachable, is_loopback
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME, SchedulerActor
@@ -39,6 +40,8 @@ from kvserve.worker.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 _SHUTDOWN_TIMEOUT_S = 20.0
+# How often start_cluster says what the replicas still starting wait for.
+_STILL_WAITING_S = 60.0
 # How often a shutdown waiting on the scheduler checks that Ray itself still runs.
 _LOST_RAY_CHECK_S = 0.5
 
@@ -96,8 +99,19 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
             scheduler.start_replica.remote(replica_id, device_kind): replica_id
             for replica_id in range(parallel.num_replicas)
         }
+        started = time.monotonic()
         while pending:
-            [done], _ = ray.wait(list(pending), num_returns=1)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=_STILL_WAITING_S)
+            if not ready:
+                # NOTE: joining a cluster, placement waits without limit (an
+                # autoscaler may be adding the nodes): say what for, now and then.
+                bundles = replica_bundles(parallel.tensor_parallel_size, DeviceKind(device_kind))
+                report(
+                    f"still waiting for {len(pending)} of {parallel.num_replicas} replica(s) after "
+                    f"{time.monotonic() - started:.0f} s; each {describe_shortfall(bundles).removeprefix('it ')}"
+                )
+                continue
+            [done] = ready
             replica_id = pending.pop(done)
             stats = ray.get(done)
             report(f"replica {replica_id} ready ({stats.num_kv_blocks} KV blocks)")

@@ -52,7 +52,7 @@ async def place_replica(
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    bundles = [rank_bundle(device_kind) for _ in range(tp_size)]
+    bundles = replica_bundles(tp_size, device_kind)
     group = placement_group(bundles, strategy="STRICT_PACK", name=f"kvserve-replica-{replica_id}")
     try:
         await asyncio.wait_for(group.ready(), timeout_s)
@@ -60,7 +60,7 @@ async def place_replica(
         remove_placement_group(group)
         raise PlacementError(
             f"replica {replica_id} could not be placed within {timeout_s:g} s: "
-            f"{_describe_shortfall(bundles)}"
+            f"{describe_shortfall(bundles)}"
         ) from None
     except BaseException:
         remove_placement_group(group)
@@ -68,7 +68,13 @@ async def place_replica(
     return group
 
 
-def _describe_shortfall(bundles: list[dict[str, float]]) -> str:
+def replica_bundles(tp_size: int, device_kind: DeviceKind) -> list[dict[str, float]]:
+    """The bundles of one replica's placement group: one per rank."""
+    return [rank_bundle(device_kind) for _ in range(tp_size)]
+
+
+def describe_shortfall(bundles: list[dict[str, float]]) -> str:
+    """What a replica of ``bundles`` needs on one node, against what the cluster's nodes have."""
     needed: dict[str, float] = {}
     for bundle in bundles:
         for name, amount in bundle.items():

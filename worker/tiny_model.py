@@ -191,6 +191,19 @@ def ensure_default_tiny_model(cache_dir: str | os.PathLike[str] | None = None) -
     return final_path
 
 
+def ensure_default_tiny_model_at(model_dir: str | os.PathLike[str]) -> None:
+    """Create the default tiny model if ``model_dir`` is this machine's default path and holds none.
+
+    NOTE: ``kvserve serve`` without ``--model`` creates it on its own node and
+    passes its path on; a worker on another node (the KubeRay laptop demo's
+    worker pods) found nothing there.  Each node now creates its own copy on
+    first use: creation is deterministic, so the copies are identical.
+    """
+    path = Path(model_dir).expanduser()
+    if path == default_tiny_model_path() and not (path / "config.json").is_file():
+        ensure_default_tiny_model()
+
+
 @contextmanager
 def _progress_bars_disabled() -> Iterator[None]:
     was_enabled = transformers.utils.logging.is_progress_bar_enabled()

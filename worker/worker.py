@@ -32,6 +32,7 @@ from kvserve.worker.kv_cache import (
 )
 from kvserve.worker.model_loader import load_model
 from kvserve.worker.sampler import Sampler
+from kvserve.worker.tiny_model import ensure_default_tiny_model_at
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +124,7 @@ class Worker:
         self.tp: TensorParallelGroup = init_distributed(
             config.rank, config.tp_size, config.distributed_init_method or ""
         )
+        ensure_default_tiny_model_at(config.model_dir)
         self.hf_config = AutoConfig.from_pretrained(config.model_dir)
         backend = get_attention_backend(self.device, config.attention_backend)
         self.model = load_model(

@@ -106,6 +106,25 @@ def test_unplaceable_replica_fails_naming_the_missing_resource(
         loop.run_until_complete(launch_replica(9, config, device_kind="cpu", placement_timeout_s=1.0))
 
 
+def test_starting_a_cluster_says_what_replicas_still_wait_for(ray_cluster, model_dir: Path, monkeypatch) -> None:  # noqa: ANN001
+    # Joining a cluster, placement waits without limit (an autoscaler may be
+    # adding nodes): the front end said nothing while a replica that fits no node waited.
+    from kvserve.cluster import launcher
+    from kvserve.cluster.config import ClusterConfig, ParallelConfig
+
+    monkeypatch.setattr(launcher, "_STILL_WAITING_S", 0.5)
+    config = ClusterConfig(
+        model_dir=str(model_dir), parallel=ParallelConfig(tensor_parallel_size=3, num_replicas=1),
+        num_blocks=NUM_BLOCKS, device="cpu", placement_timeout_s=2.0,
+    )
+    lines: list[str] = []
+    with pytest.raises(RuntimeError, match="the cluster failed to start"):
+        launcher.start_cluster(config, progress=lines.append)
+
+    waiting = [line for line in lines if line.startswith("still waiting for 1 of 1 replica(s) after ")]
+    assert waiting and "s; each needs 3 kvserve_worker_slot on one node (STRICT_PACK); the largest node has 2" in waiting[0]
+
+
 def test_replica_that_fails_to_start_leaves_nothing_behind(
     ray_cluster, tmp_path: Path, loop: asyncio.AbstractEventLoop
 ) -> None:

@@ -248,6 +248,24 @@ def test_ensure_default_keeps_the_winner_of_a_race(tmp_path: Path) -> None:
     assert marker.exists()
 
 
+def test_a_worker_on_another_node_creates_the_default_model_the_front_end_named(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # `kvserve serve` without --model creates the model on its own node and
+    # passes the path; a KubeRay worker pod found nothing there and failed.
+    from kvserve.worker.worker import Worker, WorkerConfig
+
+    monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    path = default_tiny_model_path()
+    worker = Worker(WorkerConfig(str(path), device="cpu", num_blocks=8, attention_backend="torch"))
+
+    assert (path / "config.json").is_file() and worker.hf_config.model_type == "llama"
+    # Any other missing directory is still an error: nothing is created there.
+    with pytest.raises(OSError):
+        Worker(WorkerConfig(str(tmp_path / "models" / "other"), device="cpu", num_blocks=8, attention_backend="torch"))
+    assert not (tmp_path / "models" / "other").exists()
+
+
 def test_cli_lists_every_family() -> None:
     assert set(cli._FAMILIES) == set(FAMILIES)
 
