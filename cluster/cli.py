@@ -158,7 +158,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default=None,
-        help="worker device (default: GPUs if the Ray cluster has any, else CPU)",
+        help="worker device (default: GPUs if the Ray cluster has any now, else CPU; give cuda to join a "
+        "cluster whose GPU nodes an autoscaler starts on demand)",
     )
     parser.add_argument(
         "--block-size", type=int, default=16,
