@@ -35,7 +35,8 @@ class CpuAttentionBackend:
     :class:`~kvserve.kernels.cpu_build.CpuExtensionBuildError` when it cannot.
     Tensors must be on the CPU and the caches contiguous; query, key and value
     rows may be views of a fused projection (heads and dims dense).  A dtype the
-    kernels lack (float64) takes the reference path throughout.
+    kernels lack (float64), or a query whose dtype is not the caches', takes
+    the reference path throughout.
     """
 
     __slots__ = ("_extension",)
@@ -65,7 +66,8 @@ class CpuAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if query.dtype not in KERNEL_DTYPES:
+        if not query.dtype == key_cache.dtype == value_cache.dtype or query.dtype not in KERNEL_DTYPES:
+            # The kernel reads one dtype throughout (as write_kv_cache, the reference takes the rest).
             return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
         reference.check_shapes(query, key_cache, value_cache, metadata)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)

@@ -308,9 +308,11 @@ void check_query_start_loc(const at::Tensor& starts, const at::Tensor& seq_lens,
   }
 }
 
-// Heads and dims dense, any stride between rows: a view of a fused projection qualifies.
+// Heads and dims dense, any stride between rows: a view of a fused projection qualifies.  A dimension
+// of size 1 may have any stride (torch calls such a tensor contiguous: one head transposed into place).
 bool rows_are_dense(const at::Tensor& tensor) {
-  return tensor.stride(2) == 1 && tensor.stride(1) == tensor.size(2) && tensor.stride(0) >= 0;
+  return (tensor.size(2) == 1 || tensor.stride(2) == 1) &&
+         (tensor.size(1) == 1 || tensor.stride(1) == tensor.size(2)) && tensor.stride(0) >= 0;
 }
 
 }  // namespace

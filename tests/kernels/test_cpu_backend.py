@@ -150,6 +150,33 @@ def test_float64_decodes_fall_back_to_the_reference(backend: CpuAttentionBackend
     assert torch.equal(output, expected)
 
 
+def test_a_query_of_another_dtype_than_the_cache_falls_back_to_the_reference(backend: CpuAttentionBackend) -> None:
+    # The kernel refused it ("out, query and the caches must share one dtype"); write_kv_cache fell back already.
+    batch = make_batch(MIXED_BATCH, block_size=4, group=4, dtype=torch.bfloat16, seed=5)
+    query = batch.query.float()
+    args = (batch.key_cache, batch.value_cache, batch.metadata, batch.scale)
+    assert torch.equal(backend.paged_attention(query, *args), paged_attention(query, *args))
+
+
+def test_one_head_of_any_stride_is_taken_as_dense(backend: CpuAttentionBackend, capability: str) -> None:
+    # [tokens, 1, head_dim] transposed into place: contiguous to torch (a size-1
+    # dim's stride does not count), refused by the kernel as "not dense".
+    batch = make_batch([(0, 5), (7, 1)], block_size=4, group=1, num_kv_heads=1, seed=6)
+    num_tokens, _, head_dim = batch.query.shape
+    transposed = torch.empty(num_tokens, head_dim, 1).transpose(1, 2)
+    transposed.copy_(batch.query)
+    assert transposed.is_contiguous() and transposed.stride(1) == 1
+    args = (batch.key_cache, batch.value_cache, batch.metadata, batch.scale)
+    torch.testing.assert_close(backend.paged_attention(transposed, *args), paged_attention(batch.query, *args),
+                               atol=1e-5, rtol=0)
+    key_cache, value_cache = batch.key_cache.clone(), batch.value_cache.clone()
+    backend.write_kv_cache(transposed, transposed, key_cache, value_cache, batch.metadata.slot_mapping)
+    write_kv_cache(batch.query, batch.query, batch.key_cache, batch.value_cache, batch.metadata.slot_mapping)
+    # The caches are NaN-filled outside the batch's blocks.
+    torch.testing.assert_close(key_cache, batch.key_cache, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(value_cache, batch.value_cache, atol=0, rtol=0, equal_nan=True)
+
+
 def test_views_of_a_fused_projection_give_the_contiguous_result(backend: CpuAttentionBackend, capability: str) -> None:
     batch = make_batch(MIXED_BATCH + [(99, 1)], block_size=16, group=2, seed=8)
     num_tokens, num_heads, head_dim = batch.query.shape
