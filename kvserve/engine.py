@@ -33,7 +33,13 @@ class EngineCore:
             return []
         # NOTE: a plan with no scheduled request still goes out when it
         # carries finished or preempted ids, so that workers drop their state.
-        result = self.executor.execute(plan)
+        try:
+            result = self.executor.execute(plan)
+        except BaseException:
+            # NOTE: the plan's blocks were cached when it was scheduled, and its
+            # KV was never written: a later request would hit them and read garbage.
+            self.scheduler.discard_step(plan)
+            raise
         return self.scheduler.update(plan, result.sampled_token_ids, result.logprobs)
 
     def shutdown(self) -> None:

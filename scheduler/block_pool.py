@@ -246,6 +246,25 @@ class BlockPool:
         if stored_hashes and self.observer is not None:
             self.observer.blocks_stored(stored_hashes, stored_ids)
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take ``blocks`` out of the prefix cache (those cached; a removed event is sent).
+
+        For blocks whose KV was never written (a failed step).  They stay
+        where they are, free or held.
+        """
+        removed_hashes: list[BlockHash] = []
+        removed_ids: list[int] = []
+        for block in blocks:
+            block_hash = block.block_hash
+            if block_hash is None or block.is_null:
+                continue
+            self.cached_block_hash_to_block.pop(block_hash, block.block_id)
+            block.block_hash = None
+            removed_hashes.append(block_hash)
+            removed_ids.append(block.block_id)
+        if removed_hashes and self.observer is not None:
+            self.observer.blocks_removed(removed_hashes, removed_ids)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced.
 

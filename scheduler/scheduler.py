@@ -385,6 +385,18 @@ class Scheduler:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
 
+    def discard_step(self, plan: StepPlan) -> None:
+        """The step of ``plan`` never ran (its execution failed): abort its requests, and take the
+        blocks it was to fill out of the prefix cache, since their KV was never written."""
+        kv = self.kv_cache_manager
+        block_size = kv.block_size
+        unfilled: list[KVCacheBlock] = []
+        for req_id, start, num_new in zip(plan.req_ids, plan.num_computed_tokens, plan.num_scheduled_tokens):
+            blocks = kv.req_to_blocks.get(req_id, _NO_BLOCKS)
+            unfilled.extend(blocks[start // block_size : -(-(start + num_new) // block_size)])
+        self.abort_requests(plan.req_ids)
+        kv.block_pool.uncache_blocks(unfilled)
+
     def _preempt(self, request: Request) -> None:
         self._num_queued_prefill_tokens += request.num_tokens - _queued_prefill_tokens(request)
         self._num_running_tokens -= request.num_computed_tokens

@@ -1,0 +1,48 @@
+"""The in-process engine after a step that failed: nothing it did not compute may be served from the cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.worker.tiny_model import create_tiny_model
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+PROMPT = [(7 * i) % 900 + 3 for i in range(64)]  # 16 blocks of 4, 4 prefill steps of 16 tokens
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_model(tmp_path_factory.mktemp("failures-model"), "llama", seed=0)
+
+
+@pytest.mark.parametrize("failing_step", [1, 2, 3, 5])
+def test_a_step_that_fails_leaves_no_block_it_never_wrote_in_the_prefix_cache(model_dir: Path, failing_step: int):
+    # Blocks are cached when their step is scheduled.  Ctrl-C (or a worker
+    # error) during the step's forward pass aborted the requests, but the
+    # blocks stayed cached: the same prompt then "hit" 16-48 tokens of KV
+    # that was never written and generated other tokens.
+    with LLM(str(model_dir), block_size=4, num_blocks=64, max_num_batched_tokens=16) as llm:
+        # The same computation under another salt: no block is shared with the runs below.
+        expected = llm.generate([PROMPT], GREEDY, cache_salt="clean")[0].token_ids
+        execute = llm.engine.executor.execute
+        calls = 0
+
+        def interrupted(plan):  # noqa: ANN001, ANN202
+            nonlocal calls
+            calls += 1
+            if calls == failing_step:
+                raise KeyboardInterrupt
+            return execute(plan)
+
+        llm.engine.executor.execute = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([PROMPT], GREEDY)
+        llm.engine.executor.execute = execute
+        again = llm.generate([PROMPT], GREEDY)[0]
+
+    computed_blocks = min(failing_step - 1, 4) * 4  # the steps that ran wrote 16 tokens = 4 blocks each
+    assert again.num_cached_tokens == min(computed_blocks * 4, len(PROMPT) - 4)
+    assert again.token_ids == expected
