@@ -8,6 +8,7 @@ narrows it to the rank's shard, so a rank reads only the bytes it keeps.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,15 +84,40 @@ def _expected_shards(param_name: str, packed: dict[str, tuple[str, str | int]]) 
     return shards or {None}
 
 
+# transformers' name for the index of a sharded safetensors checkpoint.
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of ``model_dir``: those its index names, else all of them."""
+    index_path = model_dir / SAFETENSORS_INDEX
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{index_path} is not a safetensors index (a weight_map of files): {exc}") from None
+        files = [model_dir / name for name in names]
+        missing = [name for name, path in zip(names, files) if not path.is_file()]
+        if missing:
+            raise ValueError(f"{index_path} names files that are not in {model_dir}: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in {model_dir}")
+    return files
+
+
 def load_weights(model: nn.Module, model_dir: str | Path) -> None:
     """Fill every parameter of ``model`` from the ``*.safetensors`` files in ``model_dir``.
 
+    With a ``model.safetensors.index.json``, only the files its ``weight_map``
+    names are read, as transformers does: Mistral's repositories also ship
+    ``consolidated.safetensors``, the same weights under Mistral's own names.
     All names are checked before any tensor is read: a checkpoint entry with no
     parameter, or a parameter (or shard of a packed one) with no entry, is a ValueError.
     """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no *.safetensors files in {model_dir}")
+    files = _weight_files(Path(model_dir))
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules_mapping", {})
     tied = bool(getattr(model, "tie_word_embeddings", False))
     params = dict(model.named_parameters())

@@ -8,6 +8,7 @@ The helpers here are shared with ``test_tensor_parallel``.
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,6 +222,27 @@ def test_unexpected_weight_is_an_error(tmp_path: Path) -> None:
     save_hf_model("llama", tmp_path)
     _edit_checkpoint(tmp_path, lambda w: w.update({"model.layers.0.extra.weight": torch.zeros(2)}))
     with pytest.raises(ValueError, match="unexpected weights.*extra"):
+        load_model(tmp_path, TensorParallelGroup())
+
+
+def test_an_index_names_the_files_to_read_and_others_are_left_alone(tmp_path: Path) -> None:
+    # Mistral's repositories ship consolidated.safetensors (Mistral's own names)
+    # beside the indexed shards: every *.safetensors file was read, and its
+    # names were "unexpected weights".
+    save_hf_model("llama", tmp_path)
+    expected = load_model(tmp_path, TensorParallelGroup())
+    weights = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00001.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {name: "model-00001-of-00001.safetensors" for name in weights}})
+    )
+    save_file({"tok_embeddings.weight": torch.zeros(4, 4)}, tmp_path / "consolidated.safetensors")
+
+    loaded = load_model(tmp_path, TensorParallelGroup())
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), expected.state_dict().values()))
+
+    (tmp_path / "model-00001-of-00001.safetensors").unlink()
+    with pytest.raises(ValueError, match="names files that are not in .*: model-00001-of-00001.safetensors"):
         load_model(tmp_path, TensorParallelGroup())
 
 
