@@ -70,6 +70,24 @@ def narrow_weight(loaded: LoadedWeight, dim: int, start: int, length: int) -> to
     return loaded[tuple(index)]
 
 
+def narrow_shard(
+    loaded: LoadedWeight, dim: int, start: int, length: int, full_size: int, name: str = ""
+) -> torch.Tensor:
+    """``narrow_weight``, once the checkpoint's size along ``dim`` is checked to be the unsharded ``full_size``.
+
+    NOTE: without the check, a config that disagrees with the checkpoint
+    (another head_dim, intermediate_size or head count) loaded the first
+    rows of each tensor and generated garbage; transformers refuses it.
+    """
+    shape = weight_shape(loaded)
+    if len(shape) <= dim or shape[dim] != full_size:
+        raise ValueError(
+            f"{name + ': ' if name else ''}the checkpoint's shape {shape} does not have the {full_size} "
+            f"along dimension {dim} that the model's config asks for"
+        )
+    return narrow_weight(loaded, dim, start, length)
+
+
 def read_weight(loaded: LoadedWeight) -> torch.Tensor:
     """The whole of ``loaded`` as a tensor."""
     if isinstance(loaded, torch.Tensor):
@@ -140,7 +158,8 @@ class ColumnParallelLinear(_Linear):
         if shard_id is not None:
             raise ValueError(f"ColumnParallelLinear got shard_id {shard_id!r}")
         size = param.shape[0]
-        copy_weight(param, narrow_weight(loaded, 0, self.tp.rank * size, size))
+        full = size * self.tp.world_size
+        copy_weight(param, narrow_shard(loaded, 0, self.tp.rank * size, size, full))
 
 
 class MergedColumnParallelLinear(_Linear):
@@ -158,7 +177,7 @@ class MergedColumnParallelLinear(_Linear):
             raise ValueError(f"shard_id must be in [0, {len(self.local_sizes)}), got {shard_id!r}")
         size = self.local_sizes[shard_id]
         offset = sum(self.local_sizes[:shard_id])
-        shard = narrow_weight(loaded, 0, self.tp.rank * size, size)
+        shard = narrow_shard(loaded, 0, self.tp.rank * size, size, size * self.tp.world_size, f"shard {shard_id}")
         copy_weight(param.data.narrow(0, offset, size), shard, f"shard {shard_id}")
 
 
@@ -179,6 +198,8 @@ class QKVParallelLinear(_Linear):
         tp: TensorParallelGroup,
     ) -> None:
         self.head_dim = head_dim
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
         self.num_local_heads = divide(num_heads, tp.world_size, "num_attention_heads")
         self.num_local_kv_heads, self.first_kv_head = kv_head_partition(num_kv_heads, tp)
         self.q_size = self.num_local_heads * head_dim
@@ -188,12 +209,14 @@ class QKVParallelLinear(_Linear):
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: Any = None) -> None:
         if shard_id == "q":
             offset, start, size = 0, self.tp.rank * self.q_size, self.q_size
+            full = self.num_heads * self.head_dim
         elif shard_id in ("k", "v"):
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
             start, size = self.first_kv_head * self.head_dim, self.kv_size
+            full = self.num_kv_heads * self.head_dim
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        shard = narrow_weight(loaded, 0, start, size)
+        shard = narrow_shard(loaded, 0, start, size, full, f"shard {shard_id}")
         copy_weight(param.data.narrow(0, offset, size), shard, f"shard {shard_id}")
 
 
@@ -214,7 +237,8 @@ class RowParallelLinear(_Linear):
             copy_weight(param, read_weight(loaded), "bias")
             return
         size = param.shape[1]
-        copy_weight(param, narrow_weight(loaded, 1, self.tp.rank * size, size))
+        full = size * self.tp.world_size
+        copy_weight(param, narrow_shard(loaded, 1, self.tp.rank * size, size, full))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.tp.all_reduce(F.linear(x, self.weight))

@@ -23,6 +23,7 @@ from kvserve.kernels import build_attention_metadata
 from kvserve.worker.distributed import TensorParallelGroup
 from kvserve.worker.model_loader import load_model
 from kvserve.worker.models import get_model_class
+from kvserve.worker.tiny_model import create_tiny_model
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -243,6 +244,24 @@ def test_an_index_names_the_files_to_read_and_others_are_left_alone(tmp_path: Pa
 
     (tmp_path / "model-00001-of-00001.safetensors").unlink()
     with pytest.raises(ValueError, match="names files that are not in .*: model-00001-of-00001.safetensors"):
+        load_model(tmp_path, TensorParallelGroup())
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"head_dim": 8}, r"k_proj.weight: shard k: the checkpoint's shape \(32, 64\) does not have the 16 along dimension 0"),
+        ({"intermediate_size": 64}, r"down_proj.weight: the checkpoint's shape \(64, 128\) does not have the 64 along dimension 1"),
+        ({"num_key_value_heads": 1}, r"k_proj.weight: shard k: the checkpoint's shape \(32, 64\) does not have the 16"),
+        ({"num_attention_heads": 2}, r"o_proj.weight: the checkpoint's shape \(64, 64\) does not have the 32 along dimension 1"),
+    ],
+)
+def test_a_config_that_disagrees_with_the_checkpoint_is_an_error(tmp_path: Path, edit, message) -> None:  # noqa: ANN001
+    # Each loaded the first rows of the checkpoint's tensors and generated garbage; transformers refuses them.
+    create_tiny_model(tmp_path, "llama")  # hidden 64, 4 heads x 16, 2 KV heads, intermediate 128
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, **edit}))
+    with pytest.raises(ValueError, match=message):
         load_model(tmp_path, TensorParallelGroup())
 
 
