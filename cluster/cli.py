@@ -111,6 +111,9 @@ def run_create_tiny_model(args: argparse.Namespace) -> int:
     except (ValueError, FileExistsError) as exc:
         print(f"kvserve create-tiny-model: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path under a file, an unwritable or read-only place
+        print(f"kvserve create-tiny-model: error: {args.directory}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     print(f"created tiny {args.family} model (seed {args.seed}) in {path}")
     return 0
 

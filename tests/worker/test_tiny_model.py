@@ -293,6 +293,13 @@ def test_cli_reports_a_non_empty_directory(tmp_path: Path, capsys: pytest.Captur
     assert "not an empty directory" in capsys.readouterr().err
 
 
+def test_cli_reports_a_path_under_a_file_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # An OSError from making the directory was a traceback, exit status 1.
+    (tmp_path / "file").write_text("")
+    assert cli.main(["create-tiny-model", str(tmp_path / "file" / "model")]) == 2
+    assert capsys.readouterr().err == f"kvserve create-tiny-model: error: {tmp_path / 'file' / 'model'}: Not a directory\n"
+
+
 def test_cli_reports_a_file_in_the_way(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "model").write_text("precious")
     assert cli.main(["create-tiny-model", str(tmp_path / "model")]) == 2
