@@ -38,7 +38,13 @@ class ModelConfig:
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ValueError(f"{model_dir} is not a model directory: config.json is missing")
-        hf = AutoConfig.from_pretrained(path)
+        try:
+            hf = AutoConfig.from_pretrained(path)
+        except Exception as exc:  # noqa: BLE001 - transformers' own errors: OSError, its validation errors
+            # NOTE: a config.json that is not JSON was an OSError, one that
+            # fails transformers' checks (heads that do not divide the hidden
+            # size) its own exception type: callers expect a ValueError.
+            raise ValueError(f"{model_dir}: config.json cannot be read: {str(exc).splitlines()[0]}") from exc
         limit = int(getattr(hf, "max_position_embeddings", 0) or 0)
         if max_model_len is None:
             if limit <= 0:
