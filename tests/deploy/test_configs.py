@@ -394,6 +394,16 @@ def test_kvserve_command_line_parses(source: str, argv: tuple[str, ...]) -> None
         assert asked_for_help and exc.code == 0, f"{source}: `{shlex.join(argv)}` does not parse"
 
 
+def test_the_guides_gpu_front_ends_run_on_cuda() -> None:
+    # The front ends that join a GPU cluster (--address, a model under /models), as the cluster files.
+    serves = [
+        argv for source, argv in COMMAND_LINES
+        if source == "README.md" and argv[1] == "serve" and "--address" in argv and "/models/" in " ".join(argv)
+    ]
+    assert len(serves) >= 4
+    assert all("--device" in argv and argv[argv.index("--device") + 1] == "cuda" for argv in serves)
+
+
 def test_guide_shows_every_subcommand_it_relies_on() -> None:
     subcommands = {argv[1] for source, argv in COMMAND_LINES if source == "README.md"}
     assert {"serve", "generate", "create-tiny-model"} <= subcommands
@@ -407,7 +417,11 @@ def test_each_cluster_file_starts_one_front_end_on_the_grpc_port(name: str) -> N
     assert (flags["--host"], flags["--port"]) == ("0.0.0.0", str(GRPC_PORT))
     if name.endswith("cpu.yaml"):
         assert "--model" not in flags  # the embedded tiny model
-    elif name in RAY_UP_FILES:
+        return
+    # GPU nodes start on demand: without --device cuda kvserve saw no GPU in the
+    # cluster, its replicas asked for CPU slots, and no GPU node was ever added.
+    assert flags["--device"] == "cuda"
+    if name in RAY_UP_FILES:
         assert any(flags["--model"].startswith(remote) for remote in ray_up(name)["file_mounts"])
     else:
         mounts = {m["mountPath"] for m in head_container(raycluster(name))["volumeMounts"]}
