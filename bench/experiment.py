@@ -40,8 +40,6 @@ import csv
 import dataclasses
 import math
 import multiprocessing
-import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -102,7 +100,12 @@ from kvserve.bench.report import count, format_table
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.bench.workloads.cache_reference import infinite_cache_reference
 from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
-from kvserve.cluster.interrupts import ignore_stop_signals, sigterm_as_interrupt, stop_signals_ignored
+from kvserve.cluster.interrupts import (
+    closed_stdout_status,
+    ignore_stop_signals,
+    sigterm_as_interrupt,
+    stop_signals_ignored,
+)
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
@@ -244,12 +247,8 @@ def _run_reporting_errors(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return status
     except BrokenPipeError:
-        # What read stdout stopped (``| head``).  The result files are written
-        # before the table is printed, so only the printing is cut short; the
-        # status is a shell's for a process SIGPIPE ended, and the interpreter
-        # must not fail once more flushing stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        # The result files are written before the table is printed, so only the printing is cut short.
+        return closed_stdout_status()
     except ExperimentError as exc:
         print(f"kvserve experiment: error: {exc}", file=sys.stderr)
         return 2
@@ -474,8 +473,6 @@ def _run_one(run: Run, stream_spec: StreamSpec, fleet: FleetConfig) -> Simulatio
     policy = make_policy(run.policy, **run.policy_kwargs)
     try:
         return simulate(stream, fleet_for(fleet, stream), policy, label=_label(run))
-    except ExperimentError:
-        raise
     except ValueError as exc:  # e.g. times beyond the virtual clock's precision
         raise ExperimentError(f"{_label(run)}: {exc}") from None
 

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -262,10 +263,9 @@ def stream_spec(args: argparse.Namespace) -> StreamSpec:
     for key in params:
         if key in WORKLOAD_ARG_OPTIONS:
             raise ExperimentError(f"--workload-arg {key}: use {WORKLOAD_ARG_OPTIONS[key]}")
-    if len(params) < len(pairs):
-        repeated = sorted({key for key, _ in pairs if [k for k, _ in pairs].count(key) > 1})
+    repeated = sorted(key for key, times in Counter(key for key, _ in pairs).items() if times > 1)
+    if repeated:
         raise ExperimentError(f"--workload-arg {', '.join(repeated)} is given more than once")
-    workloads = ", ".join(sorted([*WORKLOADS, TRACE_WORKLOAD]))
     if args.workload == TRACE_WORKLOAD:
         if args.trace is None:
             raise ExperimentError("the mooncake workload needs --trace PATH")
@@ -273,7 +273,9 @@ def stream_spec(args: argparse.Namespace) -> StreamSpec:
             raise ExperimentError("--burstiness does not apply to a trace: its arrivals keep the trace's pattern")
         params["trace"] = str(args.trace)
     elif args.workload not in WORKLOADS:
-        raise ExperimentError(f"unknown workload {args.workload!r}; choose from {workloads}")
+        raise ExperimentError(
+            f"unknown workload {args.workload!r}; choose from {', '.join(sorted([*WORKLOADS, TRACE_WORKLOAD]))}"
+        )
     elif args.trace is not None:
         raise ExperimentError(f"--trace is for the {TRACE_WORKLOAD} workload, not {args.workload}")
     burstiness = DEFAULT_BURSTINESS if args.burstiness is None else args.burstiness
@@ -498,9 +500,9 @@ def check_output_dir(out: Path) -> None:
 def prepare_output(
     args: argparse.Namespace, result_files: Sequence[str], reference: CacheReference, fleet: FleetConfig
 ) -> None:
-    """Create ``--out``, remove an earlier run's ``result_files`` there and write ``config.json``."""
+    """Create ``--out`` (``check_output_dir`` has checked it), remove an earlier run's ``result_files``
+    there and write ``config.json``."""
     out: Path = args.out
-    check_output_dir(out)
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "handler"}
     config["sim"] = not args.live  # the default mode, --sim or not

@@ -13,7 +13,6 @@ import ast
 import logging
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -585,11 +584,10 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         return _generate(args)
     except BrokenPipeError:
-        # What read stdout stopped (``| head``); the channel is closed by then,
-        # which cancelled the call and freed the request on the server.  The
-        # interpreter must not fail once more flushing stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 128 + signal.SIGPIPE
+        # The channel is closed by then, which cancelled the call and freed the request on the server.
+        from kvserve.cluster.interrupts import closed_stdout_status
+
+        return closed_stdout_status()
 
 
 def _generate(args: argparse.Namespace) -> int:

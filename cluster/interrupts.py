@@ -12,7 +12,9 @@ does a clean-up that must not be cut short (``stop_signals_ignored``).
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,6 +22,17 @@ from types import FrameType
 from typing import Any
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def closed_stdout_status() -> int:
+    """What a command returns once the reader of its stdout has gone (``| head``): a BrokenPipeError.
+
+    Points stdout at /dev/null, so that the interpreter does not fail once
+    more flushing it at exit, and returns a shell's status for a process that
+    SIGPIPE ended (141).
+    """
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 128 + signal.SIGPIPE
 
 
 def stop_on_sigterm() -> None:

@@ -126,14 +126,7 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         on_scheduler_lost=on_scheduler_lost,
         on_serving_changed=set_serving,
     )
-    add_tolerant_service(
-        server,
-        GENERATION_SERVICE,
-        {
-            "Generate": (frontend.Generate, generate_pb2.GenerateRequest, generate_pb2.GenerateResponse, True),
-            "GetStats": (frontend.GetStats, generate_pb2.GetStatsRequest, generate_pb2.GetStatsResponse, False),
-        },
-    )
+    add_tolerant_service(server, frontend, generate_pb2.DESCRIPTOR.services_by_name["Generation"])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     try:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 from google.protobuf.message import DecodeError, Message
+from google.protobuf.message_factory import GetMessageClass
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,19 +46,20 @@ async def abort_if_undecodable(request: object, context: grpc.aio.ServicerContex
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
 
-def add_tolerant_service(
-    server: grpc.aio.Server,
-    service_name: str,
-    methods: dict[str, tuple[Callable[..., Any], type[Message], type[Message], bool]],
-) -> None:
-    """Register ``methods`` (name: ``(behavior, request type, response type, streams responses)``)."""
+def add_tolerant_service(server: grpc.aio.Server, servicer: object, service: ServiceDescriptor) -> None:
+    """Register ``servicer``'s method of each of ``service``'s RPCs, as the generated
+    ``add_*Servicer_to_server`` does but with ``tolerant_decoder``: unary requests only."""
     handlers = {}
-    for name, (behavior, request_type, response_type, streaming) in methods.items():
-        make_handler = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-        handlers[name] = make_handler(
-            behavior,
-            request_deserializer=tolerant_decoder(request_type),
-            response_serializer=response_type.SerializeToString,
+    for method in service.methods:
+        if method.client_streaming:
+            raise ValueError(f"{method.full_name} streams requests: only unary requests are decoded here")
+        make_handler = (
+            grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         )
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service_name, handlers),))
-    server.add_registered_method_handlers(service_name, handlers)
+        handlers[method.name] = make_handler(
+            getattr(servicer, method.name),
+            request_deserializer=tolerant_decoder(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+        )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

@@ -164,19 +164,9 @@ class BlockPool:
                 f"{self.free_block_queue.num_free_blocks} are free"
             )
         blocks = self.free_block_queue.popleft_n(num_blocks)
-        evicted_hashes: list[BlockHash] = []
-        evicted_ids: list[int] = []
-        pop_cached = self.cached_block_hash_to_block.pop
+        self.uncache_blocks(blocks)
         for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:
-                pop_cached(block_hash, block.block_id)
-                block.block_hash = None
-                evicted_hashes.append(block_hash)
-                evicted_ids.append(block.block_id)
             block.ref_cnt = 1
-        if evicted_hashes and self.observer is not None:
-            self.observer.blocks_removed(evicted_hashes, evicted_ids)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -247,18 +237,19 @@ class BlockPool:
             self.observer.blocks_stored(stored_hashes, stored_ids)
 
     def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Take ``blocks`` out of the prefix cache (those cached; a removed event is sent).
+        """Take ``blocks`` out of the prefix cache (those cached; one removed event is sent).
 
-        For blocks whose KV was never written (a failed step).  They stay
-        where they are, free or held.
+        Blocks being reused (evicted), or whose KV was never written (a failed
+        step).  They stay where they are, free or held.
         """
         removed_hashes: list[BlockHash] = []
         removed_ids: list[int] = []
+        pop_cached = self.cached_block_hash_to_block.pop
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is None or block.is_null:
                 continue
-            self.cached_block_hash_to_block.pop(block_hash, block.block_id)
+            pop_cached(block_hash, block.block_id)
             block.block_hash = None
             removed_hashes.append(block_hash)
             removed_ids.append(block.block_id)

@@ -56,8 +56,9 @@ class SchedulerLoad:
     held when the waiting requests were queued (an estimate of what they will
     not compute: they are looked up again when scheduled).
     ``num_running_tokens`` is the KV context of the running requests (their
-    computed tokens): what a step's attention reads.  ``num_total_blocks`` counts the usable blocks (the null block
-    excluded).  ``num_inflight_prefill_tokens`` are the prompt tokens of the
+    computed tokens): what a step's attention reads.  ``num_total_blocks``
+    counts the usable blocks (the null block excluded).
+    ``num_inflight_prefill_tokens`` are the prompt tokens of the
     step in flight (scheduled, not yet updated): no longer queued, not yet
     computed, and the step that computes them delays every later token.
     """
@@ -132,10 +133,10 @@ class Scheduler:
         num_usable = self.cache_config.num_usable_blocks
         if num_blocks_needed > num_usable:
             pool = f"the pool has only {num_usable} usable (of {self.cache_config.num_blocks}: one is the null block)"
-            if not self.prompt_fits_pool(request):
+            num_prompt_blocks = self._prompt_blocks(request)
+            if num_prompt_blocks > num_usable:
                 raise ValueError(
-                    f"a prompt of {request.num_prompt_tokens} tokens alone needs "
-                    f"{-(-request.num_prompt_tokens // self.cache_config.block_size)} KV blocks but {pool}"
+                    f"a prompt of {request.num_prompt_tokens} tokens alone needs {num_prompt_blocks} KV blocks but {pool}"
                 )
             raise ValueError(
                 f"request needs up to {num_blocks_needed} KV blocks with max_tokens="
@@ -153,7 +154,10 @@ class Scheduler:
 
     def prompt_fits_pool(self, request: Request) -> bool:
         """Whether ``request``'s prompt alone fits in the pool's usable blocks."""
-        return -(-request.num_prompt_tokens // self.cache_config.block_size) <= self.cache_config.num_usable_blocks
+        return self._prompt_blocks(request) <= self.cache_config.num_usable_blocks
+
+    def _prompt_blocks(self, request: Request) -> int:
+        return -(-request.num_prompt_tokens // self.cache_config.block_size)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Stop these requests now, wherever they are, and free their blocks.
