@@ -8,27 +8,45 @@ least squares.  Prints the measured and the modelled time of every shape,
 and the fit's error against the mean step time (the baseline a constant
 model would give).
 
-    python -m kvserve.bench.calibrate_cost_model --out cost.json [--model DIR] [--quick]
+    python -m kvserve.bench.calibrate_cost_model --out cost.json [--model DIR | --shape NAME] [--quick]
 
-Without ``--model`` a fresh tiny random Llama is used (useful to test the
-pipeline; its coefficients say nothing about a real GPU).
+``--shape llama-3-8b`` (or another published shape) times a model of that size
+with random weights, written to a temporary directory first (no model hub is
+needed; on a GPU the 16 GB of weights are drawn in seconds).  Without ``--model``
+or ``--shape`` a fresh tiny random Llama is used (useful to test the pipeline;
+its coefficients say nothing about a real GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from kvserve import LLM
 from kvserve.bench.report import format_table
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
 from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample
+from kvserve.worker.full_size_model import SHAPES, create_full_size_model
+from kvserve.worker.tiny_model import create_tiny_model
 
 QUICK_GRID = CalibrationGrid(
     prefill_lengths=(16, 64, 256), decode_batches=(1, 4, 16), context_lengths=(32, 128), repeats=3
 )
+
+
+def _positive_ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
@@ -58,26 +76,45 @@ def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="where to write the cost model JSON")
-    parser.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
+    source.add_argument("--shape", choices=sorted(SHAPES),
+                        help="time a model of this published shape with random weights")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
+    defaults = CalibrationGrid()
+    for name, help_text in (("prefill_lengths", "prompt lengths timed as pure prefills"),
+                            ("decode_batches", "decode batch sizes"),
+                            ("context_lengths", "context lengths of the decode batches")):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=_positive_ints,
+                            help=f"{help_text}, comma-separated (default {','.join(map(str, getattr(defaults, name)))})")
+    parser.add_argument("--repeats", type=_positive_ints, metavar="N",
+                        help=f"times each shape is measured (default {defaults.repeats})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
-
-    # Heavy imports only here: the control plane must not pull in torch.
-    import torch
-
-    from kvserve import LLM
-    from kvserve.worker.tiny_model import create_tiny_model
+    grid = QUICK_GRID if args.quick else defaults
+    overrides = {name: value for name in ("prefill_lengths", "decode_batches", "context_lengths")
+                 if (value := getattr(args, name)) is not None}
+    if args.repeats is not None:
+        if len(args.repeats) != 1:
+            parser.error(f"--repeats takes one number, got {len(args.repeats)}")
+        overrides["repeats"] = args.repeats[0]
+    grid = dataclasses.replace(grid, **overrides)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    grid = QUICK_GRID if args.quick else CalibrationGrid()
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model or create_tiny_model(Path(tmp) / "tiny", "llama", seed=args.seed)
+        if args.model is not None:
+            model_dir = args.model
+        elif args.shape is not None:
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            print(f"writing a {args.shape} checkpoint with random weights to {tmp} ...", flush=True)
+            model_dir = create_full_size_model(Path(tmp) / args.shape, args.shape, device=device, seed=args.seed)
+        else:
+            model_dir = create_tiny_model(Path(tmp) / "tiny", "llama", seed=args.seed)
         llm = LLM(model_dir, block_size=args.block_size, device=args.device, seed=args.seed)
         try:
             vocab_size = llm.model_config.vocab_size

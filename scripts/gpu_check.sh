@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Everything the CUDA attention kernels need checked on a GPU machine, in one call:
-# build (timed), resource usage and SASS of the built kernels, the GPU tests, the benchmark.
+# build (timed), resource usage and SASS of the built kernels, the GPU tests, the benchmark,
+# and the step cost model calibrated on a Llama-3-8B-sized model (random weights).
 # Logs go to $OUT (default /tmp/kvserve-gpu-check); the end of each step is printed.
 #
 #   bash scripts/gpu_check.sh              # all steps
-#   bash scripts/gpu_check.sh tests        # one step: build | sass | tests | bench
+#   bash scripts/gpu_check.sh tests        # one step: build | sass | tests | bench | calibrate
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/kvserve-gpu-check}"
@@ -12,7 +13,7 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export KVSERVE_CACHE_DIR="${KVSERVE_CACHE_DIR:-/tmp/kvserve-cache}"
 mkdir -p "$OUT"
-steps="${1:-build sass tests bench}"
+steps="${1:-build sass tests bench calibrate}"
 status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -55,5 +56,13 @@ if [[ " $steps " == *" bench "* ]]; then
     echo "== benchmark"
     "$PYTHON" -m kvserve.bench.attention --prefill --json "$OUT/attention.json" >"$OUT/bench.txt" 2>&1 || status=1
     tail -40 "$OUT/bench.txt"
+fi
+if [[ " $steps " == *" calibrate "* ]]; then
+    echo "== step cost model, llama-3-8b shape"
+    # Shapes up to the experiments' defaults: a 2048-token budget, decode batches to 128.
+    "$PYTHON" -m kvserve.bench.calibrate_cost_model --shape llama-3-8b --device cuda \
+        --prefill-lengths 16,128,512,1024,2048 --decode-batches 1,8,32,128 --context-lengths 256,2048 \
+        --out "$OUT/cost_model_llama3_8b.json" >"$OUT/calibrate.txt" 2>&1 || status=1
+    tail -40 "$OUT/calibrate.txt"
 fi
 exit $status

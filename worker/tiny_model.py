@@ -141,17 +141,30 @@ def create_tiny_model(
     if path.exists() and any(path.iterdir()):
         raise FileExistsError(f"{path} already exists and is not an empty directory")
 
-    tokenizer = Tokenizer.from_str(_trained_tokenizer_json())
-    config = _build_config(model_family, tokenizer.get_vocab_size(), config_overrides)
+    config = tiny_config(family, **config_overrides)
     model = _build_model(model_family, config, seed)
 
     path.mkdir(parents=True, exist_ok=True)
     with _progress_bars_disabled():
         model.save_pretrained(path)
-    tokenizer.save(str(path / "tokenizer.json"))
-    _write_tokenizer_config(path, config.max_position_embeddings)
+    write_tokenizer(path, config.max_position_embeddings)
     logger.info("created tiny %s model (seed %d) in %s", family, seed, path)
     return path
+
+
+def tiny_config(family: str = DEFAULT_FAMILY, **config_overrides: Any) -> transformers.PretrainedConfig:
+    """The config ``create_tiny_model(path, family, **config_overrides)`` writes.
+
+    Raises ``ValueError`` as ``create_tiny_model`` does for its arguments.
+    """
+    vocab_size = Tokenizer.from_str(_trained_tokenizer_json()).get_vocab_size()
+    return _build_config(_family(family), vocab_size, config_overrides)
+
+
+def write_tokenizer(path: Path, model_max_length: int) -> None:
+    """Write the tiny models' ``tokenizer.json`` and ``tokenizer_config.json`` into ``path``."""
+    Tokenizer.from_str(_trained_tokenizer_json()).save(str(path / "tokenizer.json"))
+    _write_tokenizer_config(path, model_max_length)
 
 
 def default_tiny_model_path(cache_dir: str | os.PathLike[str] | None = None) -> Path:
