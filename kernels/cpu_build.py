@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from types import ModuleType
 
-from kvserve.kernels.extension_build import CACHE_DIR_ENV, build_root, load_extension
+from kvserve.kernels.extension_build import CACHE_DIR_ENV, build_root, load_extension, ninja_on_path
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def check_toolchain() -> None:
         raise CpuExtensionBuildError(
             f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)"
         )
-    if shutil.which("ninja") is None:
+    if not ninja_on_path():
         raise CpuExtensionBuildError("ninja is not on PATH (pip install ninja)")
 
 

@@ -28,7 +28,7 @@ from types import ModuleType
 
 import torch
 
-from kvserve.kernels.extension_build import build_root, load_extension
+from kvserve.kernels.extension_build import build_root, load_extension, ninja_on_path
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ def check_toolchain() -> None:
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler) is None:
         raise CudaExtensionBuildError(f"no C++ compiler: {compiler!r} is not on PATH (install g++, or set CXX)")
-    if shutil.which("ninja") is None:
+    if not ninja_on_path():
         raise CudaExtensionBuildError("ninja is not on PATH (pip install ninja)")
 
 

@@ -21,8 +21,10 @@ import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -48,6 +50,25 @@ def build_root() -> Path:
     # versions apart when several environments share one cache directory.
     tag = f"py{sys.version_info.major}{sys.version_info.minor}_torch{torch.__version__}"
     return root / tag
+
+
+def ninja_on_path() -> bool:
+    """Whether ``ninja`` runs from PATH, once this Python's scripts directory is on it.
+
+    NOTE: ``pip install ninja`` puts ninja in the environment's scripts directory
+    (``.venv/bin``), which is on PATH only while the environment is activated.
+    Started as ``.venv/bin/kvserve serve`` (by a service manager, a container's
+    entry point), the build found no ninja and every worker fell back to the
+    slow torch attention.  torch's build runs ``ninja`` through PATH, so the
+    directory is put at its end: whatever PATH already finds comes first.
+    """
+    if shutil.which("ninja") is not None:
+        return True
+    scripts = sysconfig.get_path("scripts")
+    if shutil.which("ninja", path=scripts) is None:
+        return False
+    os.environ["PATH"] = os.pathsep.join(filter(None, (os.environ.get("PATH"), scripts)))
+    return True
 
 
 def needs_compiling(directory: Path, extension_name: str, sources: Sequence[Path]) -> bool:

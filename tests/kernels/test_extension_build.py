@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from pathlib import Path
@@ -94,3 +97,22 @@ def test_an_unwritable_cache_directory_falls_back_to_the_torch_reference(
     with caplog.at_level(logging.WARNING, logger="kvserve.kernels.backend"):
         assert get_attention_backend("cpu").name == "torch"
     assert "C++ CPU attention kernels unavailable" in caplog.text
+
+
+def test_ninja_beside_this_python_is_found_without_an_activated_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `.venv/bin/kvserve serve` run without activating the environment: PATH lacks .venv/bin.
+    scripts = sysconfig.get_path("scripts")
+    compiler = shutil.which("c++")
+    if shutil.which("ninja", path=scripts) is None or compiler is None:
+        pytest.skip("needs ninja installed beside this Python and a C++ compiler")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "c++").symlink_to(compiler)
+    monkeypatch.setenv("PATH", str(bin_dir))
+
+    cpu_build.check_toolchain()
+
+    assert Path(shutil.which("ninja") or "").parent == Path(scripts)
+    assert os.environ["PATH"].split(os.pathsep) == [str(bin_dir), scripts]
