@@ -203,14 +203,19 @@ def _exit_on_unhandled_sigterm() -> None:
 
 
 def resolve_model_config(config: ClusterConfig) -> ModelConfig:
-    """The served model as the scheduler and the front end see it; ``ValueError`` for a bad directory.
+    """The served model as the scheduler and the front end see it; ``ValueError`` for a bad directory,
+    or one the tensor-parallel size cannot split.
 
     A simulated cluster runs no model, so its ``max_model_len`` may exceed the
-    model's position limit.
+    model's position limit, and its replicas split nothing.
     """
-    if config.simulation is None or config.max_model_len is None:
-        return ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+    if config.simulation is None:
+        model_config = ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+        model_config.check_tensor_parallel_size(config.parallel.tensor_parallel_size)
+        return model_config
     model_config = ModelConfig.from_pretrained(config.model_dir)
+    if config.max_model_len is None:
+        return model_config
     return dataclasses.replace(model_config, max_model_len=config.max_model_len)
 
 

@@ -74,6 +74,7 @@ class LLM:
             attention_backend=attention_backend,
             sampler_seed=seed,
         )
+        self.model_config.check_tensor_parallel_size(tensor_parallel_size)
         if tensor_parallel_size == 1:
             from kvserve.worker.uniproc_executor import UniprocExecutor
 

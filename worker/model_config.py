@@ -32,6 +32,10 @@ class ModelConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     model_id: str
+    # What tensor parallelism splits (see ``check_tensor_parallel_size``); 0 where the config has none.
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    intermediate_size: int = 0
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, max_model_len: int | None = None) -> ModelConfig:
@@ -65,4 +69,32 @@ class ModelConfig:
             max_model_len=int(max_model_len),
             eos_token_ids=tuple(sorted(eos)),
             model_id=f"{architectures[0]}:{digest}",
+            num_attention_heads=int(getattr(hf, "num_attention_heads", 0) or 0),
+            num_key_value_heads=int(
+                getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", 0) or 0
+            ),
+            intermediate_size=int(getattr(hf, "intermediate_size", 0) or 0),
         )
+
+    def check_tensor_parallel_size(self, tp_size: int) -> None:
+        """``ValueError`` unless ``tp_size`` ranks can split the model as the workers do.
+
+        Each rank takes an equal share of the attention heads and of the MLP's
+        intermediate size; of the KV heads too, or, with more ranks than KV
+        heads, one replicated KV head each (so the ranks must be a multiple of
+        them).  Checked before any worker starts: a worker finds out only after
+        its process (or Ray actor) has started, seconds to a minute later.
+        """
+        problems = []
+        if self.num_attention_heads % tp_size:
+            problems.append(f"the {self.num_attention_heads} attention heads")
+        kv_heads = self.num_key_value_heads
+        if kv_heads and (tp_size % kv_heads if tp_size >= kv_heads else kv_heads % tp_size):
+            problems.append(f"the {kv_heads} KV heads (or be a multiple of them)")
+        if self.intermediate_size % tp_size:
+            problems.append(f"the MLP's intermediate size {self.intermediate_size}")
+        if problems:
+            raise ValueError(
+                f"tensor_parallel_size {tp_size} cannot split the model in {self.model_dir}: "
+                f"it must divide {' and '.join(problems)}"
+            )

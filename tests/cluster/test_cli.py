@@ -183,6 +183,14 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_starting_ray(capsys
     assert "Ray" not in captured.out
 
 
+def test_serve_refuses_a_tp_that_cannot_split_the_model_before_starting_ray(capsys, model_dir):
+    # Each replica's workers found out a minute later, after Ray and the actors had started.
+    assert main(["serve", "--model", str(model_dir), "--port", "0", "--tp", "3"]) == 2
+    captured = capsys.readouterr()
+    assert f"--tp 3 cannot split the model in {model_dir}: it must divide the 4 attention heads" in captured.err
+    assert "Ray" not in captured.out
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without a GPU")
 def test_serve_on_cuda_without_a_gpu_says_so_at_once(capsys, model_dir):
     # It waited out the 60 s placement timeout of each replica before saying anything.

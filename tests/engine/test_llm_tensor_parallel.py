@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import multiprocessing
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -21,3 +23,11 @@ def test_two_ranks_give_the_greedy_tokens_of_transformers(tmp_path: Path) -> Non
     with LLM(path, tensor_parallel_size=2, block_size=8, num_blocks=64, max_num_batched_tokens=32) as llm:
         outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == hf_greedy(load_hf_model(path), prompts, 16)
+
+
+def test_a_size_that_cannot_split_the_model_is_refused_before_any_rank_starts(tmp_path: Path) -> None:
+    # The ranks' processes found out after starting (18 s here), as a RuntimeError.
+    path = create_tiny_model(tmp_path / "m", "llama", seed=4)
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 cannot split the model in .*: it must divide the 4"):
+        LLM(path, tensor_parallel_size=3)
+    assert multiprocessing.active_children() == []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -40,3 +41,37 @@ def test_a_config_that_transformers_cannot_read_is_a_value_error(tmp_path: Path,
 def test_a_directory_without_config_json_is_a_value_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="is not a model directory: config.json is missing"):
         ModelConfig.from_pretrained(tmp_path)
+
+
+def test_the_heads_and_mlp_that_tensor_parallelism_splits_are_read(model_dir: Path) -> None:
+    config = ModelConfig.from_pretrained(model_dir)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (4, 2, 128)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "intermediate", "tp", "refused"),
+    [
+        (4, 2, 128, 1, None),
+        (4, 2, 128, 2, None),
+        (4, 2, 128, 4, None),  # each KV head on two ranks
+        (8, 1, 128, 8, None),  # one KV head everywhere
+        (4, 2, 128, 3, "the 4 attention heads and the 2 KV heads (or be a multiple of them) "
+                       "and the MLP's intermediate size 128"),
+        (4, 2, 128, 8, "the 4 attention heads"),
+        (12, 4, 96, 6, "the 4 KV heads (or be a multiple of them)"),  # 6 ranks over 4 KV heads
+        (8, 8, 102, 4, "the MLP's intermediate size 102"),
+    ],
+)
+def test_tensor_parallel_sizes_are_checked_as_the_workers_split(
+    model_dir: Path, heads: int, kv_heads: int, intermediate: int, tp: int, refused: str | None
+) -> None:
+    config = dataclasses.replace(
+        ModelConfig.from_pretrained(model_dir),
+        num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=intermediate,
+    )
+    if refused is None:
+        config.check_tensor_parallel_size(tp)
+    else:
+        with pytest.raises(ValueError, match=rf"tensor_parallel_size {tp} cannot split .*: it must divide ") as info:
+            config.check_tensor_parallel_size(tp)
+        assert str(info.value).endswith(refused)
