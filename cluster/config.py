@@ -228,8 +228,11 @@ class ClusterConfig:
             model_id=model_id,
         )
 
-    def worker_config(self) -> WorkerConfig | SimulatedWorkerConfig:
-        """The rank-0 template of every replica's workers (the launcher sets rank and init method)."""
+    def worker_config(self, max_model_len: int | None = None) -> WorkerConfig | SimulatedWorkerConfig:
+        """The rank-0 template of every replica's workers (the launcher sets rank and init method).
+
+        ``max_model_len`` is the resolved one (``ModelConfig.max_model_len``).
+        """
         if self.simulation is not None:
             return SimulatedWorkerConfig(
                 simulation=self.simulation,
@@ -250,6 +253,7 @@ class ClusterConfig:
             gpu_memory_utilization=self.gpu_memory_utilization,
             cpu_threads=self.cpu_threads,
             sampler_seed=self.seed,
+            max_model_len=max_model_len,
         )
         if self.cpu_kv_cache_bytes is not None:
             config = dataclasses.replace(config, cpu_kv_cache_bytes=self.cpu_kv_cache_bytes)

@@ -152,7 +152,7 @@ class SchedulerActor:
         try:
             handle = await launch_replica(
                 replica_id,
-                self.config.worker_config(),
+                self.config.worker_config(self.model_config.max_model_len),
                 device_kind=device_kind,
                 placement_timeout_s=self.config.placement_timeout_s,
             )

@@ -73,6 +73,7 @@ class LLM:
             cpu_kv_cache_bytes=kv_cache_memory_bytes,
             attention_backend=attention_backend,
             sampler_seed=seed,
+            max_model_len=self.model_config.max_model_len,
         )
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
         if tensor_parallel_size == 1:

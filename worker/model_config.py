@@ -18,6 +18,15 @@ def _as_ids(value: object) -> tuple[int, ...]:
     return tuple(int(v) for v in value)  # type: ignore[union-attr]
 
 
+def sliding_window_of(hf_config: object) -> int | None:
+    """The sliding attention window of ``hf_config`` in tokens; ``None`` when every layer attends fully."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window) if window is not None else None
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A Hugging Face model directory, as seen by the scheduler and the front end.
@@ -50,12 +59,21 @@ class ModelConfig:
             # size) its own exception type: callers expect a ValueError.
             raise ValueError(f"{model_dir}: config.json cannot be read: {str(exc).splitlines()[0]}") from exc
         limit = int(getattr(hf, "max_position_embeddings", 0) or 0)
+        window = sliding_window_of(hf)
         if max_model_len is None:
             if limit <= 0:
                 raise ValueError(f"{model_dir}: config has no max_position_embeddings; pass max_model_len")
-            max_model_len = limit
+            # NOTE: attention here is full causal, which equals a sliding window's
+            # on sequences no longer than the window (Mistral 7B v0.1: 4096 tokens).
+            max_model_len = min(limit, window) if window else limit
         elif max_model_len < 1 or (limit and max_model_len > limit):
             raise ValueError(f"max_model_len must be in [1, {limit}], got {max_model_len}")
+        elif window and max_model_len > window:
+            raise ValueError(
+                f"max_model_len must be at most the model's sliding window of {window} tokens, got "
+                f"{max_model_len}: attention here is full causal, which differs from a sliding window's on longer "
+                "sequences"
+            )
         eos = set(_as_ids(getattr(hf, "eos_token_id", None)))
         generation_config = path / "generation_config.json"
         if generation_config.is_file():

@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from kvserve.kernels import AttentionBackend, get_attention_backend
 from kvserve.worker.distributed import TensorParallelGroup
 from kvserve.worker.layers.embedding import DEFAULT_VOCAB_PARALLEL
+from kvserve.worker.model_config import sliding_window_of
 from kvserve.worker.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,19 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def check_sliding_window(config: Any, max_model_len: int | None = None) -> None:
+    """ValueError when the config's sliding window is shorter than the longest sequence
+    (``max_model_len``, default the config's ``max_position_embeddings``): the paged
+    attention here is full causal, which would be silently wrong past the window."""
+    window = sliding_window_of(config)
+    longest = max_model_len or config.max_position_embeddings
+    if window is not None and window < longest:
+        raise ValueError(
+            f"sliding_window={window} < max_model_len={longest} is not supported (attention is full causal); "
+            f"serve at most {window} tokens per sequence"
+        )
+
+
 def load_model(
     model_dir: str | Path,
     tp: TensorParallelGroup,
@@ -48,19 +62,23 @@ def load_model(
     device: torch.device | str = "cpu",
     attention_backend: AttentionBackend | None = None,
     vocab_parallel: bool = DEFAULT_VOCAB_PARALLEL,
+    max_model_len: int | None = None,
 ) -> nn.Module:
     """The model in ``model_dir`` (``config.json`` + ``*.safetensors``) built for rank
     ``tp.rank`` of ``tp.world_size``, in eval mode, parameters in ``dtype`` on ``device``.
 
     ``attention_backend`` defaults to ``get_attention_backend(device)``;
     ``vocab_parallel`` shards the embedding and LM head by vocabulary (else replicated).
-    Raises ValueError for an unsupported architecture or config, and for missing,
+    ``max_model_len`` is the longest sequence it will see (default the config's
+    ``max_position_embeddings``).  Raises ValueError for an unsupported architecture or
+    config (a sliding window shorter than ``max_model_len``), and for missing,
     unexpected or wrongly shaped weights.
     """
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     config = AutoConfig.from_pretrained(model_dir)
     model_cls = get_model_class(config)
+    check_sliding_window(config, max_model_len)
     backend = attention_backend or get_attention_backend(device)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(config, tp, backend, vocab_parallel=vocab_parallel)

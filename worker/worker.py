@@ -64,6 +64,8 @@ class WorkerConfig:
     sampler_seed: int | None = None
     # CPU only: torch threads for this rank (None: the cores divided among the ranks).
     cpu_threads: int | None = None
+    # The longest sequence the scheduler sends (None: the model's max_position_embeddings).
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -128,7 +130,8 @@ class Worker:
         self.hf_config = AutoConfig.from_pretrained(config.model_dir)
         backend = get_attention_backend(self.device, config.attention_backend)
         self.model = load_model(
-            config.model_dir, self.tp, dtype=self.dtype, device=self.device, attention_backend=backend
+            config.model_dir, self.tp, dtype=self.dtype, device=self.device, attention_backend=backend,
+            max_model_len=config.max_model_len,
         )
         self.sampler = Sampler(seed=config.sampler_seed)
         self.input_batch = InputBatch(config.block_size, self.device)

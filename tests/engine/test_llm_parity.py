@@ -123,3 +123,14 @@ def test_out_of_vocabulary_prompt_is_rejected(llama_dir: Path) -> None:
         with pytest.raises(ValueError, match="outside the vocabulary"):
             llm.generate([[5, 10_000_000]], GREEDY)
         assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids  # still serving
+
+
+def test_a_sliding_window_model_is_served_within_its_window(tmp_path: Path) -> None:
+    # Mistral 7B v0.1's kind of config (a window under max_position_embeddings) was refused outright.
+    path = create_tiny_model(tmp_path / "m", "mistral", seed=2, sliding_window=48, num_key_value_heads=1)
+    prompts = random_prompts(3, seed=2, lo=20, hi=40)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    with LLM(path, block_size=8, num_blocks=64) as llm:
+        assert llm.model_config.max_model_len == 48
+        tokens = [o.token_ids for o in llm.generate(prompts, params)]
+    assert tokens == hf_greedy(load_hf_model(path), prompts, 8)

@@ -75,3 +75,20 @@ def test_tensor_parallel_sizes_are_checked_as_the_workers_split(
         with pytest.raises(ValueError, match=rf"tensor_parallel_size {tp} cannot split .*: it must divide ") as info:
             config.check_tensor_parallel_size(tp)
         assert str(info.value).endswith(refused)
+
+
+@pytest.fixture(scope="module")
+def windowed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Mistral 7B v0.1's shape of config: a 4096-token window under 32768 positions.
+    return create_tiny_model(tmp_path_factory.mktemp("windowed"), "mistral", seed=0, sliding_window=64)
+
+
+def test_a_sliding_window_bounds_the_default_max_model_len(windowed_dir: Path) -> None:
+    # Full causal attention equals the window's on sequences no longer than it; the model was refused.
+    assert ModelConfig.from_pretrained(windowed_dir).max_model_len == 64
+    assert ModelConfig.from_pretrained(windowed_dir, 40).max_model_len == 40
+
+
+def test_a_max_model_len_past_the_sliding_window_is_refused(windowed_dir: Path) -> None:
+    with pytest.raises(ValueError, match="max_model_len must be at most the model's sliding window of 64 tokens, got 65"):
+        ModelConfig.from_pretrained(windowed_dir, 65)

@@ -37,20 +37,6 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_sliding_window(config: Any) -> None:
-    """ValueError when the config asks for a sliding window shorter than its context:
-    the paged attention here is full causal, which would be silently wrong."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return
-    if window is not None and window < config.max_position_embeddings:
-        raise ValueError(
-            f"sliding_window={window} < max_position_embeddings={config.max_position_embeddings} "
-            "is not supported (attention is full causal)"
-        )
-
-
 class LlamaMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``; gate/up column-parallel, down row-parallel."""
 
@@ -229,7 +215,6 @@ class LlamaForCausalLM(nn.Module):
         vocab_parallel: bool = DEFAULT_VOCAB_PARALLEL,
     ) -> None:
         super().__init__()
-        check_sliding_window(config)
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, tp, attention_backend, self.attention_cls, vocab_parallel)
@@ -257,5 +242,5 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's architecture; a sliding window shorter than the context is
-    rejected by :func:`check_sliding_window`."""
+    """Mistral: Llama's architecture; a sliding window shorter than the longest sequence is
+    rejected by ``load_model``."""

@@ -195,8 +195,12 @@ def test_registry_rejects_an_unsupported_architecture() -> None:
 
 def test_mistral_sliding_window_shorter_than_context_is_rejected(tmp_path: Path) -> None:
     save_hf_model("mistral", tmp_path, sliding_window=16)
-    with pytest.raises(ValueError, match="sliding_window"):
+    with pytest.raises(ValueError, match="sliding_window=16 < max_model_len="):
         load_model(tmp_path, TensorParallelGroup())
+    with pytest.raises(ValueError, match="sliding_window=16 < max_model_len=17"):
+        load_model(tmp_path, TensorParallelGroup(), max_model_len=17)
+    # Sequences no longer than the window: full causal attention is the window's.
+    load_model(tmp_path, TensorParallelGroup(), max_model_len=16)
 
 
 def test_unsupported_rope_type_is_rejected(tmp_path: Path) -> None:
