@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,7 @@ class LLM:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
             token_ids = self.tokenizer(prompt)["input_ids"]
         else:
-            token_ids = [int(t) for t in prompt]
+            token_ids = _token_ids(prompt)
         vocab_size = self.model_config.vocab_size
         # NOTE: min/max run in C; the loop only runs to name the offending id.
         if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
@@ -179,9 +180,30 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+    if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
+        return [prompts]  # one text, or one prompt as a 1-D array or tensor of token ids
     prompt_list = list(prompts)
-    if prompt_list and all(isinstance(t, int) for t in prompt_list):
+    if prompt_list and all(_is_token_id(t) for t in prompt_list):
         return [prompt_list]  # a single prompt given as token ids
     return prompt_list
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _token_ids(prompt: object) -> list[int]:
+    """A prompt given as token ids (a sequence, array or tensor of integers) as a list of ints.
+
+    ``ValueError`` for anything else: a float (it was truncated), a bool, a nested list.
+    """
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()  # numpy arrays and torch tensors, as Python numbers
+    try:
+        values = list(prompt)  # type: ignore[call-overload]
+    except TypeError:
+        raise ValueError(f"a prompt must be a string or a sequence of token ids, got {prompt!r}") from None
+    bad = next((v for v in values if not _is_token_id(v)), None)
+    if bad is not None:
+        raise ValueError(f"prompt token ids must be integers, got {bad!r}")
+    return [int(v) for v in values]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 
@@ -29,10 +30,10 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        temperature = float(self.temperature)
+        temperature = _real("temperature", self.temperature)
         if not math.isfinite(temperature) or temperature < 0.0:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
-        top_p = float(self.top_p)
+        top_p = _real("top_p", self.top_p)
         if not (0.0 < top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         top_k = self.top_k
@@ -45,6 +46,9 @@ class SamplingParams:
                 top_k = None
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            # NOTE: any object is truthy or not; ignore_eos="no" ignored EOS.
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         stop_token_ids = tuple(self.stop_token_ids)
         for token_id in stop_token_ids:
             if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
@@ -57,3 +61,10 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a float; ``ValueError`` for anything but a real number (a string, a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)

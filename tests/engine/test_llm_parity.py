@@ -125,6 +125,35 @@ def test_out_of_vocabulary_prompt_is_rejected(llama_dir: Path) -> None:
         assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids  # still serving
 
 
+def test_token_ids_as_arrays_and_tensors_are_prompts(llama_dir: Path) -> None:
+    # A 1-D array or tensor was taken for a list of prompts, and failed on its first element.
+    import numpy as np
+    import torch
+
+    prompt = [5, 6, 7, 8]
+    with LLM(llama_dir, num_blocks=64) as llm:
+        expected = llm.generate(prompt, GREEDY)[0].token_ids
+        for prompts in (np.array(prompt), torch.tensor(prompt), [np.int64(5), 6, 7, 8]):
+            assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [expected]
+        assert [o.token_ids for o in llm.generate(torch.tensor([prompt, prompt]), GREEDY)] == [expected] * 2
+
+
+@pytest.mark.parametrize(
+    ("prompts", "message"),
+    [
+        ([[1.5, 2]], "prompt token ids must be integers, got 1.5"),  # truncated to 1
+        ([[True, 3]], "prompt token ids must be integers, got True"),  # read as 1
+        ([[2, 3], 5], "a prompt must be a string or a sequence of token ids, got 5"),
+        ([[[2, 3]]], r"prompt token ids must be integers, got \[2, 3\]"),
+    ],
+)
+def test_prompts_that_are_not_token_ids_are_refused(llama_dir: Path, prompts: list, message: str) -> None:
+    with LLM(llama_dir, num_blocks=64) as llm:
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompts, GREEDY)
+        assert not llm.engine.has_unfinished_requests()
+
+
 def test_a_sliding_window_model_is_served_within_its_window(tmp_path: Path) -> None:
     # Mistral 7B v0.1's kind of config (a window under max_position_embeddings) was refused outright.
     path = create_tiny_model(tmp_path / "m", "mistral", seed=2, sliding_window=48, num_key_value_heads=1)

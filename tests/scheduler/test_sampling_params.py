@@ -29,6 +29,10 @@ def test_defaults_are_valid() -> None:
         ({"top_k": -2}, "top_k"),
         ({"seed": "x"}, "seed"),
         ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+        # Any object was truthy or not, and float() read strings: all three were accepted.
+        ({"ignore_eos": "no"}, "ignore_eos must be True or False"),
+        ({"temperature": "0.5"}, "temperature must be a number"),
+        ({"top_p": True}, "top_p must be a number"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
