@@ -23,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import transformers
 from safetensors.torch import save_file
 
 from kvserve.worker.model_loader import SAFETENSORS_INDEX
-from kvserve.worker.tiny_model import FAMILIES, tiny_config, write_tokenizer
+from kvserve.worker.tiny_model import FAMILIES, greedy_generation_config, tiny_config, write_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -95,10 +94,7 @@ def create_full_size_model(
     start = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
-    transformers.GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-        pad_token_id=config.eos_token_id, do_sample=False,
-    ).save_pretrained(path)
+    greedy_generation_config(config).save_pretrained(path)
     write_tokenizer(path, config.max_position_embeddings)
     weight_map: dict[str, str] = {}
     total_bytes = 0

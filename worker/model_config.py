@@ -31,8 +31,11 @@ def sliding_window_of(hf_config: object) -> int | None:
 class ModelConfig:
     """A Hugging Face model directory, as seen by the scheduler and the front end.
 
-    ``model_id`` names the model in block hashes: two directories with the
-    same config and weights file names hash alike, different models never.
+    ``model_id`` names the model in block hashes: the architecture and a digest
+    of ``config.json``, so copies of one model hash alike and models of other
+    shapes never do.  The weights are not read (a checkpoint can be tens of GB):
+    two fine-tunes of one base model share an id, which is harmless within one
+    cluster, since every replica serves the same model.
     """
 
     model_dir: str

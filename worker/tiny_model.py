@@ -278,14 +278,21 @@ def _build_model(
         # NOTE: named_parameters() lists a tied lm_head once, as the embedding.
         for name, param in model.named_parameters():
             param.copy_(_random_tensor(name, tuple(param.shape), seed, embedding_std))
-    model.generation_config = transformers.GenerationConfig(
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        pad_token_id=config.eos_token_id,
-        do_sample=False,
-    )
+    model.generation_config = greedy_generation_config(config)
     model.eval()
     return model
+
+
+def greedy_generation_config(config: transformers.PretrainedConfig) -> transformers.GenerationConfig:
+    """The ``generation_config.json`` of the models created here: greedy, padded with the (first) EOS."""
+    eos = config.eos_token_id
+    return transformers.GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=eos,
+        # NOTE: a model may stop at several EOS tokens; it pads with one.
+        pad_token_id=eos[0] if isinstance(eos, list) else eos,
+        do_sample=False,
+    )
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], seed: int, embedding_std: float) -> torch.Tensor:

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from kvserve.cluster import cli
+from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tiny_model import (
     FAMILIES,
     create_tiny_model,
@@ -149,6 +150,14 @@ def test_legacy_rope_scaling_key_becomes_rope_parameters(tmp_path: Path) -> None
     path = create_tiny_model(tmp_path / "m", "qwen3", rope_scaling={"rope_type": "linear", "factor": 2.0})
     saved = json.loads((path / "config.json").read_text())
     assert saved["rope_parameters"] == {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+
+
+def test_a_model_with_several_eos_tokens_lists_each_and_pads_with_the_first(tmp_path: Path) -> None:
+    # Llama 3 instruct's shape of config; creating it raised a TypeError in transformers.
+    path = create_tiny_model(tmp_path / "m", eos_token_id=[1, 2])
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["pad_token_id"]) == ([1, 2], 1)
+    assert ModelConfig.from_pretrained(path).eos_token_ids == (1, 2)
 
 
 def test_tied_embeddings_store_one_matrix(tmp_path: Path) -> None:
