@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,13 @@ import torch
 from safetensors.torch import save_file
 
 from kvserve.worker.model_loader import SAFETENSORS_INDEX
-from kvserve.worker.tiny_model import FAMILIES, greedy_generation_config, tiny_config, write_tokenizer
+from kvserve.worker.tiny_model import (
+    FAMILIES,
+    greedy_generation_config,
+    parameter_seed,
+    tiny_config,
+    write_tokenizer,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +137,7 @@ def _random_weight(
 ) -> torch.Tensor:
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=device)
-    generator = torch.Generator(device=device).manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+    generator = torch.Generator(device=device).manual_seed(parameter_seed(seed, name))
     weight = torch.empty(shape, dtype=torch.float32, device=device)
     weight.normal_(0.0, _WEIGHT_STD, generator=generator)
     return weight.to(dtype)

@@ -302,7 +302,7 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, embedding_std: 
     its values do not depend on which other parameters exist (adding a layer
     leaves the others unchanged) nor on the order transformers defines them in.
     """
-    generator = torch.Generator().manual_seed((seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
     if name.endswith("norm.weight"):
         low, high = _NORM_WEIGHT_RANGE
         return low + (high - low) * torch.rand(shape, generator=generator)
@@ -313,6 +313,11 @@ def _random_tensor(name: str, shape: tuple[int, ...], seed: int, embedding_std: 
     else:
         std = _LINEAR_STD
     return std * torch.randn(shape, generator=generator)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """The seed of parameter ``name``'s own generator in a model created with ``seed``."""
+    return (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63
 
 
 @lru_cache(maxsize=1)
