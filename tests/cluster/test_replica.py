@@ -114,7 +114,7 @@ def test_starting_a_cluster_says_what_replicas_still_wait_for(ray_cluster, model
 
     monkeypatch.setattr(launcher, "_STILL_WAITING_S", 0.5)
     config = ClusterConfig(
-        model_dir=str(model_dir), parallel=ParallelConfig(tensor_parallel_size=3, num_replicas=1),
+        model_dir=str(model_dir), parallel=ParallelConfig(tensor_parallel_size=4, num_replicas=1),
         num_blocks=NUM_BLOCKS, device="cpu", placement_timeout_s=2.0,
     )
     lines: list[str] = []
@@ -122,7 +122,7 @@ def test_starting_a_cluster_says_what_replicas_still_wait_for(ray_cluster, model
         launcher.start_cluster(config, progress=lines.append)
 
     waiting = [line for line in lines if line.startswith("still waiting for 1 of 1 replica(s) after ")]
-    assert waiting and "s; each needs 3 kvserve_worker_slot on one node (STRICT_PACK); the largest node has 2" in waiting[0]
+    assert waiting and "s; each needs 4 kvserve_worker_slot on one node (STRICT_PACK); the largest node has 2" in waiting[0]
 
 
 def test_replica_that_fails_to_start_leaves_nothing_behind(
