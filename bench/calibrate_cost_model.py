@@ -28,11 +28,10 @@ import numpy as np
 import torch
 
 from kvserve import LLM
+from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.bench.report import format_table
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
 from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample
-from kvserve.worker.full_size_model import SHAPES, create_full_size_model
-from kvserve.worker.tiny_model import create_tiny_model
 
 QUICK_GRID = CalibrationGrid(
     prefill_lengths=(16, 64, 256), decode_batches=(1, 4, 16), context_lengths=(32, 128), repeats=3
@@ -76,12 +75,8 @@ def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="where to write the cost model JSON")
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
-    source.add_argument("--shape", choices=sorted(SHAPES),
-                        help="time a model of this published shape with random weights")
+    add_model_arguments(parser)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
     defaults = CalibrationGrid()
     for name, help_text in (("prefill_lengths", "prompt lengths timed as pure prefills"),
@@ -107,14 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
 
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model is not None:
-            model_dir = args.model
-        elif args.shape is not None:
-            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-            print(f"writing a {args.shape} checkpoint with random weights to {tmp} ...", flush=True)
-            model_dir = create_full_size_model(Path(tmp) / args.shape, args.shape, device=device, seed=args.seed)
-        else:
-            model_dir = create_tiny_model(Path(tmp) / "tiny", "llama", seed=args.seed)
+        model_dir = model_dir_for(args, Path(tmp))
         llm = LLM(model_dir, block_size=args.block_size, device=args.device, seed=args.seed)
         try:
             vocab_size = llm.model_config.vocab_size

@@ -61,7 +61,7 @@ if [[ " $steps " == *" calibrate "* ]]; then
     echo "== step cost model, llama-3-8b shape"
     # Shapes up to the experiments' defaults: a 2048-token budget, decode batches to 128.
     "$PYTHON" -m kvserve.bench.calibrate_cost_model --shape llama-3-8b --device cuda \
-        --prefill-lengths 16,128,512,1024,2048 --decode-batches 1,8,32,128 --context-lengths 256,2048 \
+        --prefill-lengths 16,128,256,512,1024,2048 --decode-batches 1,8,32,128 --context-lengths 256,2048 --repeats 5 \
         --out "$OUT/cost_model_llama3_8b.json" >"$OUT/calibrate.txt" 2>&1 || status=1
     tail -40 "$OUT/calibrate.txt"
 fi

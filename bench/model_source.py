@@ -1,0 +1,40 @@
+"""Which model a GPU benchmark times: ``--model DIR``, ``--shape NAME`` or a fresh tiny Llama.
+
+``--shape`` writes a model of a published size with random weights
+(``kvserve.worker.full_size_model``): no model hub is needed, and a step's
+time depends on the shapes, not on the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvserve.worker.full_size_model import SHAPES, create_full_size_model
+from kvserve.worker.tiny_model import create_tiny_model
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--shape`` (one or neither), and ``--device``."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
+    source.add_argument("--shape", choices=sorted(SHAPES),
+                        help="time a model of this published shape with random weights")
+    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+
+
+def model_dir_for(args: argparse.Namespace, scratch: Path, **tiny_overrides: Any) -> Path:
+    """The model ``args`` name, written under ``scratch`` unless it is ``--model``'s directory.
+
+    ``tiny_overrides`` are config fields of the tiny Llama made without either flag.
+    """
+    if args.model is not None:
+        return args.model
+    if args.shape is not None:
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        print(f"writing a {args.shape} checkpoint with random weights to {scratch} ...", flush=True)
+        return create_full_size_model(scratch / args.shape, args.shape, device=device, seed=args.seed)
+    return create_tiny_model(scratch / "tiny", "llama", seed=args.seed, **tiny_overrides)

@@ -1,0 +1,205 @@
+"""How well the fleet simulator predicts a real replica: one request stream, served twice.
+
+Once by a real engine (``kvserve.LLM``'s scheduler and workers; a GPU with
+``--shape llama-3-8b``), with each request added when its arrival time has come
+on the wall clock; once by the simulator (one replica, the same scheduler and
+cache settings) on a virtual clock priced by ``--cost-model``, and once more by
+the simulator with ``StepCostModel.default()`` for comparison.  The table gives
+each run's figures and the simulated ones as ratios to the real run's.
+
+    python -m kvserve.bench.sim_fidelity --cost-model cost.json --shape llama-3-8b --device cuda \\
+        [--requests 300] [--qps 4] [--workload shared_prefix] [--workload-arg num_groups=8]
+
+Without ``--model`` or ``--shape`` a fresh tiny random Llama runs (on a CPU:
+useful to test the pipeline, its figures say nothing about a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvserve import LLM
+from kvserve.bench.experiment_setup import parse_key_values
+from kvserve.bench.experiment_report import RunSummary, summarize
+from kvserve.bench.model_source import add_model_arguments, model_dir_for
+from kvserve.bench.report import format_table
+from kvserve.bench.workloads import WorkloadRequest, make_workload
+from kvserve.engine import EngineCore
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.routing.policies import make_policy
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, RequestRecord
+
+REAL = "real replica"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplayResult:
+    """A real replica's run in the simulator's shape (``RunResult``): times from the run's start."""
+
+    policy: str
+    records: list[RequestRecord]
+    replica_busy_time: list[float]
+    end_time: float
+    wall_time: float
+
+    @property
+    def replica_num_requests(self) -> list[int]:
+        return [len(self.records)]
+
+
+def replay(
+    engine: EngineCore,
+    stream: Sequence[WorkloadRequest],
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    sleep: Callable[[float], None] = time.sleep,
+    progress: Callable[[int, int], None] = lambda finished, total: None,
+) -> ReplayResult:
+    """Serve ``stream`` on ``engine``, adding each request once the clock reaches its arrival time.
+
+    Requests join between steps, as in the simulator, where a step in flight
+    is not interrupted either.  A request's first token and finish are timed
+    when the step that produced them returns.
+    """
+    start = clock()
+    pending = deque(enumerate(stream))
+    requests: dict[str, tuple[int, Request]] = {}
+    first_token: dict[int, float] = {}
+    records: list[RequestRecord | None] = [None] * len(stream)
+    busy = 0.0
+    num_finished = 0
+    while pending or engine.has_unfinished_requests():
+        now = clock() - start
+        while pending and pending[0][1].arrival_time <= now:
+            index, item = pending.popleft()
+            request = Request(
+                str(index), list(item.prompt_token_ids),
+                SamplingParams(max_tokens=item.output_len, ignore_eos=True),
+                cache_salt=item.cache_salt, arrival_time=item.arrival_time,
+            )
+            engine.add_request(request)
+            requests[request.req_id] = (index, request)
+        if not engine.has_unfinished_requests():
+            sleep(max(0.0, pending[0][1].arrival_time - now))
+            continue
+        step_start = clock()
+        outputs = engine.step()
+        done = clock()
+        busy += done - step_start
+        for output in outputs:
+            index, request = requests[output.req_id]
+            first_token.setdefault(index, done - start)
+            if output.finished:
+                del requests[output.req_id]
+                records[index] = RequestRecord(
+                    index=index, arrival_time=request.arrival_time, first_token_time=first_token[index],
+                    finish_time=done - start, replica_id=0, num_prompt_tokens=request.num_prompt_tokens,
+                    num_cached_tokens=request.num_cached_tokens or 0, num_output_tokens=request.num_output_tokens,
+                    num_preemptions=request.num_preemptions,
+                )
+                num_finished += 1
+                progress(num_finished, len(stream))
+    end = clock() - start
+    missing = [i for i, record in enumerate(records) if record is None]
+    if missing:
+        raise RuntimeError(f"{len(missing)} requests never finished, the first {missing[0]}")
+    return ReplayResult(REAL, records, [busy], end, end)  # type: ignore[arg-type]
+
+
+def simulate(
+    stream: Sequence[WorkloadRequest], scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+    cost_model: StepCostModel, label: str,
+):  # noqa: ANN201 - a SimulationResult under another name
+    fleet = FleetConfig(num_replicas=1, scheduler_config=scheduler_config, cache_config=cache_config,
+                        cost_model=cost_model)
+    result = FleetSimulator(fleet, make_policy("round_robin")).run(stream)
+    return dataclasses.replace(result, policy=label)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cost-model", type=Path, required=True, help="the calibrated step cost model JSON")
+    add_model_arguments(parser)
+    parser.add_argument("--workload", default="shared_prefix")
+    parser.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a parameter of the workload, e.g. num_groups=8 (repeatable)")
+    parser.add_argument("--requests", type=int, default=300)
+    parser.add_argument("--qps", type=float, default=4.0)
+    parser.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of the replica (default 4096)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    try:
+        cost_model = StepCostModel.load(args.cost_model)
+        stream = make_workload(args.workload, args.requests, args.qps, seed=args.seed,
+                               **dict(parse_key_values(args.workload_arg, "--workload-arg")))
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in stream)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = model_dir_for(args, Path(tmp), max_position_embeddings=longest)
+        llm = LLM(model_dir, device=args.device, num_blocks=args.num_blocks, seed=args.seed, max_model_len=longest,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        try:
+            vocab_size = llm.model_config.vocab_size
+            if any(max(r.prompt_token_ids) >= vocab_size for r in stream):
+                parser.error(f"the workload's token ids exceed the model's vocabulary of {vocab_size}: "
+                             f"give --workload-arg vocab_size={vocab_size}")
+            # Warm-up: first launches (kernel builds, library handles) stay out of the run.
+            llm.generate([list(stream[0].prompt_token_ids)], SamplingParams(max_tokens=4, ignore_eos=True))
+            if not llm.engine.scheduler.kv_cache_manager.reset_prefix_cache():
+                raise RuntimeError("the warm-up left blocks in use")
+            scheduler_config = llm.engine.scheduler.scheduler_config
+            cache_config = llm.engine.scheduler.cache_config
+            print(f"{args.workload}: {len(stream)} requests at {args.qps:g} qps on one replica "
+                  f"({cache_config.num_blocks} KV blocks of {cache_config.block_size} tokens)", flush=True)
+
+            def report(finished: int, total: int) -> None:
+                if finished % max(1, total // 10) == 0 or finished == total:
+                    print(f"  {REAL}: {finished}/{total} requests finished", flush=True)
+
+            real = replay(llm.engine, stream, progress=report)
+        finally:
+            llm.shutdown()
+    results = [
+        real,
+        simulate(stream, scheduler_config, cache_config, cost_model, "sim, calibrated"),
+        simulate(stream, scheduler_config, cache_config, StepCostModel.default(), "sim, default()"),
+    ]
+    summaries = [summarize(r, workload=args.workload, qps=args.qps, infinite_hit_rate=0.0) for r in results]
+    print(format_table(["run", *FIGURES, "busy s", "preempt"], [
+        [s.policy, *(f"{getattr(s, name):.3f}" for name in FIGURES.values()), f"{r.replica_busy_time[0]:.1f}",
+         s.num_preemptions] for s, r in zip(summaries, results)
+    ]))
+    print()
+    print(format_table(["ratio", *FIGURES], [_ratios(s, summaries[0]) for s in summaries[1:]]))
+    return 0
+
+
+# Column title -> RunSummary field.
+FIGURES = {"hit rate": "hit_rate", "TTFT p50 s": "ttft_p50", "TTFT p99 s": "ttft_p99",
+           "e2e p50 s": "e2e_p50", "e2e p99 s": "e2e_p99"}
+
+
+def _ratios(summary: RunSummary, real: RunSummary) -> list[str]:
+    """``summary``'s figures over the real run's."""
+    ratios = []
+    for name in FIGURES.values():
+        reference = getattr(real, name)
+        ratios.append(f"{getattr(summary, name) / reference:.2f}x" if reference else "-")
+    return [f"{summary.policy} / real", *ratios]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
