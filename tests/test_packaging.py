@@ -25,3 +25,14 @@ def test_tiny_model_corpus_is_package_data() -> None:
 
     corpus = resources.files("kvserve.worker").joinpath("data/tiny_corpus.txt")
     assert len(corpus.read_text(encoding="utf-8")) > 10_000
+
+
+def test_measured_cost_models_are_package_data() -> None:
+    from importlib import resources
+
+    from kvserve.scheduler.simulation.cost_model import StepCostModel
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert "cost_models/*.json" in setuptools["package-data"]["kvserve.bench"]
+    shipped = resources.files("kvserve.bench").joinpath("cost_models/llama-3-8b-h100.json")
+    assert StepCostModel.from_json(shipped.read_text()).a > 0
