@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from kvserve import LLM
+from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.bench.report import format_table
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="where to write the cost model JSON")
     add_model_arguments(parser)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int_at_least(1), default=16)
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
     defaults = CalibrationGrid()
     for name, help_text in (("prefill_lengths", "prompt lengths timed as pure prefills"),
@@ -84,19 +85,22 @@ def main(argv: list[str] | None = None) -> int:
                             ("context_lengths", "context lengths of the decode batches")):
         parser.add_argument(f"--{name.replace('_', '-')}", type=_positive_ints,
                             help=f"{help_text}, comma-separated (default {','.join(map(str, getattr(defaults, name)))})")
-    parser.add_argument("--repeats", type=_positive_ints, metavar="N",
+    parser.add_argument("--repeats", type=int_at_least(1), metavar="N",
                         help=f"times each shape is measured (default {defaults.repeats})")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     grid = QUICK_GRID if args.quick else defaults
-    overrides = {name: value for name in ("prefill_lengths", "decode_batches", "context_lengths")
+    overrides = {name: value for name in ("prefill_lengths", "decode_batches", "context_lengths", "repeats")
                  if (value := getattr(args, name)) is not None}
-    if args.repeats is not None:
-        if len(args.repeats) != 1:
-            parser.error(f"--repeats takes one number, got {len(args.repeats)}")
-        overrides["repeats"] = args.repeats[0]
     grid = dataclasses.replace(grid, **overrides)
+    # Before the minutes of writing a model and timing it: what would fail only at the end.
+    num_shapes = len(set(grid.prefill_lengths)) + 2 * len(set(grid.decode_batches)) * len(set(grid.context_lengths))
+    if num_shapes < 4:
+        parser.error(f"the grid gives {num_shapes} step shapes and fitting 4 coefficients needs 4: add a prefill "
+                     "length, a decode batch or a context length")
+    if args.out.is_dir() or not args.out.parent.is_dir():
+        parser.error(f"--out {args.out}: not a file in an existing directory")
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -106,13 +110,18 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model_dir, block_size=args.block_size, device=args.device, seed=args.seed)
         try:
             vocab_size = llm.model_config.vocab_size
+            longest = max(*grid.prefill_lengths, *grid.context_lengths) + 2
+            if longest > llm.model_config.max_model_len:
+                parser.error(f"the grid's sequences reach {longest} tokens and the model serves at most "
+                             f"{llm.model_config.max_model_len}: give shorter prefill or context lengths")
             model, samples = calibrate(
                 llm.engine.executor, block_size=args.block_size, vocab_size=vocab_size, grid=grid, seed=args.seed
             )
         finally:
             llm.shutdown()
     model.save(args.out)
-    print(f"calibrated on {model_dir} ({len(samples)} steps)")
+    timed = args.model or (f"a {args.shape}-shaped model" if args.shape else "a tiny Llama")
+    print(f"calibrated on {timed} ({len(samples)} step shapes)")
     print(describe_fit(model, samples))
     print(f"a={model.a:.4g} s  b={model.b:.4g} s/prefill token  c={model.c:.4g} s/decode  "
           f"d={model.d:.4g} s/context token -> {args.out}")

@@ -25,8 +25,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvserve import LLM
-from kvserve.bench.experiment_setup import parse_key_values
+from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.experiment_report import RunSummary, summarize
+from kvserve.bench.experiment_setup import parse_key_values
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import WorkloadRequest, make_workload
@@ -37,8 +38,10 @@ from kvserve.scheduler.routing.policies import make_policy
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, RequestRecord
+from kvserve.worker.model_config import ModelConfig
 
 REAL = "real replica"
+BLOCK_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workload", default="shared_prefix")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a parameter of the workload, e.g. num_groups=8 (repeatable)")
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--qps", type=float, default=4.0)
-    parser.add_argument("--num-blocks", type=int, default=4096, help="KV blocks of the replica (default 4096)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--requests", type=int_at_least(1), default=300, help="requests in the stream (default 300)")
+    parser.add_argument("--qps", type=float, default=4.0, help="mean arrival rate (default 4)")
+    parser.add_argument("--num-blocks", type=int_at_least(2), default=4096,
+                        help=f"KV blocks of {BLOCK_SIZE} tokens in the replica (default 4096)")
+    parser.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=2048)
+    parser.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
@@ -146,11 +150,27 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     longest = max(len(r.prompt_token_ids) + r.output_len for r in stream)
+    # Checked before a model is written or a request served (a replica cannot hold it).
+    if -(-longest // BLOCK_SIZE) > args.num_blocks - 1:
+        parser.error(f"the workload's longest request ({longest} tokens) needs {-(-longest // BLOCK_SIZE)} KV blocks; "
+                     f"give --num-blocks {-(-longest // BLOCK_SIZE) + 1} or more")
+    if args.model is not None:
+        try:
+            limit = ModelConfig.from_pretrained(args.model).max_model_len
+        except ValueError as exc:
+            parser.error(f"--model: {exc}")
+        if longest > limit:
+            parser.error(f"the workload's longest request ({longest} tokens) exceeds the {limit} tokens "
+                         f"{args.model} serves: shorten the workload with --workload-arg")
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_dir_for(args, Path(tmp), max_position_embeddings=longest)
-        llm = LLM(model_dir, device=args.device, num_blocks=args.num_blocks, seed=args.seed, max_model_len=longest,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+        try:
+            llm = LLM(model_dir, device=args.device, num_blocks=args.num_blocks, block_size=BLOCK_SIZE,
+                      seed=args.seed, max_model_len=longest, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_num_seqs=args.max_num_seqs)
+        except ValueError as exc:
+            parser.error(str(exc))
         try:
             vocab_size = llm.model_config.vocab_size
             if any(max(r.prompt_token_ids) >= vocab_size for r in stream):

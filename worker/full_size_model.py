@@ -17,11 +17,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from safetensors.torch import save_file
 
 from kvserve.worker.model_loader import SAFETENSORS_INDEX
@@ -77,18 +80,24 @@ def create_full_size_model(
     its own) listed in ``model.safetensors.index.json``.  ``config_overrides``
     replace fields of the shape, e.g. ``num_hidden_layers=2`` for a quick test.
 
-    Raises ``ValueError`` for an unknown shape or override, and
-    ``FileExistsError`` if ``path`` exists and is not an empty directory.
+    Raises ``ValueError`` for an unknown shape, override, dtype or seed, or
+    overrides that do not fit together, and ``FileExistsError`` if ``path``
+    exists and is not an empty directory.  Nothing is left at ``path`` when
+    writing fails.
     """
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an integer, got {seed!r}")
+    if isinstance(shard_bytes, bool) or not isinstance(shard_bytes, int) or shard_bytes < 1:
+        raise ValueError(f"shard_bytes must be a positive integer, got {shard_bytes!r}")
     path = Path(path)
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise FileExistsError(f"{path} exists and is not an empty directory")
     family, fields = SHAPES[shape]
-    config = tiny_config(family, **{**fields, **config_overrides})
+    config = _config(family, {**fields, **config_overrides})
     config.dtype = dtype
     with torch.device("meta"):
         # NOTE: named_parameters() lists a tied lm_head once, as the embedding.
@@ -96,8 +105,40 @@ def create_full_size_model(
     item_size = torch.empty((), dtype=dtype).element_size()
     shards = _group_into_shards(params, item_size, shard_bytes)
 
+    # NOTE: written beside the target and renamed into place, so that a failure
+    # (no CUDA for device="cuda", a full disk) leaves no directory that looks
+    # like a model without weights, and a retry finds the path free.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        _write(staging, config, shards, item_size, seed, dtype, device, shape)
+        if path.exists():
+            path.rmdir()  # empty, checked above
+        os.rename(staging, path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+def _config(family: str, fields: dict[str, Any]) -> transformers.PretrainedConfig:
+    """The family's config with ``fields``; ``ValueError`` for fields that do not fit together."""
+    try:
+        config = tiny_config(family, **fields)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers' own validation errors
+        raise ValueError(f"the config does not fit together: {str(exc).splitlines()[0]}") from None
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    if heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    return config
+
+
+def _write(
+    path: Path, config: transformers.PretrainedConfig, shards: list[list[tuple[str, tuple[int, ...]]]],
+    item_size: int, seed: int, dtype: torch.dtype, device: str | torch.device, shape: str,
+) -> None:
     start = time.perf_counter()
-    path.mkdir(parents=True, exist_ok=True)
     config.save_pretrained(path)
     greedy_generation_config(config).save_pretrained(path)
     write_tokenizer(path, config.max_position_embeddings)
@@ -112,9 +153,8 @@ def create_full_size_model(
         logger.info("wrote %s (%d of %d)", file_name, index, len(shards))
     index_json = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (path / SAFETENSORS_INDEX).write_text(json.dumps(index_json, indent=2) + "\n", encoding="utf-8")
-    logger.info("created %s (%.2f GB of %s weights) in %s in %.0f s",
-                shape, total_bytes / 1e9, dtype, path, time.perf_counter() - start)
-    return path
+    logger.info("wrote %s (%.2f GB of %s weights) in %.0f s", shape, total_bytes / 1e9, dtype,
+                time.perf_counter() - start)
 
 
 def _group_into_shards(

@@ -64,3 +64,39 @@ def test_token_ids_beyond_the_model_are_a_usage_error(tmp_path: Path, capsys: py
               "--workload-arg", "num_groups=1", "--workload-arg", "system_prompt_len=16"])
     assert info.value.code == 2
     assert "give --workload-arg vocab_size=1000" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--requests", "0"], "expected an integer >= 1, got '0'"),  # max() of an empty stream
+        (["--num-blocks", "1"], "expected an integer >= 2, got '1'"),
+        (["--max-num-seqs", "0"], "expected an integer >= 1, got '0'"),
+        # 48 + 8 + 5 = 61 tokens need 4 blocks of 16: it failed mid-run, after real work.
+        (["--num-blocks", "4"], "the workload's longest request (61 tokens) needs 4 KV blocks; give --num-blocks 5"),
+        (["--model", "/nonexistent/model"], "--model: /nonexistent/model is not a model directory"),
+    ],
+)
+def test_bad_settings_are_usage_errors_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    cost = tmp_path / "cost.json"
+    StepCostModel.default().save(cost)
+    workload_args = [f"--workload-arg={key}={value}" for key, value in SMALL_STREAM.items()]
+    with pytest.raises(SystemExit) as info:
+        main(["--cost-model", str(cost), "--device", "cpu", "--requests", "4", *workload_args, *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_workload_longer_than_the_model_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # It said "max_model_len must be in [1, 32], got 61", a setting the user never gave.
+    cost = tmp_path / "cost.json"
+    StepCostModel.default().save(cost)
+    model = create_tiny_model(tmp_path / "m", max_position_embeddings=32)
+    workload_args = [f"--workload-arg={key}={value}" for key, value in SMALL_STREAM.items()]
+    with pytest.raises(SystemExit):
+        main(["--cost-model", str(cost), "--model", str(model), "--device", "cpu", "--requests", "4", *workload_args])
+    assert f"the workload's longest request (61 tokens) exceeds the 32 tokens {model} serves" in capsys.readouterr().err

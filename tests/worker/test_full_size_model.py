@@ -86,11 +86,44 @@ def test_kvserve_generates_what_transformers_generates(tmp_path: Path, shape: st
     assert tokens == hf_greedy(load_hf_model(path), prompts, params.max_tokens)
 
 
-def test_bad_arguments_are_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"dtype": "float16"}, "dtype must be a floating-point torch.dtype"),
+        ({"dtype": torch.int8}, "dtype must be a floating-point torch.dtype"),
+        ({"seed": "a"}, "seed must be an integer"),
+        ({"shard_bytes": 0}, "shard_bytes must be a positive integer"),
+        ({"hidden_sizes": 3}, "no field"),
+        ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+        ({"num_attention_heads": 3, "head_dim": None}, "the config does not fit together"),
+    ],
+)
+def test_bad_arguments_are_refused(tmp_path: Path, kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        create_full_size_model(tmp_path / "m", "llama-3-8b", **{**SMALL, **kwargs})
+    assert not (tmp_path / "m").exists()
+
+
+def test_a_failed_write_leaves_nothing_and_a_retry_succeeds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It left config and tokenizer files without weights, and the retry was refused.
+    from kvserve.worker import full_size_model
+
+    def disk_full(*args: object, **kwargs: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(full_size_model, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        create_full_size_model(tmp_path / "m", "llama-3-8b", **SMALL)
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    assert (create_full_size_model(tmp_path / "m", "llama-3-8b", **SMALL) / "model.safetensors.index.json").is_file()
+
+
+def test_unknown_shapes_and_occupied_paths_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="shape must be one of"):
         create_full_size_model(tmp_path / "m", "llama-70b")
-    with pytest.raises(ValueError, match="no field"):
-        create_full_size_model(tmp_path / "m", "llama-3-8b", hidden_sizes=3)
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "x").write_text("")
     with pytest.raises(FileExistsError):
