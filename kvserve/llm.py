@@ -116,6 +116,9 @@ class LLM:
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
             params_list = list(sampling_params)
+            wrong = next((p for p in params_list if not isinstance(p, SamplingParams)), None)
+            if wrong is not None:
+                raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {wrong!r}")
             if len(params_list) != len(prompt_list):
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts"
@@ -179,17 +182,27 @@ class LLM:
         self.shutdown()
 
 
+# Iterables of integers that are no prompt: unordered, or text in bytes.
+_NOT_TOKEN_SEQUENCES = (set, frozenset, dict, bytes, bytearray)
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
         return [prompts]  # one text, or one prompt as a 1-D array or tensor of token ids
-    prompt_list = list(prompts)
-    if prompt_list and all(_is_token_id(t) for t in prompt_list):
-        return [prompt_list]  # a single prompt given as token ids
+    if isinstance(prompts, _NOT_TOKEN_SEQUENCES) or getattr(prompts, "ndim", None) == 0:
+        raise ValueError(f"prompts must be a string, token ids or a list of them, got {type(prompts).__name__}")
+    try:
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+    except TypeError:
+        raise ValueError(f"prompts must be a string, token ids or a list of them, got {prompts!r}") from None
+    if prompt_list and all(_is_scalar(t) for t in prompt_list):
+        return [prompt_list]  # a single prompt given as token ids (checked one by one later)
     return prompt_list
 
 
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+def _is_scalar(value: object) -> bool:
+    """A number, or a 0-d array or tensor: an element of a prompt given as token ids."""
+    return isinstance(value, numbers.Number) or getattr(value, "ndim", None) == 0
 
 
 def _token_ids(prompt: object) -> list[int]:
@@ -197,13 +210,19 @@ def _token_ids(prompt: object) -> list[int]:
 
     ``ValueError`` for anything else: a float (it was truncated), a bool, a nested list.
     """
+    if isinstance(prompt, _NOT_TOKEN_SEQUENCES):
+        raise ValueError(f"a prompt must be a string or a sequence of token ids, got {type(prompt).__name__}")
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()  # numpy arrays and torch tensors, as Python numbers
     try:
         values = list(prompt)  # type: ignore[call-overload]
     except TypeError:
         raise ValueError(f"a prompt must be a string or a sequence of token ids, got {prompt!r}") from None
-    bad = next((v for v in values if not _is_token_id(v)), None)
-    if bad is not None:
-        raise ValueError(f"prompt token ids must be integers, got {bad!r}")
-    return [int(v) for v in values]
+    token_ids = []
+    for value in values:
+        if getattr(value, "ndim", None) == 0:
+            value = value.item()  # a 0-d array or tensor, what iterating one gives
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise ValueError(f"prompt token ids must be integers, got {value!r}")
+        token_ids.append(int(value))
+    return token_ids

@@ -26,10 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise ValueError(f"max_tokens must be an integer, got {self.max_tokens!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        max_tokens = _integer("max_tokens", self.max_tokens)
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         temperature = _real("temperature", self.temperature)
         if not math.isfinite(temperature) or temperature < 0.0:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
@@ -38,21 +37,25 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         top_k = self.top_k
         if top_k is not None:
-            if isinstance(top_k, bool) or not isinstance(top_k, int):
-                raise ValueError(f"top_k must be an integer, got {top_k!r}")
+            top_k = _integer("top_k", top_k)
             if top_k < -1:
                 raise ValueError(f"top_k must be -1 (disabled) or >= 0, got {top_k}")
             if top_k in (-1, 0):
                 top_k = None
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        seed = None if self.seed is None else _integer("seed", self.seed)
         if not isinstance(self.ignore_eos, bool):
             # NOTE: any object is truthy or not; ignore_eos="no" ignored EOS.
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        stop_token_ids = tuple(self.stop_token_ids)
-        for token_id in stop_token_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}")
+        try:
+            stop_token_ids = tuple(self.stop_token_ids)
+        except TypeError:
+            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}") from None
+        stop_token_ids = tuple(_integer("stop_token_ids", token_id) for token_id in stop_token_ids)
+        if any(token_id < 0 for token_id in stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {min(stop_token_ids)}")
+        # NOTE: numpy integers become ints: the fields travel in messages and hashes.
+        object.__setattr__(self, "max_tokens", max_tokens)
+        object.__setattr__(self, "seed", seed)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", top_k)
@@ -68,3 +71,10 @@ def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+def _integer(name: str, value: object) -> int:
+    """``value`` as an int (numpy integers too); ``ValueError`` for anything else, a bool included."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)

@@ -106,6 +106,8 @@ class ModelConfig:
         them).  Checked before any worker starts: a worker finds out only after
         its process (or Ray actor) has started, seconds to a minute later.
         """
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp_size!r}")
         problems = []
         if self.num_attention_heads % tp_size:
             problems.append(f"the {self.num_attention_heads} attention heads")

@@ -133,7 +133,7 @@ def test_token_ids_as_arrays_and_tensors_are_prompts(llama_dir: Path) -> None:
     prompt = [5, 6, 7, 8]
     with LLM(llama_dir, num_blocks=64) as llm:
         expected = llm.generate(prompt, GREEDY)[0].token_ids
-        for prompts in (np.array(prompt), torch.tensor(prompt), [np.int64(5), 6, 7, 8]):
+        for prompts in (np.array(prompt), torch.tensor(prompt), [np.int64(5), 6, 7, 8], list(torch.tensor(prompt))):
             assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [expected]
         assert [o.token_ids for o in llm.generate(torch.tensor([prompt, prompt]), GREEDY)] == [expected] * 2
 
@@ -145,9 +145,13 @@ def test_token_ids_as_arrays_and_tensors_are_prompts(llama_dir: Path) -> None:
         ([[True, 3]], "prompt token ids must be integers, got True"),  # read as 1
         ([[2, 3], 5], "a prompt must be a string or a sequence of token ids, got 5"),
         ([[[2, 3]]], r"prompt token ids must be integers, got \[2, 3\]"),
+        ([0, 5, 1.5], "prompt token ids must be integers, got 1.5"),  # it blamed the 0
+        (None, "prompts must be a string, token ids or a list of them, got None"),  # a TypeError
+        ({7, 5, 300}, "got set"),  # taken as the prompt [300, 5, 7]
+        (b"hello", "got bytes"),  # taken as token ids
     ],
 )
-def test_prompts_that_are_not_token_ids_are_refused(llama_dir: Path, prompts: list, message: str) -> None:
+def test_prompts_that_are_not_token_ids_are_refused(llama_dir: Path, prompts: object, message: str) -> None:
     with LLM(llama_dir, num_blocks=64) as llm:
         with pytest.raises(ValueError, match=message):
             llm.generate(prompts, GREEDY)

@@ -33,6 +33,8 @@ def test_defaults_are_valid() -> None:
         ({"ignore_eos": "no"}, "ignore_eos must be True or False"),
         ({"temperature": "0.5"}, "temperature must be a number"),
         ({"top_p": True}, "top_p must be a number"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a sequence of token ids, got 5"),  # a TypeError
+        ({"stop_token_ids": (1, True)}, "stop_token_ids must be an integer, got True"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
@@ -81,3 +83,13 @@ def test_bad_configs_name_the_field(factory, field: str) -> None:
 def test_derived_config_is_validated_too() -> None:
     with pytest.raises(ValueError, match="block_size"):
         dataclasses.replace(CacheConfig(), block_size=-4)
+
+
+def test_numpy_integers_are_integers() -> None:
+    # Refused before ("max_tokens must be an integer, got np.int64(3)"), while prompts took them.
+    import numpy as np
+
+    params = SamplingParams(max_tokens=np.int64(3), top_k=np.int32(5), seed=np.int64(1),
+                            stop_token_ids=np.array([1, 2]))
+    assert (params.max_tokens, params.top_k, params.seed, params.stop_token_ids) == (3, 5, 1, (1, 2))
+    assert all(type(v) is int for v in (params.max_tokens, params.top_k, params.seed, *params.stop_token_ids))

@@ -92,3 +92,9 @@ def test_a_sliding_window_bounds_the_default_max_model_len(windowed_dir: Path) -
 def test_a_max_model_len_past_the_sliding_window_is_refused(windowed_dir: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len must be at most the model's sliding window of 64 tokens, got 65"):
         ModelConfig.from_pretrained(windowed_dir, 65)
+
+
+@pytest.mark.parametrize("tp", [0, -2, 2.0, True])
+def test_a_tensor_parallel_size_that_is_no_positive_integer_is_refused(model_dir: Path, tp: object) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size must be a positive integer"):
+        ModelConfig.from_pretrained(model_dir).check_tensor_parallel_size(tp)  # type: ignore[arg-type]
