@@ -218,7 +218,9 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     parser.add_argument(
         "--max-num-seqs", type=int, default=256, help="max running requests per replica (default 256)"
     )
-    parser.add_argument("--cost-model", type=Path, help="step cost model JSON (default: StepCostModel.default())")
+    parser.add_argument("--cost-model", type=Path, metavar="FILE_OR_NAME",
+                        help="step cost model: a JSON file, or a measured model's name such as llama-3-8b-h100 "
+                             "(default: StepCostModel.default())")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes (default 1)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.set_defaults(handler=run_experiment)

@@ -36,7 +36,7 @@ from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.routing.policies import make_policy
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.simulation.cost_model import StepCostModel, measured_cost_models
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, RequestRecord
 from kvserve.worker.model_config import ModelConfig
 
@@ -130,7 +130,9 @@ def simulate(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cost-model", type=Path, required=True, help="the calibrated step cost model JSON")
+    parser.add_argument("--cost-model", required=True, metavar="FILE_OR_NAME",
+                        help="the calibrated step cost model: a JSON file, or the name of a measured one "
+                             f"({', '.join(measured_cost_models())})")
     add_model_arguments(parser)
     parser.add_argument("--workload", default="shared_prefix")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         cost_model = StepCostModel.load(args.cost_model)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--cost-model {args.cost_model}: {getattr(exc, 'strerror', None) or exc}")
+    try:
         stream = make_workload(args.workload, args.requests, args.qps, seed=args.seed,
                                **dict(parse_key_values(args.workload_arg, "--workload-arg")))
     except (OSError, ValueError) as exc:

@@ -206,8 +206,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--max-model-len may exceed the model's limit",
     )
     parser.add_argument(
-        "--cost-model", type=Path, default=None, metavar="JSON",
-        help="with --simulated: the step cost model (default: StepCostModel.default(), an 8B model on an H100)",
+        "--cost-model", type=Path, default=None, metavar="FILE_OR_NAME",
+        help="with --simulated: the step cost model, a JSON file or a measured model's name such as "
+        "llama-3-8b-h100 (default: StepCostModel.default(), an 8B model on an H100)",
     )
     parser.add_argument(
         "--time-scale", type=float, default=None, metavar="X",
@@ -395,7 +396,7 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
         try:
             cost_model = StepCostModel.load(args.cost_model)
         except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"--cost-model {args.cost_model}: {exc}") from None
+            raise ValueError(f"--cost-model {args.cost_model}: {getattr(exc, 'strerror', None) or exc}") from None
     time_scale = 1.0 if args.time_scale is None else args.time_scale
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -157,4 +158,25 @@ class StepCostModel:
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostModel:
-        return cls.from_json(Path(path).read_text())
+        """The model in the JSON file ``path``, or, where no such file exists, the measured model of
+        that name shipped with kvserve (``measured_cost_models()``).
+
+        ``OSError`` when neither exists (or the file cannot be read); ``ValueError`` for bad contents.
+        """
+        file = Path(path)
+        if not file.exists() and str(path) in measured_cost_models():
+            return cls.from_json(_MEASURED.joinpath(f"{path}.json").read_text(encoding="utf-8"))
+        try:
+            return cls.from_json(file.read_text())
+        except FileNotFoundError:
+            names = ", ".join(measured_cost_models())
+            raise FileNotFoundError(f"no such file, nor a measured cost model of that name ({names})") from None
+
+
+# The calibrated models that ship with kvserve (cost_models/*.json, package data).
+_MEASURED = resources.files(__package__).joinpath("cost_models")
+
+
+def measured_cost_models() -> list[str]:
+    """The names ``StepCostModel.load`` takes besides paths: the models measured on real replicas."""
+    return sorted(entry.name.removesuffix(".json") for entry in _MEASURED.iterdir() if entry.name.endswith(".json"))

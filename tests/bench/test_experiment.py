@@ -235,7 +235,7 @@ def test_every_policy_is_built_before_the_first_run(tmp_path, capsys, extra, mes
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (None, "No such file or directory"),
+        (None, "no such file, nor a measured cost model of that name (llama-3-8b-h100)"),
         ("", "cost model is not JSON"),
         ("[1, 2]", "must be an object"),
         ('{"a": 0.01}', "lacks ['b', 'c', 'd']"),
@@ -253,6 +253,15 @@ def test_a_bad_cost_model_file_is_reported_without_a_traceback(tmp_path, capsys,
 
     err = run_bad([*TINY, "--qps", "1", "--cost-model", str(path), "--out", str(tmp_path / "run")], capsys)
     assert f"--cost-model {path}: " in err and message in err
+
+
+def test_a_measured_cost_model_is_named_without_its_path(tmp_path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+    args = parse([*TINY, "--sim", "--policies", "round_robin", "--qps", "5", "--no-plots",
+                  "--cost-model", "llama-3-8b-h100", "--out", str(out)])
+    assert run_experiment(args) == 0
+    captured = capsys.readouterr()
+    assert "step cost: a=0.0114 s, b=6.47e-05 s/prefill token, c=0.000117 s/decode, d=0" in captured.out + captured.err
 
 
 def test_a_cost_model_beyond_the_virtual_clock_is_reported_without_a_traceback(tmp_path, capsys) -> None:  # noqa: ANN001

@@ -9,7 +9,7 @@ from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
-from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample, StepShape
+from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample, StepShape, measured_cost_models
 from kvserve.scheduler.simulation.simulated_executor import SimulatedExecutor
 from kvserve.scheduler.step_plan import StepPlan
 
@@ -64,6 +64,20 @@ def test_cost_model_round_trips_through_json(tmp_path) -> None:  # noqa: ANN001
     MODEL.save(path)
 
     assert StepCostModel.load(path) == MODEL
+
+
+def test_a_measured_model_loads_by_name_and_a_file_of_that_name_comes_first(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    assert "llama-3-8b-h100" in measured_cost_models()
+    measured = StepCostModel.load("llama-3-8b-h100")
+    assert 0.005 < measured.a < 0.05 and measured.d == 0.0  # the H100 fit: an 11.4 ms floor
+    monkeypatch.chdir(tmp_path)
+    MODEL.save(tmp_path / "llama-3-8b-h100")
+    assert StepCostModel.load("llama-3-8b-h100") == MODEL
+
+
+def test_a_path_that_is_neither_file_nor_name_lists_the_names(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(FileNotFoundError, match=r"no such file, nor a measured cost model of that name \(llama-3-8b-h100"):
+        StepCostModel.load(tmp_path / "missing.json")
 
 
 @pytest.mark.parametrize("bad", [dict(a=-1.0), dict(b=float("nan")), dict(a=0.0, b=0.0, c=0.0, d=0.0)])
