@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +43,7 @@ from kvserve.bench.experiment_report import progress_line
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
 from kvserve.cluster.launcher import ClusterHandle, init_local_ray, join_ray, start_cluster
+from kvserve.cluster.interrupts import sigterm_cancels_task
 from kvserve.cluster.server import start_server
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
@@ -156,9 +157,15 @@ def run_live(
         raise ValueError("live experiments run simulated replicas: config.simulation is unset")
     handle = start_cluster(config, progress=lambda line: report(f"  {label}: {line}"))
     try:
-        return asyncio.run(_replay(handle, stream, label, report))
+        return asyncio.run(_stoppable(_replay(handle, stream, label, report)))
     finally:
         handle.shutdown()
+
+
+async def _stoppable(replay: Awaitable[LiveResult]) -> LiveResult:
+    """``replay``, which SIGTERM stops as Ctrl-C does: at an ``await`` (see ``sigterm_cancels_task``)."""
+    async with sigterm_cancels_task():
+        return await replay
 
 
 async def _replay(

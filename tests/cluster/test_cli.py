@@ -33,9 +33,11 @@ def kvserve(*args: str) -> list[str]:
 class ServeProcess:
     """``kvserve serve`` in a child process, its output read line by line."""
 
-    def __init__(self, args: list[str], env: dict[str, str], *, new_session: bool = False) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], *, new_session: bool = False, command: str = "serve"
+    ) -> None:
         self.proc = subprocess.Popen(
-            kvserve("serve", *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            kvserve(command, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
             start_new_session=new_session,
         )
         self.lines: list[str] = []
@@ -282,6 +284,31 @@ def test_sigterm_to_the_whole_process_group_stops_without_waiting_for_rays_gcs(t
         assert elapsed < 30.0, output  # the raylet's own shutdown takes about 10 s of it
         assert "Ray's own processes have stopped" in output and "stopped" in output
         assert "Traceback" not in output and "Failed to connect to GCS" not in output
+        assert_nothing_left(session_id)
+    finally:
+        kill_what_is_left(session_id)
+
+
+def test_sigterm_during_a_live_experiments_replay_stops_it_as_ctrl_c_does(tmp_path, model_dir):
+    # SIGTERM raised KeyboardInterrupt wherever the main thread was, inside gRPC's and
+    # Ray's machinery under the replay's event loop: the process died of SIGSEGV (5 of 6
+    # tries) and left Ray's processes running.
+    process = ServeProcess(
+        ["--workload", "shared_prefix", "--replicas", "1", "--qps", "8", "--live", "--time-scale", "1",
+         "--num-requests", "60", "--policies", "round_robin", "--model", str(model_dir), "--no-plots",
+         "--out", str(tmp_path / "run")],
+        serve_env(tmp_path), new_session=True, command="experiment",
+    )
+    session_id = process.proc.pid
+    try:
+        process.wait_for(r"round_robin @ 8 qps: +10%", STARTUP_TIMEOUT_S)
+        os.kill(session_id, signal.SIGTERM)
+        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
+        output = process.output()
+        assert returncode == 130, output
+        assert output.rstrip().endswith("kvserve experiment: interrupted"), output
+        assert "SIGSEGV" not in output and "Traceback" not in output
+        assert not (tmp_path / "run" / "summary.md").exists()
         assert_nothing_left(session_id)
     finally:
         kill_what_is_left(session_id)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import threading
 
 import pytest
 
-from kvserve.cluster.interrupts import interrupts_deferred, sigterm_as_interrupt, stop_on_sigterm, stop_signals_ignored
+from kvserve.cluster.interrupts import (
+    interrupts_deferred,
+    sigterm_as_interrupt,
+    sigterm_cancels_task,
+    stop_on_sigterm,
+    stop_signals_ignored,
+)
 
 
 def send_sigint() -> None:
@@ -136,3 +143,36 @@ def test_after_sigterm_as_interrupt_the_previous_handler_is_back_even_if_the_blo
     with sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, its_own)  # as ray.init does
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_in_an_event_loop_sigterm_cancels_the_task_at_an_await_and_its_clean_up_runs():
+    # The raising handler raised wherever the main thread was: inside gRPC's and Ray's
+    # machinery, a live experiment died of SIGSEGV.
+    steps: list[str] = []
+
+    async def replay() -> None:
+        async with sigterm_cancels_task():
+            try:
+                asyncio.get_running_loop().call_later(0.05, signal.raise_signal, signal.SIGTERM)
+                await asyncio.sleep(10)
+                steps.append("slept")
+            finally:
+                await asyncio.sleep(0)  # a clean-up that awaits still runs
+                steps.append("cleaned up")
+
+    with sigterm_as_interrupt():
+        handler = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(replay())
+        assert steps == ["cleaned up"]
+        assert signal.getsignal(signal.SIGTERM) is handler  # the raising one again, after the loop
+
+
+def test_a_cancellation_that_is_not_sigterms_stays_a_cancellation():
+    async def cancelled() -> None:
+        async with sigterm_cancels_task():
+            asyncio.current_task().cancel()  # type: ignore[union-attr]
+            await asyncio.sleep(1)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(cancelled())
