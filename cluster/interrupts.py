@@ -2,7 +2,9 @@
 
 ``serve`` and ``experiment`` treat SIGTERM (what systemd, Kubernetes and
 ``kill`` send) as Ctrl-C: ``stop_on_sigterm`` (for the process's life) and
-``sigterm_as_interrupt`` (for a block) make it raise ``KeyboardInterrupt``.  Ray's
+``sigterm_as_interrupt`` (for a block) make it raise ``KeyboardInterrupt``; under an
+event loop, ``sigterm_cancels_task`` has the loop cancel the task instead (a raise
+among gRPC's and Ray's callbacks can crash the process).  Ray's
 ``ray.init`` installs a handler of its own for SIGTERM (it prints a stack
 and aborts) and asyncio leaves SIGTERM at its default action after
 ``asyncio.run``, so the command installs it again after each.  Worker
