@@ -179,6 +179,9 @@ async def _replay(
     num_requests = len(stream)
     every = max(1, num_requests // 10)
     num_finished = 0
+    # A rate found by --qps knee can be low: say how long the replay will take.
+    arrivals_s = max((item.arrival_time for item in stream), default=0.0) * time_scale
+    report(f"  {label}: replaying {num_requests} requests, arriving over {arrivals_s:.0f} s")
     wall_start = time.perf_counter()
 
     def on_finished() -> None:

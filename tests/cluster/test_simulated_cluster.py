@@ -84,7 +84,12 @@ def test_the_live_cluster_agrees_with_the_simulator_on_hit_rate_and_ttft(ray_clu
         fleet, stream, model_dir=str(model_dir), policy="round_robin", time_scale=TIME_SCALE
     )
 
-    live = run_live(stream, config, label="round_robin", report=lambda line: print(line, file=sys.stderr))
+    lines: list[str] = []
+    live = run_live(stream, config, label="round_robin", report=lines.append)
+    print("\n".join(lines), file=sys.stderr)
+    # How long the replay takes is told before it starts (a --qps knee rate can be low).
+    arrivals_s = stream[-1].arrival_time * TIME_SCALE
+    assert f"  round_robin: replaying 80 requests, arriving over {arrivals_s:.0f} s" in lines
 
     sim_hit_rate, sim_ttft = figures(simulated.records)
     live_hit_rate, live_ttft = figures(live.records)
