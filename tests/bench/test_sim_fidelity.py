@@ -41,6 +41,19 @@ def test_replay_serves_each_request_after_its_arrival(tmp_path: Path) -> None:
     assert 0 < result.replica_busy_time[0] <= result.end_time
 
 
+def test_an_interrupted_replay_leaves_nothing_running_in_the_engine(tmp_path: Path) -> None:
+    stream = make_workload("shared_prefix", 8, 40.0, seed=3, **SMALL_STREAM)
+
+    def interrupt_after_two(finished: int, total: int) -> None:
+        if finished == 2:
+            raise KeyboardInterrupt
+
+    with LLM(create_tiny_model(tmp_path / "m"), num_blocks=64, block_size=16) as llm:
+        with pytest.raises(KeyboardInterrupt):
+            replay(llm.engine, stream, progress=interrupt_after_two)
+        assert not llm.engine.has_unfinished_requests()
+
+
 def test_the_table_sets_the_simulator_beside_the_real_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
