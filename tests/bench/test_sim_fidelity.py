@@ -42,15 +42,16 @@ def test_replay_serves_each_request_after_its_arrival(tmp_path: Path) -> None:
 
 
 def test_an_interrupted_replay_leaves_nothing_running_in_the_engine(tmp_path: Path) -> None:
-    stream = make_workload("shared_prefix", 8, 40.0, seed=3, **SMALL_STREAM)
+    # All 8 arrive within a few milliseconds: the others still run when the first finishes.
+    stream = make_workload("shared_prefix", 8, 5000.0, seed=3, **SMALL_STREAM)
 
-    def interrupt_after_two(finished: int, total: int) -> None:
-        if finished == 2:
-            raise KeyboardInterrupt
+    def interrupt_at_the_first(finished: int, total: int) -> None:
+        assert llm.engine.has_unfinished_requests()
+        raise KeyboardInterrupt
 
     with LLM(create_tiny_model(tmp_path / "m"), num_blocks=64, block_size=16) as llm:
         with pytest.raises(KeyboardInterrupt):
-            replay(llm.engine, stream, progress=interrupt_after_two)
+            replay(llm.engine, stream, progress=interrupt_at_the_first)
         assert not llm.engine.has_unfinished_requests()
 
 
