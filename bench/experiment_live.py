@@ -42,8 +42,8 @@ import ray
 from kvserve.bench.experiment_report import progress_line
 from kvserve.bench.workloads import WorkloadRequest
 from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
-from kvserve.cluster.launcher import ClusterHandle, init_local_ray, join_ray, start_cluster
 from kvserve.cluster.interrupts import sigterm_cancels_task
+from kvserve.cluster.launcher import ClusterHandle, init_local_ray, join_ray, start_cluster
 from kvserve.cluster.server import start_server
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
