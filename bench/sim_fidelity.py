@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     longest = max(len(r.prompt_token_ids) + r.output_len for r in stream)
     # Checked before a model is written or a request served (a replica cannot hold it).
-    if -(-longest // BLOCK_SIZE) > args.num_blocks - 1:
-        parser.error(f"the workload's longest request ({longest} tokens) needs {-(-longest // BLOCK_SIZE)} KV blocks; "
-                     f"give --num-blocks {-(-longest // BLOCK_SIZE) + 1} or more")
+    blocks_needed = -(-longest // BLOCK_SIZE)
+    if blocks_needed > args.num_blocks - 1:  # one is the null block
+        parser.error(f"the workload's longest request ({longest} tokens) needs {blocks_needed} KV blocks; "
+                     f"give --num-blocks {blocks_needed + 1} or more")
     if args.model is not None:
         try:
             limit = ModelConfig.from_pretrained(args.model).max_model_len

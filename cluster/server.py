@@ -29,7 +29,8 @@ from kvserve.worker.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-GENERATION_SERVICE = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+_GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
+GENERATION_SERVICE = _GENERATION.full_name
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _OVERALL = ""  # grpc.health.v1's name for the whole server
 # What a stream still running when the server stops ends with.
@@ -126,7 +127,7 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         on_scheduler_lost=on_scheduler_lost,
         on_serving_changed=set_serving,
     )
-    add_tolerant_service(server, frontend, generate_pb2.DESCRIPTOR.services_by_name["Generation"])
+    add_tolerant_service(server, frontend, _GENERATION)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     try:

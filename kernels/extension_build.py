@@ -58,16 +58,25 @@ def ninja_on_path() -> bool:
     NOTE: ``pip install ninja`` puts ninja in the environment's scripts directory
     (``.venv/bin``), which is on PATH only while the environment is activated.
     Started as ``.venv/bin/kvserve serve`` (by a service manager, a container's
-    entry point), the build found no ninja and every worker fell back to the
-    slow torch attention.  torch's build runs ``ninja`` through PATH, so the
-    directory is put at its end: whatever PATH already finds comes first.
+    entry point), the build found no ninja, or one that does not run (a pyenv
+    shim for another Python), and every worker fell back to the slow torch
+    attention.  torch's build runs ``ninja --version`` through PATH, so this
+    does too, and when it fails puts the directory first, as activating would.
     """
-    if shutil.which("ninja") is not None:
+    if _ninja_runs():
         return True
     scripts = sysconfig.get_path("scripts")
     if shutil.which("ninja", path=scripts) is None:
         return False
-    os.environ["PATH"] = os.pathsep.join(filter(None, (os.environ.get("PATH"), scripts)))
+    os.environ["PATH"] = os.pathsep.join(filter(None, (scripts, os.environ.get("PATH"))))
+    return _ninja_runs()
+
+
+def _ninja_runs() -> bool:
+    try:
+        subprocess.run(["ninja", "--version"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return False
     return True
 
 

@@ -247,7 +247,7 @@ class BlockPool:
         pop_cached = self.cached_block_hash_to_block.pop
         for block in blocks:
             block_hash = block.block_hash
-            if block_hash is None or block.is_null:
+            if block_hash is None:  # the null block is never cached (cache_full_blocks)
                 continue
             pop_cached(block_hash, block.block_id)
             block.block_hash = None

@@ -17,8 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ from kvserve.worker.tiny_model import (
     FAMILIES,
     greedy_generation_config,
     parameter_seed,
+    staged_model_directory,
     tiny_config,
     write_tokenizer,
 )
@@ -105,18 +104,10 @@ def create_full_size_model(
     item_size = torch.empty((), dtype=dtype).element_size()
     shards = _group_into_shards(params, item_size, shard_bytes)
 
-    # NOTE: written beside the target and renamed into place, so that a failure
-    # (no CUDA for device="cuda", a full disk) leaves no directory that looks
-    # like a model without weights, and a retry finds the path free.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
-    try:
+    # NOTE: a failure (no CUDA for device="cuda", a full disk) left config and
+    # tokenizer without weights at ``path``, and a retry was refused.
+    with staged_model_directory(path) as staging:
         _write(staging, config, shards, item_size, seed, dtype, device, shape)
-        if path.exists():
-            path.rmdir()  # empty, checked above
-        os.rename(staging, path)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return path
 
 

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -189,19 +189,33 @@ def ensure_default_tiny_model(cache_dir: str | os.PathLike[str] | None = None) -
     final_path = default_tiny_model_path(cache_dir)
     if (final_path / "config.json").is_file():
         return final_path
+    with staged_model_directory(final_path) as staging:
+        create_tiny_model(staging, DEFAULT_FAMILY, seed=0)
+    return final_path
+
+
+@contextmanager
+def staged_model_directory(final_path: Path) -> Iterator[Path]:
+    """A temporary sibling of ``final_path`` to write a model into, renamed to ``final_path`` after the block.
+
+    Nothing is left behind when the block fails, so no directory looks like a
+    model without being one.  An empty ``final_path`` is replaced; one that
+    holds a model by then (another process renamed its copy first) is kept,
+    and the staged copy discarded.
+    """
     final_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_path = Path(tempfile.mkdtemp(prefix=f".{final_path.name}.tmp-", dir=final_path.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{final_path.name}.tmp-", dir=final_path.parent))
     try:
-        create_tiny_model(tmp_path, DEFAULT_FAMILY, seed=0)
+        yield staging
+        with suppress(OSError):  # only an empty directory is removed
+            final_path.rmdir()
         try:
-            os.rename(tmp_path, final_path)
+            os.rename(staging, final_path)
         except OSError:
-            # Another process renamed its copy into place first.
             if not (final_path / "config.json").is_file():
                 raise
     finally:
-        shutil.rmtree(tmp_path, ignore_errors=True)
-    return final_path
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def ensure_default_tiny_model_at(model_dir: str | os.PathLike[str]) -> None:

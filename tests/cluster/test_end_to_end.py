@@ -85,9 +85,14 @@ class Served:
     model_dir: Path
 
 
+# A window under the model's 2048 positions (Mistral 7B v0.1's kind of config): the
+# replicas serve up to it, and start only if the scheduler actor tells their workers so.
+SLIDING_WINDOW = 1536
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_model(tmp_path_factory.mktemp("e2e-model"), "llama", seed=0)
+    return create_tiny_model(tmp_path_factory.mktemp("e2e-model"), "mistral", seed=0, sliding_window=SLIDING_WINDOW)
 
 
 @pytest.fixture(scope="module")
@@ -159,6 +164,10 @@ def rpc_error(call) -> grpc.RpcError:
 
 
 # -- serving -------------------------------------------------------------------
+
+
+def test_a_sliding_window_bounds_what_the_cluster_serves(served: Served):
+    assert served.handle.model_info.max_model_len == SLIDING_WINDOW
 
 
 def test_health_reports_serving(served: Served):

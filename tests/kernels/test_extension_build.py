@@ -99,10 +99,12 @@ def test_an_unwritable_cache_directory_falls_back_to_the_torch_reference(
     assert "C++ CPU attention kernels unavailable" in caplog.text
 
 
+@pytest.mark.parametrize("in_the_way", [None, "a pyenv shim that does not run"])
 def test_ninja_beside_this_python_is_found_without_an_activated_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, in_the_way: str | None
 ) -> None:
-    # `.venv/bin/kvserve serve` run without activating the environment: PATH lacks .venv/bin.
+    # `.venv/bin/kvserve serve` run without activating the environment: PATH lacks .venv/bin,
+    # and may find a ninja that fails (pyenv's shim, when the active Python has none).
     scripts = sysconfig.get_path("scripts")
     compiler = shutil.which("c++")
     if shutil.which("ninja", path=scripts) is None or compiler is None:
@@ -110,9 +112,13 @@ def test_ninja_beside_this_python_is_found_without_an_activated_environment(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "c++").symlink_to(compiler)
+    if in_the_way is not None:
+        shim = bin_dir / "ninja"
+        shim.write_text("#!/bin/sh\necho 'pyenv: ninja: command not found' >&2\nexit 127\n")
+        shim.chmod(0o755)
     monkeypatch.setenv("PATH", str(bin_dir))
 
     cpu_build.check_toolchain()
 
     assert Path(shutil.which("ninja") or "").parent == Path(scripts)
-    assert os.environ["PATH"].split(os.pathsep) == [str(bin_dir), scripts]
+    assert os.environ["PATH"].split(os.pathsep) == [scripts, str(bin_dir)]
