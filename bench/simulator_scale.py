@@ -7,15 +7,19 @@ default), each replica offered ``--qps-per-replica`` requests per second
 value on 64 replicas) and holding ``--kv-blocks`` blocks (default 2,048: a
 quarter of the stream's prefix working set).
 
-Baseline, measured in the same run: the same fleet with a tenth of the
-requests, so ``ratio`` shows whether the cost per request stays flat as the
-run grows (1.0 = linear).
+The replicas are stepped by ``--processes`` processes (default two where two
+cores are free: ``FleetSimulator(processes=...)``, the same results as one).
+
+Baselines, measured in the same run, on a tenth of the requests: one process,
+so ``speed-up`` shows what the other processes bring; and the full run's
+process count, so ``ratio`` shows whether the cost per request stays flat as
+the run grows (1.0 = linear).
 
 The run is largely bound by memory latency (see ``kvserve.bench.memory_latency``),
 so the table ends with this machine's time to read an uncached object: read
 a total beside it, not alone.
 
-    python -m kvserve.bench.simulator_scale [--replicas 1000] [--requests 100000] [--policy cost_ttft]
+    python -m kvserve.bench.simulator_scale [--replicas 1000] [--requests 100000] [--policy cost_ttft] [--processes 2]
 """
 
 from __future__ import annotations
@@ -25,18 +29,24 @@ import gc
 import sys
 import time
 
+from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.memory_latency import object_read_times
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, make_policy
 from kvserve.scheduler.simulation.cost_model import StepCostModel
-from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
+from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, available_cores
 
 TARGET_SECONDS = 300.0
 
 
-def run(args: argparse.Namespace, num_requests: int) -> list[object]:
+def default_processes() -> int:
+    """Two where this process may use two cores (the most this project's machines had to measure), else one."""
+    return 2 if available_cores() >= 2 else 1
+
+
+def run(args: argparse.Namespace, num_requests: int, processes: int) -> list[object]:
     # A dropped fleet's blocks form cycles (their free list): free the
     # baseline run's before this one is timed.
     gc.collect()
@@ -54,11 +64,11 @@ def run(args: argparse.Namespace, num_requests: int) -> list[object]:
         cost_model=StepCostModel.default(),
     )
     kwargs = {"cost_model": fleet.cost_model} if args.policy == "cost_ttft" else {}
-    simulator = FleetSimulator(fleet, make_policy(args.policy, **kwargs))
+    simulator = FleetSimulator(fleet, make_policy(args.policy, **kwargs), processes=processes)
     built = time.perf_counter()
 
     def progress(num_finished: int, total: int) -> None:
-        print(f"  {num_requests} requests: {100 * num_finished // total:3d}% simulated "
+        print(f"  {num_requests} requests, {processes} processes: {100 * num_finished // total:3d}% simulated "
               f"({time.perf_counter() - built:.0f} s)", file=sys.stderr, flush=True)
 
     result = simulator.run(requests, progress=progress, progress_every=max(1, num_requests // 10))
@@ -67,7 +77,7 @@ def run(args: argparse.Namespace, num_requests: int) -> list[object]:
     num_tokens = sum(r.num_output_tokens for r in result.records)
     total = finished - start
     return [
-        num_requests, f"{generated - start:.1f}", f"{built - generated:.1f}", f"{finished - built:.1f}",
+        num_requests, processes, f"{generated - start:.1f}", f"{built - generated:.1f}", f"{finished - built:.1f}",
         f"{total:.1f}", num_steps, f"{num_steps / (finished - built):.0f}", f"{num_tokens / (finished - built):.0f}",
         f"{total / num_requests * 1e3:.2f}", f"{result.end_time:.1f}",
     ]
@@ -82,22 +92,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per replica")
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-baseline", action="store_true", help="skip the 1/10-size baseline run")
+    parser.add_argument(
+        "--processes", type=int_at_least(1), default=default_processes(),
+        help="processes that step the replicas (FleetSimulator(processes=...); default: %(default)s, "
+        "two where two cores are free)",
+    )
+    parser.add_argument("--no-baseline", action="store_true", help="skip the 1/10-size baseline runs")
     args = parser.parse_args(argv)
     reads = object_read_times()
-    rows = [] if args.no_baseline else [run(args, max(1, args.requests // 10))]
-    rows.append(run(args, args.requests))
-    headers = ["requests", "workload s", "fleet s", "simulate s", "total s", "steps", "steps/s",
+    tenth = max(1, args.requests // 10)
+    rows = []
+    if not args.no_baseline:
+        rows.append(run(args, tenth, 1))
+        if args.processes > 1:
+            rows.append(run(args, tenth, args.processes))
+    rows.append(run(args, args.requests, args.processes))
+    headers = ["requests", "processes", "workload s", "fleet s", "simulate s", "total s", "steps", "steps/s",
                "tokens/s", "ms/request", "virtual s"]
     print(f"{args.replicas} replicas, policy {args.policy}, {args.qps_per_replica * args.replicas:g} qps, "
           f"{args.kv_blocks} KV blocks per replica, {args.output_len}-token answers")
     print(format_table(headers, rows))
-    total = float(rows[-1][4])
+    total = float(rows[-1][5])
     verdict = "yes" if total <= TARGET_SECONDS else "NO"
     lines = [["total seconds", f"{total:.1f}", f"<= {TARGET_SECONDS:.0f}: {verdict}"]]
-    if len(rows) == 2:
-        ratio = float(rows[1][8]) / float(rows[0][8])
+    if len(rows) > 1:
+        ratio = float(rows[-1][9]) / float(rows[-2][9])
         lines.append(["ms/request vs 1/10-size run", f"{ratio:.2f}", "1.0 = linear in requests"])
+    if len(rows) == 3:
+        speedup = float(rows[0][5]) / float(rows[1][5])
+        lines.append([
+            f"speed-up of {args.processes} processes", f"{speedup:.2f}",
+            "1/10-size run: 1 process's total / theirs",
+        ])
     lines.append([
         "ns per random object read", f"{reads.random_ns:.0f}",
         f"this machine's memory latency (in order: {reads.sequential_ns:.0f} ns)",

@@ -82,10 +82,7 @@ class Router:
         """
         if not self.loads.num_available:
             raise NoAvailableReplicaError(f"none of the {self.num_replicas} replicas is available")
-        if not request.block_hashes:
-            request.block_hashes.extend(
-                self.hasher.hash_token_ids(request.prompt_token_ids, request.cache_salt)
-            )
+        self.hash_prompt(request)
         routing_request = RoutingRequest(
             req_id=request.req_id,
             block_hashes=request.block_hashes,
@@ -106,6 +103,14 @@ class Router:
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
         return replica_id
+
+    def hash_prompt(self, request: Request) -> None:
+        """Fill ``request.block_hashes`` with its prompt's full blocks' hashes, unless it has them.
+
+        ``route`` does it; a caller with time to spare before it routes can do it first.
+        """
+        if not request.block_hashes:
+            request.block_hashes.extend(self.hasher.hash_token_ids(request.prompt_token_ids, request.cache_salt))
 
     def withdraw(self, replica_id: int, request: Request) -> None:
         """``request``, routed to ``replica_id``, leaves it (refused there, or aborted): the blocks

@@ -4,7 +4,8 @@ It drives the real control plane: one ``Scheduler`` (with its
 ``KVCacheManager`` and ``BlockPool``) per replica, every pool reporting to the
 ``Router``'s global prefix index, and the router's policy choosing where each
 request goes.  Only the model is simulated: a step lasts
-``cost_model.step_time(plan)`` and samples deterministic synthetic tokens.
+``cost_model.step_time(plan)`` and samples deterministic synthetic tokens
+(``SimulatedReplicas``).
 
 Two kinds of events, in time order::
 
@@ -16,92 +17,41 @@ Two kinds of events, in time order::
 Requests that arrive while a step runs join the next one (continuous
 batching).  Arrivals come from the input in order; step completions from a
 heap, so each event costs O(log replicas), not O(replicas).
+
+With ``processes=N`` the replicas are shared among this process and
+``N - 1`` child processes, which step their replicas between arrivals in
+parallel and report their pools' events to this process's router before
+each arrival (``replica_shard``): the same results, record for record.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import heapq
 import logging
 import math
+import multiprocessing
+import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
-from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from kvserve.scheduler.request import Request
+from kvserve.scheduler.block_hash import BlockHash
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.routing.router import Router
-from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.simulation.cost_model import StepCostModel
-from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
-from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.simulation.admission import Admission
+from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord, SimulatedRequest
+from kvserve.scheduler.simulation.replica_shard import (
+    CLEARED,
+    STORED,
+    ReplicaShard,
+    unpack_load,
+)
+from kvserve.scheduler.simulation.simulated_replicas import ProgressCallback, SimulatedReplicas
+
+__all__ = ["FleetConfig", "FleetSimulator", "RequestRecord", "SimulatedRequest", "SimulationResult"]
 
 logger = logging.getLogger(__name__)
-
-
-class SimulatedRequest(Protocol):
-    """One request of a workload (``kvserve.bench.workloads.WorkloadRequest`` is one).
-
-    ``output_token_ids``, when given, are the tokens the simulated model
-    samples (a multi-turn workload puts them in the next turn's prompt);
-    otherwise tokens are synthetic.  ``output_len`` tokens are generated,
-    EOS ignored.
-    """
-
-    @property
-    def arrival_time(self) -> float: ...
-    @property
-    def prompt_token_ids(self) -> Sequence[int]: ...
-    @property
-    def output_len(self) -> int: ...
-    @property
-    def cache_salt(self) -> str | None: ...
-    @property
-    def output_token_ids(self) -> Sequence[int] | None: ...
-
-
-@dataclass(frozen=True, slots=True)
-class FleetConfig:
-    """The simulated fleet: ``num_replicas`` identical replicas."""
-
-    num_replicas: int
-    scheduler_config: SchedulerConfig
-    cache_config: CacheConfig
-    cost_model: StepCostModel
-    vocab_size: int = 32_000
-
-    def __post_init__(self) -> None:
-        if isinstance(self.num_replicas, bool) or not isinstance(self.num_replicas, int) or self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be a positive integer, got {self.num_replicas!r}")
-        if self.vocab_size < 4:
-            raise ValueError(f"vocab_size must be >= 4, got {self.vocab_size}")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestRecord:
-    """What happened to one request; times in virtual seconds."""
-
-    index: int
-    arrival_time: float
-    first_token_time: float
-    finish_time: float
-    replica_id: int
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    num_output_tokens: int
-    num_preemptions: int
-
-    @property
-    def ttft(self) -> float:
-        return self.first_token_time - self.arrival_time
-
-    @property
-    def latency(self) -> float:
-        return self.finish_time - self.arrival_time
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,25 +67,22 @@ class SimulationResult:
     wall_time: float = field(compare=False)
 
 
-@dataclass(slots=True)
-class _LiveRequest:
-    index: int
-    request: Request
-    replica_id: int
-    output_token_ids: Sequence[int]
-    output_len: int
-    num_output_tokens: int = 0
-    first_token_time: float | None = None
-
-
-ProgressCallback = Callable[[int, int], None]
-
-
 class FleetSimulator:
-    """Simulates ``config.num_replicas`` replicas routed by ``policy``; one ``run`` per instance."""
+    """Simulates ``config.num_replicas`` replicas routed by ``policy``; one ``run`` per instance.
 
-    def __init__(self, config: FleetConfig, policy: RoutingPolicy) -> None:
+    ``processes`` > 1 steps the replicas in that many processes (this one
+    included; at most one per replica), for large fleets on several cores:
+    ``run`` forks the others (so they inherit the workload) and stops them
+    before it returns.  The results are the same as one process's.
+    """
+
+    def __init__(self, config: FleetConfig, policy: RoutingPolicy, *, processes: int = 1) -> None:
+        if isinstance(processes, bool) or not isinstance(processes, int) or processes < 1:
+            raise ValueError(f"processes must be a positive integer, got {processes!r}")
+        if processes > 1 and "fork" not in multiprocessing.get_all_start_methods():
+            raise ValueError("processes > 1 needs the fork start method, which this platform lacks")
         self.config = config
+        self.processes = min(processes, config.num_replicas)
         self.router = Router(
             config.num_replicas,
             policy,
@@ -143,13 +90,19 @@ class FleetSimulator:
             model_id=config.cache_config.model_id,
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
+        # Replica r is process r % processes's (this one's: 0).
+        self._owner = [r % self.processes for r in range(config.num_replicas)]
         with _cyclic_gc_paused():
-            self.schedulers = [
-                Scheduler(config.scheduler_config, config.cache_config, observer=self.router.observer_for(r))
-                for r in range(config.num_replicas)
-            ]
-        for replica_id, scheduler in enumerate(self.schedulers):
-            self.router.update_load(replica_id, scheduler.get_load())
+            self.replicas = SimulatedReplicas(
+                config,
+                range(0, config.num_replicas, self.processes),
+                self.router.observer_for,
+                self.router.update_load,
+            )
+        # The observers that forward the shard processes' events to the index.
+        self._shard_observers = {
+            r: self.router.observer_for(r) for r in range(config.num_replicas) if self._owner[r]
+        }
         self._used = False
 
     def run(
@@ -162,196 +115,186 @@ class FleetSimulator:
         """Simulate ``requests`` (sorted by arrival time) to completion.
 
         ``progress(num_finished, num_requests)`` is called every
-        ``progress_every`` finished requests (default: every 1%).  Raises
-        ``ValueError`` for unsorted arrivals, a request no replica can hold or
-        that needs more than ``max_model_len`` tokens, or times beyond the
-        virtual clock's precision.
+        ``progress_every`` finished requests (default: every 1%; with
+        several processes, at the first arrival after each such count or,
+        once all have arrived, the first step of this process's, and at the
+        end).  Raises ``ValueError`` for unsorted arrivals, a request
+        no replica can hold or that needs more than ``max_model_len`` tokens,
+        or times beyond the virtual clock's precision.
         """
         if self._used:
             raise ValueError("a FleetSimulator runs once; make a new one")
         self._used = True
-        with _cyclic_gc_paused():
-            return self._run(requests, progress, progress_every)
-
-    def _run(
-        self,
-        requests: Sequence[SimulatedRequest],
-        progress: ProgressCallback | None,
-        progress_every: int,
-    ) -> SimulationResult:
         wall_start = time.perf_counter()
         num_requests = len(requests)
-        num_replicas = self.config.num_replicas
-        cost_model = self.config.cost_model
-        vocab_size = self.config.vocab_size
-        max_model_len = self.config.scheduler_config.max_model_len
-        schedulers = self.schedulers
-        router = self.router
-        plans: list[StepPlan | None] = [None] * num_replicas
-        busy_time = [0.0] * num_replicas
-        num_steps = [0] * num_replicas
-        num_routed = [0] * num_replicas
-        live: dict[str, _LiveRequest] = {}
-        records: list[RequestRecord | None] = [None] * num_requests
-        completions: list[tuple[float, int, int]] = []
-        params_by_len: dict[int, SamplingParams] = {}
-        sequence = 0
-        num_finished = 0
         every = progress_every or max(1, num_requests // 100)
-        now = 0.0
-
-        def start_step(replica_id: int) -> None:
-            nonlocal sequence
-            scheduler = schedulers[replica_id]
-            plan = None
-            while scheduler.has_unfinished_requests():
-                plan = scheduler.schedule()
-                if plan.req_ids:
-                    break
-                if not plan.preempted_req_ids:
-                    raise RuntimeError(f"replica {replica_id} has requests but cannot schedule any")
-                # Everything running was preempted: the next plan admits from the front.
-            router.update_load(replica_id, scheduler.get_load())
-            if plan is None or not plan.req_ids:
-                plans[replica_id] = None
-                return
-            plans[replica_id] = plan
-            duration = cost_model.step_time(plan)
-            end = now + duration
-            if not end < math.inf or (end == now and duration > 0):
-                # Beyond a float's precision, steps would take no time and figures come out inf or nan.
-                raise ValueError(
-                    f"the virtual clock cannot count a {duration:g} s step from {now:g} s: arrival times or "
-                    "step costs too large"
-                )
-            busy_time[replica_id] += duration
-            num_steps[replica_id] += 1
-            sequence += 1
-            heapq.heappush(completions, (end, sequence, replica_id))
-
-        def finish_step(replica_id: int) -> None:
-            nonlocal num_finished
-            plan = plans[replica_id]
-            if plan is None:
-                raise RuntimeError(f"replica {replica_id} finished a step it never started")
-            tokens: list[int] = []
-            finished: list[_LiveRequest] = []
-            # NOTE: every sampled row's request is running (nothing aborts in a
-            # simulation), so update() appends each token: first tokens and
-            # finishes are known here without reading its outputs.
-            for req_id, sample in zip(plan.req_ids, plan.sample):
-                if sample:
-                    entry = live[req_id]
-                    num_output = entry.num_output_tokens
-                    tokens.append(entry.output_token_ids[num_output])
-                    if num_output == 0:
-                        entry.first_token_time = now
-                    num_output += 1
-                    entry.num_output_tokens = num_output
-                    if num_output == entry.output_len:
-                        finished.append(entry)
-            schedulers[replica_id].update(plan, tokens, collect_outputs=False)
-            for entry in finished:
-                request = entry.request
-                if not request.is_finished:
-                    raise RuntimeError(f"request {request.req_id} did not finish after {entry.output_len} tokens")
-                del live[request.req_id]
-                records[entry.index] = RequestRecord(
-                    index=entry.index,
-                    arrival_time=request.arrival_time,
-                    first_token_time=entry.first_token_time,  # type: ignore[arg-type]
-                    finish_time=now,
-                    replica_id=entry.replica_id,
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    num_cached_tokens=request.num_cached_tokens or 0,
-                    num_output_tokens=request.num_output_tokens,
-                    num_preemptions=request.num_preemptions,
-                )
-                num_finished += 1
-                if progress is not None and num_finished % every == 0:
-                    progress(num_finished, num_requests)
-            start_step(replica_id)
-
-        def admit(index: int, item: SimulatedRequest) -> None:
-            output_len = item.output_len
-            params = params_by_len.get(output_len)
-            if params is None:
-                params = params_by_len[output_len] = SamplingParams(max_tokens=output_len, ignore_eos=True)
-            req_id = str(index)
-            num_prompt_tokens = len(item.prompt_token_ids)
-            if num_prompt_tokens + output_len > max_model_len:
-                # The scheduler would stop it short of output_len tokens.
-                raise ValueError(
-                    f"request {index} cannot be served: {num_prompt_tokens} prompt + {output_len} output tokens "
-                    f"exceed max_model_len={max_model_len}"
-                )
-            output_token_ids = item.output_token_ids
-            if output_token_ids is None:
-                output_token_ids = synthetic_output_token_array(req_id, num_prompt_tokens, output_len, vocab_size)
-            elif len(output_token_ids) < output_len:
-                raise ValueError(
-                    f"request {index} gives {len(output_token_ids)} output tokens but asks for {output_len}"
-                )
-            request = Request(
-                req_id,
-                item.prompt_token_ids,
-                params,
-                cache_salt=item.cache_salt,
-                arrival_time=item.arrival_time,
-            )
-            replica_id = router.route(request)
-            try:
-                schedulers[replica_id].add_request(request)
-            except ValueError as exc:
-                raise ValueError(f"request {index} cannot be served: {exc}") from None
-            live[req_id] = _LiveRequest(index, request, replica_id, output_token_ids, output_len)
-            num_routed[replica_id] += 1
-            if plans[replica_id] is None:
-                start_step(replica_id)
+        with _cyclic_gc_paused():
+            if self.processes == 1:
+                records, end_time = self._run_here(requests, progress, every)
+                if progress is not None and num_requests % every != 0:
+                    progress(num_requests, num_requests)
             else:
-                router.update_load(replica_id, schedulers[replica_id].get_load())
-
-        next_index = 0
-        last_arrival = float("-inf")
-        while True:
-            if next_index < num_requests:
-                item = requests[next_index]
-                arrival = item.arrival_time
-                if completions and completions[0][0] <= arrival:
-                    now, _, replica_id = heapq.heappop(completions)
-                    finish_step(replica_id)
-                    continue
-                if arrival < last_arrival:
-                    raise ValueError(
-                        f"requests must be sorted by arrival time: request {next_index} arrives at "
-                        f"{arrival} after one at {last_arrival}"
-                    )
-                last_arrival = now = arrival
-                admit(next_index, item)
-                next_index += 1
-            elif completions:
-                now, _, replica_id = heapq.heappop(completions)
-                finish_step(replica_id)
-            else:
-                break
-        if live:
-            raise RuntimeError(f"{len(live)} requests never finished (a replica stalled)")
-        if progress is not None and num_finished % every != 0:
-            progress(num_finished, num_requests)
+                records, end_time = self._run_sharded(requests, progress, every)
         wall_time = time.perf_counter() - wall_start
         logger.info(
-            "simulated %d requests on %d replicas (%s) in %.1f s",
-            num_requests, num_replicas, router.policy.name, wall_time,
+            "simulated %d requests on %d replicas (%s, %d processes) in %.1f s",
+            num_requests, self.config.num_replicas, self.router.policy.name, self.processes, wall_time,
         )
         return SimulationResult(
-            policy=router.policy.name,
-            records=records,  # type: ignore[arg-type]  # every slot is filled once all finished
-            replica_busy_time=busy_time,
-            replica_num_steps=num_steps,
-            replica_num_requests=num_routed,
-            end_time=now,
+            policy=self.router.policy.name,
+            records=records,
+            replica_busy_time=self.replicas.busy_time,
+            replica_num_steps=self.replicas.num_steps,
+            replica_num_requests=self.replicas.num_routed,
+            end_time=end_time,
             wall_time=wall_time,
         )
+
+    def _run_here(
+        self, requests: Sequence[SimulatedRequest], progress: ProgressCallback | None, every: int
+    ) -> tuple[list[RequestRecord], float]:
+        replicas = self.replicas
+        replicas.set_progress(progress, every, len(requests))
+        admission = Admission(self.config)
+        route = self.router.route
+        last_arrival = -math.inf
+        for index, item in enumerate(requests):
+            arrival = item.arrival_time
+            replicas.advance(arrival)
+            last_arrival = _check_order(index, arrival, last_arrival)
+            request = admission.request(index, item)
+            replicas.add(request, route(request), arrival)
+        replicas.advance(math.inf)
+        replicas.check_all_finished()
+        return _in_input_order(replicas.records, len(requests)), replicas.now
+
+    def _run_sharded(
+        self, requests: Sequence[SimulatedRequest], progress: ProgressCallback | None, every: int
+    ) -> tuple[list[RequestRecord], float]:
+        config = self.config
+        replicas = self.replicas
+        router = self.router
+        owner = self._owner
+        admission = Admission(config)
+        shards: list[ReplicaShard] = []
+        # Requests finished in each process (this one's: replicas.num_finished), and the total last reported.
+        shard_finished = [0] * self.processes
+        reported_count = 0
+
+        def report() -> None:
+            nonlocal reported_count
+            num_finished = replicas.num_finished + sum(shard_finished)
+            if num_finished // every > reported_count // every:
+                reported_count = num_finished
+                progress(num_finished, len(requests))  # type: ignore[misc]
+
+        try:
+            spin = self.processes <= available_cores()
+            for process in range(1, self.processes):
+                shards.append(
+                    ReplicaShard(config, range(process, config.num_replicas, self.processes), requests, spin=spin)
+                )
+            for shard in shards:
+                for replica_id, load in shard.initial_loads():
+                    router.update_load(replica_id, unpack_load(load))
+            outboxes: list[list] = [[] for _ in range(self.processes)]
+            last_arrival = -math.inf
+            for index, item in enumerate(requests):
+                arrival = item.arrival_time
+                last_arrival = _check_order(index, arrival, last_arrival)
+                for shard, outbox in zip(shards, outboxes[1:]):
+                    shard.send_step(outbox, arrival)
+                    outbox.clear()
+                replicas.advance(arrival)
+                # While the shards step: the work on the request that needs no replica's state.
+                request = admission.request(index, item)
+                router.hash_prompt(request)
+                for process, shard in enumerate(shards, 1):
+                    events, loads, shard_finished[process] = shard.receive_step()
+                    self._apply_shard_report(events, loads)
+                if progress is not None:
+                    report()
+                replica_id = router.route(request)
+                process = owner[replica_id]
+                if process:
+                    outboxes[process].append((index, replica_id, request.block_hashes))
+                else:
+                    replicas.add(request, replica_id, arrival)
+            # The drain: every process runs its replicas to completion, the shards
+            # sending their counts of finished requests as they go, read here
+            # between this process's steps.
+            for shard, outbox in zip(shards, outboxes[1:]):
+                shard.send_finish(outbox, every)
+            while replicas.next_step_end < math.inf:
+                replicas.advance(replicas.next_step_end)
+                if progress is not None:
+                    for process, shard in enumerate(shards, 1):
+                        count = shard.poll_progress()
+                        if count is not None:
+                            shard_finished[process] = count
+                    report()
+            replicas.check_all_finished()
+            records = replicas.records
+            end_time = replicas.now
+            for process, shard in enumerate(shards, 1):
+
+                def shard_progress(count: int, process: int = process) -> None:
+                    shard_finished[process] = count
+                    if progress is not None:
+                        report()
+
+                shard_records, totals, shard_end = shard.receive_finish(shard_progress)
+                records.extend(shard_records)
+                end_time = max(end_time, shard_end)
+                for replica_id, busy_time, num_steps, num_routed in totals:
+                    replicas.busy_time[replica_id] = busy_time
+                    replicas.num_steps[replica_id] = num_steps
+                    replicas.num_routed[replica_id] = num_routed
+        finally:
+            for shard in shards:
+                shard.close()
+        if progress is not None and reported_count != len(requests):
+            progress(len(requests), len(requests))
+        return _in_input_order(records, len(requests)), end_time
+
+
+    def _apply_shard_report(
+        self, events: list[tuple[int, int, list[BlockHash]]], loads: list[tuple[int, tuple[int, ...]]]
+    ) -> None:
+        """Tell the router what a shard's replicas did since its last report."""
+        observers = self._shard_observers
+        for replica_id, code, block_hashes in events:
+            observer = observers[replica_id]
+            if code == STORED:
+                observer.blocks_stored(block_hashes, [])
+            elif code == CLEARED:
+                observer.all_blocks_cleared()
+            else:
+                observer.blocks_removed(block_hashes, [])
+        for replica_id, load in loads:
+            self.router.update_load(replica_id, unpack_load(load))
+
+
+def available_cores() -> int:
+    """The cores this process may run on."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _check_order(index: int, arrival: float, last_arrival: float) -> float:
+    if arrival < last_arrival:
+        raise ValueError(
+            f"requests must be sorted by arrival time: request {index} arrives at {arrival} after one at {last_arrival}"
+        )
+    return arrival
+
+
+def _in_input_order(records: list[RequestRecord], num_requests: int) -> list[RequestRecord]:
+    ordered: list[RequestRecord | None] = [None] * num_requests
+    for record in records:
+        ordered[record.index] = record
+    return ordered  # type: ignore[return-value]  # every request finished: every slot is filled
 
 
 @contextlib.contextmanager
