@@ -36,6 +36,7 @@ def find_knee_qps(
     tolerance: float = 0.02,
     max_runs: int = 20,
     report: Callable[[str], None] = lambda line: None,
+    processes: int = 1,
 ) -> float:
     """The rate (requests/s) at which the baseline's TTFT p99 is ``factor`` x unloaded.
 
@@ -48,7 +49,7 @@ def find_knee_qps(
 
     def ttft_p99(qps: float, n: int) -> float:
         requests = stream_at(qps, n)
-        result = FleetSimulator(fleet_for(fleet, requests), make_baseline()).run(requests)
+        result = FleetSimulator(fleet_for(fleet, requests), make_baseline(), processes=processes).run(requests)
         return float(np.percentile([r.ttft for r in result.records if requests[r.index].measured], 99))
 
     unloaded_qps = 0.01 * fleet.num_replicas

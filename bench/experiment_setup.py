@@ -126,6 +126,8 @@ def check_live_options(args: argparse.Namespace) -> None:
     if args.live:
         if args.jobs != 1:
             raise ExperimentError("--jobs is for simulations: live runs go one at a time")
+        if args.sim_processes != 1:
+            raise ExperimentError("--sim-processes is for simulations")
         if args.time_scale is None:
             args.time_scale = DEFAULT_TIME_SCALE
         elif not (args.time_scale > 0 and math.isfinite(args.time_scale)):
@@ -145,7 +147,8 @@ def check_live_options(args: argparse.Namespace) -> None:
 def check_options(args: argparse.Namespace) -> None:
     """``ExperimentError`` for a numeric option out of range (before anything is generated)."""
     for option, value in (("--replicas", args.replicas), ("--num-requests", args.num_requests),
-                          ("--jobs", args.jobs), ("--block-size", args.block_size),
+                          ("--jobs", args.jobs), ("--sim-processes", args.sim_processes),
+                          ("--block-size", args.block_size),
                           ("--kv-blocks-per-replica", args.kv_blocks_per_replica),
                           ("--max-num-batched-tokens", args.max_num_batched_tokens),
                           ("--max-num-seqs", args.max_num_seqs)):

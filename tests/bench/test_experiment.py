@@ -98,6 +98,21 @@ def test_parallel_jobs_give_the_same_summary_as_one(tmp_path) -> None:  # noqa: 
     assert summaries[0] == summaries[1]
 
 
+def test_several_processes_per_simulation_give_the_same_summary_as_one(tmp_path) -> None:  # noqa: ANN001
+    summaries = []
+    for processes in (1, 2):
+        out = tmp_path / f"processes{processes}"
+        # The knee search simulates with them too.
+        args = parse([*TINY, "--policies", "cache_aware,cost_ttft", "--qps", "knee", "--out", str(out),
+                      "--sim-processes", str(processes), "--jobs", "2", "--no-plots"])
+        assert run_experiment(args) == 0
+        with open(out / "summary.csv") as f:
+            summaries.append([{k: v for k, v in row.items() if k != "wall_seconds"} for row in csv.DictReader(f)])
+
+    assert summaries[0] == summaries[1]
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -107,6 +122,7 @@ def test_parallel_jobs_give_the_same_summary_as_one(tmp_path) -> None:  # noqa: 
         (["--live", "--address", "head-node"], "--address: expected 'auto' or HOST:PORT"),
         (["--live", "--address", "127.0.0.1:99999"], "--address: expected 'auto' or HOST:PORT"),
         (["--live", "--jobs", "2"], "--jobs is for simulations"),
+        (["--live", "--sim-processes", "2"], "--sim-processes is for simulations"),
         (["--live", "--time-scale", "0"], "--time-scale must be a positive number"),
         (["--live", "--model", "/nonexistent/model"], "config.json"),
     ],
@@ -175,6 +191,7 @@ def error_line(err: str) -> str:
         (["--qps", "1", "--seed", "-1"], "--seed must be >= 0"),
         (["--qps", "1", "--kv-blocks-per-replica", "-5"], "--kv-blocks-per-replica must be >= 1, got -5"),
         (["--qps", "1", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--qps", "1", "--sim-processes", "0"], "--sim-processes must be >= 1, got 0"),
         (["--qps", "1", "--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
         (["--qps", "1", "--policies", ""], "--policies names no policy"),
         (["--qps", "1", "--policies", " , "], "--policies names no policy"),
