@@ -61,6 +61,12 @@ class ModelConfig:
             # fails transformers' checks (heads that do not divide the hidden
             # size) its own exception type: callers expect a ValueError.
             raise ValueError(f"{model_dir}: config.json cannot be read: {str(exc).splitlines()[0]}") from exc
+        num_layers = getattr(hf, "num_hidden_layers", None)
+        if num_layers is not None and int(num_layers) < 1:
+            # NOTE: it got as far as sizing the KV cache, and failed there dividing by zero bytes per block.
+            raise ValueError(
+                f"{model_dir}: config has num_hidden_layers={num_layers}; a model needs at least one layer"
+            )
         limit = int(getattr(hf, "max_position_embeddings", 0) or 0)
         window = sliding_window_of(hf)
         if max_model_len is None:

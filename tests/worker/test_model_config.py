@@ -77,6 +77,14 @@ def test_tensor_parallel_sizes_are_checked_as_the_workers_split(
         assert str(info.value).endswith(refused)
 
 
+def test_a_model_without_layers_is_refused(tmp_path: Path) -> None:
+    # It failed when the workers sized the KV cache: ZeroDivisionError.
+    create_tiny_model(tmp_path, "llama", seed=0, num_hidden_layers=0)
+    message = f"{tmp_path}: config has num_hidden_layers=0; a model needs at least one layer"
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_pretrained(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def windowed_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # Mistral 7B v0.1's shape of config: a 4096-token window under 32768 positions.
