@@ -16,8 +16,12 @@ import copy
 import json
 import re
 import shlex
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib  # novermin: the fallback below covers 3.10
+except ModuleNotFoundError:  # Python 3.10 (pyproject's oldest): pytest's own TOML parser
+    import tomli as tomllib
 
 import pytest
 import ray
