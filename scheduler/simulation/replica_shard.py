@@ -234,10 +234,10 @@ def _serve(
         conn.send((_ERROR, (type(exc).__name__, str(exc))))
     finally:
         conn.close()
-        # NOTE: leave at once.  A forked process that returns runs what its
-        # parent registered to run at exit (multiprocessing's finalizers), and
-        # in the test process, after tests that had run Ray there, that never
-        # returned: the main process waited for the shard's exit for good.
+        # NOTE: leave at once, running nothing on the way out.  In the test
+        # process, after tests that had run Ray there, a shard that returned
+        # from here never exited (whatever it ran of its parent's inherited
+        # state on its way out hung), and the main process waited for it for good.
         os._exit(0)
 
 
