@@ -225,7 +225,7 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     parser.add_argument(
         "--sim-processes", type=int, default=1,
         help="processes that step each simulation's replicas (default 1): the same results, sooner for a "
-             "large fleet on free cores (1,000 replicas: 1.5x with 2); --jobs J runs J x this many",
+             "large fleet on free cores (1,000 replicas: about 1.5x with 2); --jobs J runs J x this many",
     )
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.set_defaults(handler=run_experiment)
