@@ -31,7 +31,7 @@ from kvserve.bench.experiment_setup import (
 from kvserve.bench.workloads import WorkloadRequest, sessions
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.simulation.cost_model import StepCostModel
-from kvserve.scheduler.simulation.simulator import FleetConfig
+from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -111,6 +111,22 @@ def test_several_processes_per_simulation_give_the_same_summary_as_one(tmp_path)
 
     assert summaries[0] == summaries[1]
     assert not multiprocessing.active_children()
+
+
+def test_sim_processes_reach_every_simulation_the_knee_search_s_too(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    built: list[int] = []
+    original = FleetSimulator.__init__
+
+    def spy(self, *args, processes: int = 1, **kwargs) -> None:  # noqa: ANN001, ANN002, ANN003
+        built.append(processes)
+        original(self, *args, processes=processes, **kwargs)
+
+    monkeypatch.setattr(FleetSimulator, "__init__", spy)
+    args = parse([*TINY, "--policies", "cache_aware", "--qps", "knee", "--out", str(tmp_path / "run"),
+                  "--sim-processes", "2", "--no-plots"])
+
+    assert run_experiment(args) == 0
+    assert len(built) > 2 and set(built) == {2}  # the search's runs, then the policies'
 
 
 @pytest.mark.parametrize(
