@@ -212,11 +212,11 @@ def _serve(
         while True:
             wait()
             kind, routed, until_or_every = conn.recv()
+            # Routed at the arrival the last message advanced these replicas to.
             for index, replica_id, block_hashes in routed:
                 item = requests[index]
                 request = admission.request(index, item)
                 request.block_hashes = block_hashes
-                replicas.advance(item.arrival_time)
                 replicas.add(request, replica_id, item.arrival_time)
             if kind == _FINISH:
                 replicas.set_progress(lambda count, _: conn.send((_PROGRESS, count)), until_or_every, 0)

@@ -57,12 +57,10 @@ class SimulatedReplicas:
             scheduler = Scheduler(config.scheduler_config, config.cache_config, observer=observer_for(replica_id))
             self._schedulers[replica_id] = scheduler
             report_load(replica_id, scheduler.get_load())
-        self.replica_ids = list(replica_ids)
         self._plans: list[StepPlan | None] = [None] * num_replicas
         self.busy_time = [0.0] * num_replicas
         self.num_steps = [0] * num_replicas
         self.num_routed = [0] * num_replicas
-        self._num_unfinished = 0
         self.records: list[RequestRecord] = []
         # (end time, sequence, replica): the sequence orders steps that end together.
         self._completions: list[tuple[float, int, int]] = []
@@ -100,7 +98,6 @@ class SimulatedReplicas:
             raise ValueError(f"request {request.index} cannot be served: {exc}") from None
         request.replica_id = replica_id
         self.now = now
-        self._num_unfinished += 1
         self.num_routed[replica_id] += 1
         if self._plans[replica_id] is None:
             self._start_step(replica_id)
@@ -123,8 +120,9 @@ class SimulatedReplicas:
 
     def check_all_finished(self) -> None:
         """Raise ``RuntimeError`` if a request added here has not finished (call after ``advance(inf)``)."""
-        if self._num_unfinished:
-            raise RuntimeError(f"{self._num_unfinished} requests never finished (a replica stalled)")
+        num_unfinished = sum(self.num_routed) - len(self.records)
+        if num_unfinished:
+            raise RuntimeError(f"{num_unfinished} requests never finished (a replica stalled)")
 
     def _start_step(self, replica_id: int) -> None:
         scheduler = self._schedulers[replica_id]
@@ -182,7 +180,6 @@ class SimulatedReplicas:
                 raise RuntimeError(
                     f"request {request.req_id} did not finish after {request.sampling_params.max_tokens} tokens"
                 )
-            self._num_unfinished -= 1
             self.records.append(RequestRecord(
                 index=request.index,
                 arrival_time=request.arrival_time,
