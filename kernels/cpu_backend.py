@@ -69,7 +69,7 @@ class CpuAttentionBackend:
         if not query.dtype == key_cache.dtype == value_cache.dtype or query.dtype not in KERNEL_DTYPES:
             # The kernel reads one dtype throughout (as write_kv_cache, the reference takes the rest).
             return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
-        reference.check_shapes(query, key_cache, value_cache, metadata)
+        reference.check_inputs(query, key_cache, value_cache, metadata, scale)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         # Every row in one call; without AVX2 the prefill chunks are left to the reference.
         prefill_done = self._extension.paged_attention(

@@ -79,7 +79,7 @@ class CudaAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        reference.check_shapes(query, key_cache, value_cache, metadata)
+        reference.check_inputs(query, key_cache, value_cache, metadata, scale)
         unsupported = _unsupported(query, key_cache, value_cache)
         if unsupported is not None:
             self._warn_once(unsupported)

@@ -10,6 +10,8 @@ plan their work from the host copies in ``AttentionMetadata`` and never sync.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -69,7 +71,7 @@ def paged_attention(
     through ``block_tables[r]``.  Returns ``[num_tokens, num_heads, head_dim]``
     in ``query``'s dtype; half-precision inputs are computed in float32.
     """
-    check_shapes(query, key_cache, value_cache, metadata)
+    check_inputs(query, key_cache, value_cache, metadata, scale)
     output = torch.empty_like(query)
     decode_reqs, prefill_reqs = split_decode_and_prefill(metadata)
     if decode_reqs:
@@ -86,10 +88,21 @@ def split_decode_and_prefill(metadata: AttentionMetadata) -> tuple[list[int], li
     return decode_reqs, prefill_reqs
 
 
-def check_shapes(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, metadata: AttentionMetadata
+def check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
 ) -> None:
-    """Raise ``ValueError`` unless the inputs fit :func:`paged_attention`'s contract."""
+    """Raise ``ValueError`` unless the inputs fit :func:`paged_attention`'s contract.
+
+    ``scale`` (the logits' factor) must be a positive finite number.  NOTE:
+    under a causal mask torch's ``scaled_dot_product_attention`` returns NaN
+    for a scale of 0 or below; no model uses one.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if query.dim() != 3 or key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
         raise ValueError(
             f"query {tuple(query.shape)} must be [num_tokens, num_heads, head_dim] and both caches "

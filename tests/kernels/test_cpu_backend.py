@@ -332,6 +332,13 @@ def test_kernel_rejects_a_chunk_longer_than_its_context(backend: CpuAttentionBac
         )
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.25, float("nan")])
+def test_backend_rejects_a_scale_that_is_not_positive_and_finite(backend: CpuAttentionBackend, scale: float) -> None:
+    batch = make_batch(MIXED_BATCH, block_size=16, group=2)
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale)
+
+
 def test_capability_is_one_of_the_known_instruction_sets(backend: CpuAttentionBackend) -> None:
     assert load_cpu_extension().cpu_capability() in CAPABILITIES
 

@@ -177,3 +177,10 @@ def test_torch_backend_delegates_to_the_reference_kernels() -> None:
     output = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, batch.scale)
     expected = paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, batch.scale)
     assert torch.equal(output, expected)
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.125, float("nan"), float("inf"), True, "0.125"])
+def test_paged_attention_rejects_a_scale_that_is_not_positive_and_finite(scale: object) -> None:
+    batch = make_batch(MIXED_BATCH, block_size=16, group=2)
+    with pytest.raises(ValueError, match="scale must be a positive finite number"):
+        paged_attention(batch.query, batch.key_cache, batch.value_cache, batch.metadata, scale)
