@@ -48,6 +48,19 @@ policy the default are in ``README.md`` beside this file.
   replicas keeps new sessions away from idle ones.  A whole step of
   tolerance balances more but costs TTFT: the tail of TTFT is a few steps
   long.
+* **New prompts go where fewest went lately** (``home_window``, default
+  1000).  A request that no replica holds any of (a new shared prefix, a
+  history evicted everywhere; a match under ``min_match_fraction`` counts as
+  none) brings its later requests (the prefix's other questions, the
+  session's next turns) to wherever it is computed.  Its ties go first to
+  the replica where the fewest such requests were placed lately (counts
+  decayed over about the last ``home_window`` requests per replica; see
+  ``DecayedCounts``), then to the fewest outstanding.  ``home_window=None``
+  leaves them to the fewest outstanding.  NOTE: outstanding requests say
+  which replicas' prefixes have requests in flight at that moment, not which
+  will have most: on 32 equally popular prefixes at 16 replicas, of the 16
+  prefixes that came after every replica had one, four replicas got two
+  more and four none, and load max/mean was 1.52 (with this rule 1.11).
 * **Work under backlog.**  When every replica has requests waiting, each
   token a request computes also delays the requests waiting everywhere, so
   each replica's score adds ``work_penalty * b * uncached tokens there *
@@ -107,6 +120,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.scheduler.checks import check_ints, check_numbers
+from kvserve.scheduler.routing.decayed_counts import DecayedCounts
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
@@ -135,6 +149,7 @@ class CostTTFTPolicy:
         share_slack: float = 8.0,
         spread_tolerance_steps: float = 2.0,
         match_pending: bool = True,
+        home_window: int | None = 1000,
     ) -> None:
         if cost_model is not None and not isinstance(cost_model, StepCostModel):
             raise TypeError(f"cost_model must be a StepCostModel, got {cost_model!r}")
@@ -163,6 +178,8 @@ class CostTTFTPolicy:
         self.recent_share = (
             None if share_factor is None else RecentShare(share_factor, share_deviations, share_window, share_slack)
         )
+        # Each replica's new prompts placed lately (see the module docstring).
+        self.homes = None if home_window is None else DecayedCounts(home_window, name="home_window")
 
     def estimate_ttft(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
@@ -178,6 +195,10 @@ class CostTTFTPolicy:
         table.check_any_available()
         available = None if table.all_available else table.available
         uncached = self._uncached_tokens(request, table, index)
+        # A request no replica holds any of: a new prompt (see the module docstring).
+        new_prompt = self.homes is not None and float(uncached.min()) >= request.num_prompt_tokens
+        if self.homes is not None:
+            self.homes.decay(len(table))
         step_time = self._step_time(table)
         score = self._estimate(table, uncached, step_time)
         waiting = table.num_waiting if available is None else table.num_waiting[available]
@@ -214,10 +235,16 @@ class CostTTFTPolicy:
         tolerance = self.tie_tolerance_steps * float(step_time[best]) + 1e-12
         ties = np.flatnonzero(score <= score[best] + tolerance)
         if len(ties) > 1:
-            # Fewest outstanding requests first, then the lowest score (lexsort: last key first).
-            best = int(ties[np.lexsort((score[ties], outstanding[ties]))[0]])
+            # Fewest outstanding requests first, then the lowest score (lexsort: last key first);
+            # a new prompt: fewest new prompts placed lately before them.
+            keys = (score[ties], outstanding[ties])
+            if new_prompt:
+                keys += (self.homes.counts[ties],)
+            best = int(ties[np.lexsort(keys)[0]])
         if self.recent_share is not None:
             self.recent_share.record(best, len(table))
+        if new_prompt:
+            self.homes.add(best)
         return best
 
     def _uncached_tokens(self, request: RoutingRequest, table: LoadTable, index: GlobalPrefixIndex) -> np.ndarray:

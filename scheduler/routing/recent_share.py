@@ -36,7 +36,8 @@ import math
 
 import numpy as np
 
-from kvserve.scheduler.checks import check_ints, check_numbers
+from kvserve.scheduler.checks import check_numbers
+from kvserve.scheduler.routing.decayed_counts import DecayedCounts
 
 
 class RecentShare:
@@ -46,12 +47,19 @@ class RecentShare:
         # Named as cost_ttft's arguments, which users give.
         check_numbers(1, above=True, share_factor=factor)
         check_numbers(0, share_deviations=deviations, share_slack=slack)
-        check_ints(1, share_window=window)
         self.factor = factor
         self.deviations = deviations
-        self.window = window
         self.slack = slack
-        self.counts = np.zeros(0)
+        self._requests = DecayedCounts(window, name="share_window")
+
+    @property
+    def window(self) -> int:
+        return self._requests.window
+
+    @property
+    def counts(self) -> np.ndarray:
+        """Each replica's decayed count of the requests routed to it."""
+        return self._requests.counts
 
     def over_share(self, available: np.ndarray | None, num_replicas: int) -> np.ndarray:
         """Which replicas one more request would put over their share (a boolean mask).
@@ -70,20 +78,11 @@ class RecentShare:
 
     def _mean(self, available: np.ndarray | None, num_replicas: int) -> float:
         """The mean count of the ``available`` replicas (``None``: all) of ``num_replicas``."""
-        self._resize(num_replicas)
+        self._requests.resize(num_replicas)  # new replicas start with no requests (so they take the next ones)
         counts = self.counts if available is None else self.counts[available]
         return float(counts.mean())
 
     def record(self, replica_id: int, num_replicas: int) -> None:
         """One request was routed to ``replica_id``: decay every count, then count it."""
-        self._resize(num_replicas)
-        self.counts *= 1.0 - 1.0 / (self.window * num_replicas)
-        self.counts[replica_id] += 1.0
-
-    def _resize(self, num_replicas: int) -> None:
-        """New replicas start with no requests (so they take the next ones); removed ones are dropped."""
-        if len(self.counts) != num_replicas:
-            counts = np.zeros(num_replicas)
-            keep = min(num_replicas, len(self.counts))
-            counts[:keep] = self.counts[:keep]
-            self.counts = counts
+        self._requests.decay(num_replicas)
+        self._requests.add(replica_id)

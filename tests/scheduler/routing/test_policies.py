@@ -281,6 +281,36 @@ def test_cost_ttft_breaks_ties_by_fewest_outstanding_requests() -> None:
     assert CostTTFTPolicy(MODEL).select(request(), loads, GlobalPrefixIndex()) == 2
 
 
+def test_cost_ttft_sends_a_new_prompt_where_fewest_new_prompts_went_lately() -> None:
+    # Equal estimates; replica 1 has one more request outstanding.  Prompt A, which
+    # no replica holds, takes the fewest outstanding (0); prompt B then goes to
+    # replica 1, where no new prompt went yet, despite its extra request.
+    loads = [ReplicaLoad(0), ReplicaLoad(1, num_waiting=1)]
+    index = GlobalPrefixIndex()
+    policy = CostTTFTPolicy(MODEL)
+
+    assert policy.select(request(seed=1, req_id="a"), loads, index) == 0
+    assert policy.select(request(seed=2, req_id="b"), loads, index) == 1
+
+    # Without the rule, both go to the fewest outstanding.
+    by_outstanding = CostTTFTPolicy(MODEL, home_window=None)
+    assert by_outstanding.select(request(seed=1, req_id="a"), loads, index) == 0
+    assert by_outstanding.select(request(seed=2, req_id="b"), loads, index) == 0
+
+
+def test_cost_ttft_breaks_ties_of_a_prompt_some_replica_holds_by_outstanding_requests_alone() -> None:
+    # Replica 2 holds a fifth of prompt C but is busy enough to be out of the tie:
+    # C is not a new prompt, so the placements of new prompts do not steer it.
+    req = request(prompt_len=800, seed=3, req_id="c")
+    index = index_with({2: 10}, req)
+    loads = [ReplicaLoad(0), ReplicaLoad(1, num_waiting=1),
+             ReplicaLoad(2, num_waiting=9, num_queued_prefill_tokens=9000)]
+    policy = CostTTFTPolicy(MODEL)
+    assert policy.select(request(seed=1, req_id="a"), loads, GlobalPrefixIndex()) == 0  # a new prompt on 0
+
+    assert policy.select(req, loads, index) == 0
+
+
 # -- registry and load table ---------------------------------------------------------------
 
 
@@ -311,6 +341,7 @@ def test_make_policy_rejects_unknown_names_and_arguments() -> None:
         ("cost_ttft", "cost_model", 1),
         ("cost_ttft", "match_pending", "yes"),
         ("cost_ttft", "spread_tolerance_steps", float("nan")),
+        ("cost_ttft", "home_window", 0),
         ("least_loaded", "seed", "x"),
         ("least_loaded", "seed", -1),
         ("consistent_hash", "seed", 2.5),
