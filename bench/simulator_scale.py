@@ -112,14 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.replicas} replicas, policy {args.policy}, {args.qps_per_replica * args.replicas:g} qps, "
           f"{args.kv_blocks} KV blocks per replica, {args.output_len}-token answers")
     print(format_table(headers, rows))
-    total = float(rows[-1][5])
+
+    def column(row: list[object], name: str) -> float:
+        return float(row[headers.index(name)])  # type: ignore[arg-type]
+
+    total = column(rows[-1], "total s")
     verdict = "yes" if total <= TARGET_SECONDS else "NO"
     lines = [["total seconds", f"{total:.1f}", f"<= {TARGET_SECONDS:.0f}: {verdict}"]]
     if len(rows) > 1:
-        ratio = float(rows[-1][9]) / float(rows[-2][9])
+        ratio = column(rows[-1], "ms/request") / column(rows[-2], "ms/request")
         lines.append(["ms/request vs 1/10-size run", f"{ratio:.2f}", "1.0 = linear in requests"])
     if len(rows) == 3:
-        speedup = float(rows[0][5]) / float(rows[1][5])
+        speedup = column(rows[0], "total s") / column(rows[1], "total s")
         lines.append([
             f"speed-up of {args.processes} processes", f"{speedup:.2f}",
             "1/10-size run: 1 process's total / theirs",

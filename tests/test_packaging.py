@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-try:
-    import tomllib  # novermin: the fallback below covers 3.10
-except ModuleNotFoundError:  # Python 3.10 (pyproject's oldest): pytest's own TOML parser
-    import tomli as tomllib
+from tests.toml_reader import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

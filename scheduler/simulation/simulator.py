@@ -257,7 +257,6 @@ class FleetSimulator:
             progress(len(requests), len(requests))
         return _in_input_order(records, len(requests)), end_time
 
-
     def _apply_shard_report(
         self, events: list[tuple[int, int, list[BlockHash]]], loads: list[tuple[int, tuple[int, ...]]]
     ) -> None:

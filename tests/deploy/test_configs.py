@@ -18,11 +18,6 @@ import re
 import shlex
 from pathlib import Path
 
-try:
-    import tomllib  # novermin: the fallback below covers 3.10
-except ModuleNotFoundError:  # Python 3.10 (pyproject's oldest): pytest's own TOML parser
-    import tomli as tomllib
-
 import pytest
 import ray
 import yaml
@@ -37,6 +32,7 @@ from tests.deploy.shell_commands import (
     markdown_shell_scripts,
     simple_commands,
 )
+from tests.toml_reader import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
