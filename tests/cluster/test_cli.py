@@ -20,6 +20,7 @@ import torch
 
 from kvserve.cluster import cli
 from kvserve.cluster.cli import main
+from kvserve.kernels.extension_build import build_root
 from kvserve.worker.tiny_model import create_tiny_model
 
 STARTUP_TIMEOUT_S = 180.0
@@ -82,8 +83,20 @@ class ServeProcess:
 
 
 def serve_env(cache_dir: Path) -> dict[str, str]:
+    """The environment of a `kvserve` subprocess whose cache is ``cache_dir``.
+
+    NOTE: the kernels' builds stay shared with the rest of the suite (the build
+    root this process uses): in a fresh cache each served replica's worker
+    compiled the C++ kernel again, and the module's server took 33 s instead of
+    9.5 s to get its replica ready on a 2-core machine.
+    """
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
     env["KVSERVE_CACHE_DIR"] = str(cache_dir)
+    shared = build_root().parent
+    shared.mkdir(parents=True, exist_ok=True)
+    link = cache_dir / "torch_extensions"
+    if not link.exists():
+        link.symlink_to(shared, target_is_directory=True)
     return env
 
 
