@@ -191,8 +191,10 @@ def test_progress_counts_every_process_s_finished_requests_up_to_all_of_them(all
     assert done == sorted(done) and len(set(done)) == len(done)
     assert {total for _, total in seen} == {200}
     assert seen[-1] == (200, 200)
-    # Along the way, from both processes: a shard sends a count every 20 of its own finished requests.
-    # Between two reports the total gains under 20, then at most one shard count (20) and the finishes
-    # of the steps that end together here; with no counts from the shard during its drain, its 100
-    # requests came in one jump at the end.
-    assert max(b - a for a, b in zip([0, *done], done)) <= 4 * 20
+    # Along the way, from both processes: a shard sends a count every 20 of its own finished requests,
+    # but the counts that pile up while this process steps are read together (a report gained 84
+    # requests in one CI run: more than one count; 40 at most in 15 runs on an idle machine).  The
+    # bound is what a shard sending no counts in its drain breaks, and a busy machine does not
+    # unless it holds this process up for the shard's whole drain: the shard's 100 requests (all of
+    # them finish in the drain when all arrive at once) came in one jump at the end.
+    assert max(b - a for a, b in zip([0, *done], done)) < 100
