@@ -195,10 +195,11 @@ class CostTTFTPolicy:
         table.check_any_available()
         available = None if table.all_available else table.available
         uncached = self._uncached_tokens(request, table, index)
-        # A request no replica holds any of: a new prompt (see the module docstring).
-        new_prompt = self.homes is not None and float(uncached.min()) >= request.num_prompt_tokens
+        new_prompt = False
         if self.homes is not None:
             self.homes.decay(len(table))
+            # A request no replica holds any of: a new prompt (see the module docstring).
+            new_prompt = float(uncached.min()) >= request.num_prompt_tokens
         step_time = self._step_time(table)
         score = self._estimate(table, uncached, step_time)
         waiting = table.num_waiting if available is None else table.num_waiting[available]

@@ -298,6 +298,20 @@ def test_cost_ttft_sends_a_new_prompt_where_fewest_new_prompts_went_lately() -> 
     assert by_outstanding.select(request(seed=2, req_id="b"), loads, index) == 0
 
 
+def test_cost_ttft_counts_only_new_prompts_among_the_placements_that_steer_new_prompts() -> None:
+    # Prompt A, new, takes replica 0 (fewest outstanding); prompt C, held by replica 1,
+    # goes there on its match.  C is no new prompt, so only A counts: the next new
+    # prompt goes to replica 1 despite its extra request.
+    loads = [ReplicaLoad(0), ReplicaLoad(1, num_waiting=1)]
+    held = request(prompt_len=1600, seed=3, req_id="c")
+    index = index_with({1: 90}, held)
+    policy = CostTTFTPolicy(MODEL)
+
+    assert policy.select(request(seed=1, req_id="a"), loads, index) == 0
+    assert policy.select(held, loads, index) == 1
+    assert policy.select(request(seed=2, req_id="b"), loads, index) == 1
+
+
 def test_cost_ttft_breaks_ties_of_a_prompt_some_replica_holds_by_outstanding_requests_alone() -> None:
     # Replica 2 holds a fifth of prompt C but is busy enough to be out of the tie:
     # C is not a new prompt, so the placements of new prompts do not steer it.
