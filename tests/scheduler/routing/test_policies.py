@@ -356,6 +356,8 @@ def test_make_policy_rejects_unknown_names_and_arguments() -> None:
         ("cost_ttft", "match_pending", "yes"),
         ("cost_ttft", "spread_tolerance_steps", float("nan")),
         ("cost_ttft", "home_window", 0),
+        ("cost_ttft", "shared_match_window", 0),
+        ("cost_ttft", "shared_match_window", 1.5),
         ("least_loaded", "seed", "x"),
         ("least_loaded", "seed", -1),
         ("consistent_hash", "seed", 2.5),
@@ -550,16 +552,41 @@ def test_cost_ttft_share_bound_gives_way_when_the_other_bounds_leave_no_other_re
     assert policy.select(req, loads, index) == 2
 
 
+def queued(replica_id: int, waiting: int, tokens: int) -> ReplicaLoad:
+    return ReplicaLoad(
+        replica_id, num_waiting=waiting, num_queued_prefill_tokens=tokens, num_free_blocks=1000, num_total_blocks=1000
+    )
+
+
 def test_cost_ttft_keeps_a_request_on_its_cached_replica_when_the_whole_fleet_is_backlogged() -> None:
     req = request(prompt_len=1600)
     index = index_with({0: 99}, req)
     # Replica 0 holds the prompt but has 3000 more queued tokens than replica 1: alone, a miss there is faster.
-    queued = lambda r, waiting, tokens: ReplicaLoad(  # noqa: E731
-        r, num_waiting=waiting, num_queued_prefill_tokens=tokens, num_free_blocks=1000, num_total_blocks=1000
-    )
     spread = [queued(0, 6, 4000), queued(1, 0, 1000)]
     backlogged = [queued(0, 6, 4000), queued(1, 2, 1000)]
+    # Every match counted shared: the backlog is the fewest requests waiting on any replica.
+    fewest = dict(shared_match_window=None)
 
-    assert CostTTFTPolicy(MODEL).select(req, spread, index) == 1  # replica 1 has no queue: spill
-    assert CostTTFTPolicy(MODEL).select(req, backlogged, index) == 0  # every replica queues: keep the hit
+    assert CostTTFTPolicy(MODEL, **fewest).select(req, spread, index) == 1  # replica 1 has no queue: spill
+    assert CostTTFTPolicy(MODEL, **fewest).select(req, backlogged, index) == 0  # every replica queues: keep the hit
     assert CostTTFTPolicy(MODEL, work_penalty=0).select(req, backlogged, index) == 1
+
+
+def test_cost_ttft_keeps_a_private_prefix_on_its_replica_under_backlog_and_spills_a_shared_one() -> None:
+    prompt = [(i * 31) % 30_000 + 3 for i in range(1600)]
+    # Two requests whose matches end at the same block (the 99th): the second finds the prefix shared.
+    first = RoutingRequest("first", HASHER.hash_token_ids(prompt), 1600, BLOCK_SIZE)
+    sibling = prompt[:1584] + [7] * 16
+    second = RoutingRequest("second", HASHER.hash_token_ids(sibling), 1600, BLOCK_SIZE)
+    index = index_with({0: 99}, first)
+    # Replica 0 holds 99 blocks but queues 3000 tokens more than replica 1, which has no queue.
+    spread = [queued(0, 6, 4000), queued(1, 0, 1000)]
+    policy = CostTTFTPolicy(MODEL)
+
+    # Private (no other match ended there yet): the mean backlog (3 requests) prices the
+    # 1,584 tokens a move recomputes above the 3,000 queued tokens it skips.
+    assert policy.select(first, spread, index) == 0
+    # Shared: the fewest waiting is 0, a copy on replica 1 costs nobody else: spill.
+    assert policy.select(second, spread, index) == 1
+    # Without the distinction every match is shared.
+    assert CostTTFTPolicy(MODEL, shared_match_window=None).select(first, spread, index) == 1
