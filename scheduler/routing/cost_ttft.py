@@ -65,9 +65,10 @@ policy the default are in ``README.md`` beside this file.
   not cached are work the fleet must do on top, which delays requests that
   queue, so each replica's score adds ``work_penalty * b * uncached tokens
   there * backlog``.  The backlog depends on whether the prefix the request
-  matched is shared (another recent request's match ended at the same block:
-  a system prompt, a document, a customer's context; see ``SharedMatches``)
-  or private (a chat session's history):
+  matched is shared (its match ends where an earlier prompt went on with
+  other tokens, or where another match ended: a system prompt, a document, a
+  customer's context; see ``SharedMatches``) or private (a chat session's
+  history, whose match ends at the end of the previous turn's answer):
 
   * shared: the fewest requests waiting on any replica.  It is zero while
     any replica has no queue: computing the prefix there costs nobody else
@@ -75,15 +76,15 @@ policy the default are in ``README.md`` beside this file.
     overload it keeps requests where their prefix is cached.
   * private: the mean requests waiting per replica.  A copy elsewhere serves
     that session alone, and while replicas queue, its tokens delay them.
-    ``shared_match_window`` (default 1000 matched requests) is how far back
-    a match counts as shared; ``None`` takes the fewest for every request.
+    ``shared_match_window`` (default 1000 requests) is how far back a fork
+    or match counts; ``None`` takes the fewest for every request.
     NOTE: with the fewest for histories too, turns left their history's
     replica for one without a queue, their copies evicted other sessions'
     histories, and past the knee the fleet tipped into preemptions
     (multi-turn chat at 8 replicas, 90 qps, 1.3x the knee: TTFT p99 0.81 /
     2.24 s on seeds 0 / 1, 483 preemptions on seed 1; with the mean 0.30 /
     0.23 s and 4).  With the mean for shared prefixes too, a hot customer
-    context stayed on its busy holders: load max/mean 1.28 instead of 1.09.
+    context stayed on its busy holders: load max/mean 1.28 instead of 1.07.
 * **Bounded loads.**  A TTFT estimate alone keeps every request of a popular
   prefix on the replicas holding it until their batches are full (a hit's
   first token is one step away however slow that step has become).  Two
@@ -199,7 +200,7 @@ class CostTTFTPolicy:
         )
         # Each replica's new prompts placed lately (see the module docstring).
         self.homes = None if home_window is None else DecayedCounts(home_window, name="home_window")
-        # Which matches other recent requests shared (see the module docstring).
+        # Where recent prompts forked or matched: which matches are shared (see the module docstring).
         self.shared_matches = (
             None if shared_match_window is None else SharedMatches(shared_match_window, name="shared_match_window")
         )
@@ -228,9 +229,9 @@ class CostTTFTPolicy:
         score = self._estimate(table, uncached, step_time)
         waiting = table.num_waiting if available is None else table.num_waiting[available]
         backlog = float(waiting.min())
-        if self.shared_matches is not None and matches:
-            end = request.block_hashes[max(matches.values()) - 1]
-            if not self.shared_matches.observe(end):
+        if self.shared_matches is not None:
+            num_matched = max(matches.values(), default=0)
+            if not self.shared_matches.observe(request.block_hashes, num_matched) and num_matched:
                 backlog = float(waiting.mean())  # a private prefix
         if self.work_penalty and backlog:
             score += self.work_penalty * self.cost_model.b * backlog * uncached
