@@ -583,8 +583,8 @@ def test_cost_ttft_keeps_a_private_prefix_on_its_replica_under_backlog_and_spill
     spread = [queued(0, 6, 4000), queued(1, 0, 1000)]
     policy = CostTTFTPolicy(MODEL)
 
-    # Private (no other match ended there yet): the mean backlog (3 requests) prices the
-    # 1,584 tokens a move recomputes above the 3,000 queued tokens it skips.
+    # Private (no earlier prompt went on from its last block, no other match ended there): the
+    # mean backlog (3 requests) prices the 1,584 tokens a move recomputes above the 3,000 it skips.
     assert policy.select(first, spread, index) == 0
     # Shared: the fewest waiting is 0, a copy on replica 1 costs nobody else: spill.
     assert policy.select(second, spread, index) == 1
