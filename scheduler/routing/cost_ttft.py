@@ -210,7 +210,8 @@ class CostTTFTPolicy:
     ) -> np.ndarray:
         """Estimated seconds to ``request``'s first token on each replica."""
         table = LoadTable.of(replicas)
-        return self._estimate(table, self._uncached_tokens(request, table, index), self._step_time(table))
+        uncached = self._uncached_tokens(request, table, self._matches(request, index))
+        return self._estimate(table, uncached, self._step_time(table))
 
     def select(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
@@ -218,8 +219,8 @@ class CostTTFTPolicy:
         table = LoadTable.of(replicas)
         table.check_any_available()
         available = None if table.all_available else table.available
-        matches = index.match(request.block_hashes, pending=self.matches_pending)
-        uncached = self._uncached(request, table, matches)
+        matches = self._matches(request, index)
+        uncached = self._uncached_tokens(request, table, matches)
         new_prompt = False
         if self.homes is not None:
             self.homes.decay(len(table))
@@ -231,7 +232,8 @@ class CostTTFTPolicy:
         backlog = float(waiting.min())
         if self.shared_matches is not None:
             num_matched = max(matches.values(), default=0)
-            if not self.shared_matches.observe(request.block_hashes, num_matched) and num_matched:
+            shared = self.shared_matches.observe(request.block_hashes, num_matched)
+            if num_matched and not shared:
                 backlog = float(waiting.mean())  # a private prefix
         if self.work_penalty and backlog:
             score += self.work_penalty * self.cost_model.b * backlog * uncached
@@ -277,11 +279,11 @@ class CostTTFTPolicy:
             self.homes.add(best)
         return best
 
-    def _uncached_tokens(self, request: RoutingRequest, table: LoadTable, index: GlobalPrefixIndex) -> np.ndarray:
-        """Prompt tokens ``request`` would compute on each replica, given its prefix match there."""
-        return self._uncached(request, table, index.match(request.block_hashes, pending=self.matches_pending))
+    def _matches(self, request: RoutingRequest, index: GlobalPrefixIndex) -> dict[int, int]:
+        """Replica -> leading blocks of ``request``'s prompt it caches (or has pending, with ``match_pending``)."""
+        return index.match(request.block_hashes, pending=self.matches_pending)
 
-    def _uncached(self, request: RoutingRequest, table: LoadTable, matches: dict[int, int]) -> np.ndarray:
+    def _uncached_tokens(self, request: RoutingRequest, table: LoadTable, matches: dict[int, int]) -> np.ndarray:
         """Prompt tokens ``request`` would compute on each replica, given ``matches`` (blocks per replica).
 
         A match of less than ``min_match_fraction`` of the prompt counts as none.

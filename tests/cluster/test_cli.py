@@ -14,13 +14,14 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from kvserve.cluster import cli
 from kvserve.cluster.cli import main
-from kvserve.kernels.extension_build import build_root
+from kvserve.kernels.extension_build import CACHE_DIR_ENV, build_root
 from kvserve.worker.tiny_model import create_tiny_model
 
 STARTUP_TIMEOUT_S = 180.0
@@ -91,11 +92,13 @@ def serve_env(cache_dir: Path) -> dict[str, str]:
     9.5 s to get its replica ready on a 2-core machine.
     """
     env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env["KVSERVE_CACHE_DIR"] = str(cache_dir)
+    env[CACHE_DIR_ENV] = str(cache_dir)
     shared = build_root().parent
     shared.mkdir(parents=True, exist_ok=True)
-    link = cache_dir / "torch_extensions"
+    with mock.patch.dict(os.environ, {CACHE_DIR_ENV: str(cache_dir)}):
+        link = build_root().parent  # where the subprocess's builds go
     if not link.exists():
+        link.parent.mkdir(parents=True, exist_ok=True)
         link.symlink_to(shared, target_is_directory=True)
     return env
 
