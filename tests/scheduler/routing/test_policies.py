@@ -358,6 +358,7 @@ def test_make_policy_rejects_unknown_names_and_arguments() -> None:
         ("cost_ttft", "home_window", 0),
         ("cost_ttft", "shared_match_window", 0),
         ("cost_ttft", "shared_match_window", 1.5),
+        ("cost_ttft", "private_copy_charge", -1.0),
         ("least_loaded", "seed", "x"),
         ("least_loaded", "seed", -1),
         ("consistent_hash", "seed", 2.5),
@@ -390,6 +391,12 @@ def test_load_table_keeps_the_outstanding_requests_of_the_available_replicas() -
     assert list(table.num_outstanding) == [1, 10, 3]
 
 
+def saw_sessions_fork(policy: CostTTFTPolicy, req: RoutingRequest) -> None:
+    """Make ``policy`` have seen earlier sessions go on from every block of ``req``'s prompt but its last:
+    a match of its system prompt is then shared, as every new session's is in a running fleet."""
+    policy.shared_matches.observe(req.block_hashes, 0)
+
+
 def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holding_only_a_system_prompt() -> None:
     """The system prompt saves less than a step: a near-tie, so the less loaded replica wins."""
     req = request(prompt_len=384)
@@ -399,6 +406,7 @@ def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holdin
         ReplicaLoad(1, num_free_blocks=1000, num_total_blocks=1000),
     ]
     policy = CostTTFTPolicy(StepCostModel.default())
+    saw_sessions_fork(policy, req)
 
     assert policy.estimate_ttft(req, loads, index)[0] < policy.estimate_ttft(req, loads, index)[1]
     assert policy.select(req, loads, index) == 1
@@ -419,6 +427,7 @@ def test_cost_ttft_sends_a_new_session_to_a_replica_far_under_its_share_within_t
 
     def policy_after(routed: list[int], **kwargs: float) -> CostTTFTPolicy:
         policy = CostTTFTPolicy(model, **kwargs)
+        saw_sessions_fork(policy, first_turn)
         for replica_id in routed:
             policy.recent_share.record(replica_id, 2)
         return policy
@@ -569,7 +578,7 @@ def test_cost_ttft_keeps_a_request_on_its_cached_replica_when_the_whole_fleet_is
 
     assert CostTTFTPolicy(MODEL, **fewest).select(req, spread, index) == 1  # replica 1 has no queue: spill
     assert CostTTFTPolicy(MODEL, **fewest).select(req, backlogged, index) == 0  # every replica queues: keep the hit
-    assert CostTTFTPolicy(MODEL, work_penalty=0).select(req, backlogged, index) == 1
+    assert CostTTFTPolicy(MODEL, **fewest, work_penalty=0).select(req, backlogged, index) == 1
 
 
 def test_cost_ttft_keeps_a_private_prefix_on_its_replica_under_backlog_and_spills_a_shared_one() -> None:
@@ -590,3 +599,23 @@ def test_cost_ttft_keeps_a_private_prefix_on_its_replica_under_backlog_and_spill
     assert policy.select(second, spread, index) == 1
     # Without the distinction every match is shared.
     assert CostTTFTPolicy(MODEL, shared_match_window=None).select(first, spread, index) == 1
+
+
+def test_cost_ttft_keeps_a_private_prefix_on_its_replica_mid_way_through_another_prompt() -> None:
+    prompt = [(i * 37) % 30_000 + 3 for i in range(800)]
+    turn = RoutingRequest("turn", HASHER.hash_token_ids(prompt), 800, BLOCK_SIZE)
+    sibling = RoutingRequest("sibling", HASHER.hash_token_ids(prompt[:640] + [7] * 160), 800, BLOCK_SIZE)
+    index = index_with({0: 40}, turn)  # replica 0 holds 640 of the 800 tokens
+    # Replica 0 is computing a 1,500-token prompt: half of that step is 75 ms more to wait there, more than
+    # the 64 ms that 640 cached tokens save; replica 1 runs only a decode.
+    loads = [
+        ReplicaLoad(0, num_running=1, num_inflight_prefill_tokens=1500, num_free_blocks=1000, num_total_blocks=1000),
+        ReplicaLoad(1, num_running=1, num_free_blocks=1000, num_total_blocks=1000),
+    ]
+
+    assert CostTTFTPolicy(MODEL, private_copy_charge=0).select(turn, loads, index) == 1  # the estimate alone
+    # Private (its match ends where no prompt went on): a copy on replica 1 is charged its 640 tokens again.
+    policy = CostTTFTPolicy(MODEL)
+    assert policy.select(turn, loads, index) == 0
+    # The sibling's match ends at the same block: shared, a second holder is worth having, no charge.
+    assert policy.select(sibling, loads, index) == 1
