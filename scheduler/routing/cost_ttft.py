@@ -92,8 +92,8 @@ policy the default are in ``README.md`` beside this file.
   elsewhere, and in a full cache that copy evicts as many tokens of other
   sessions' histories, which their next turns compute again.  Shared
   matches pay nothing: their copy is one more holder for the requests to
-  come.  ``0`` turns it off.  NOTE: under heavy decode load a turn's
-  holder is often mid-way through another prompt's step, and the estimate
+  come.  ``0`` turns it off.  NOTE: under heavy load a turn's holder is
+  often mid-way through a step computing another prompt, and the estimate
   moved turns to save half of that step: on multi-turn chat with 4-turn
   sessions at 8 replicas' knee (142.6 qps), 336 of 1,462 later turns left
   their history, and the hit rate was 0.66 and e2e p50 5.70 s (cache_aware:
