@@ -411,6 +411,7 @@ def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holdin
     assert policy.estimate_ttft(req, loads, index)[0] < policy.estimate_ttft(req, loads, index)[1]
     assert policy.select(req, loads, index) == 1
     ttft_only = CostTTFTPolicy(StepCostModel.default(), tie_tolerance_steps=0, decode_horizon=0)
+    saw_sessions_fork(ttft_only, req)
     assert ttft_only.select(req, loads, index) == 0
 
 
