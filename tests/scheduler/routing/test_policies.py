@@ -443,9 +443,11 @@ def test_cost_ttft_sends_a_new_session_to_a_replica_far_under_its_share_within_t
     assert policy_after([0] * 200).select(first_turn, loads, index) == 1
     assert policy_after([0] * 200, spread_tolerance_steps=0).select(first_turn, loads, index) == 0
     assert policy_after([0] * 200, spread_tolerance_steps=1).select(first_turn, loads, index) == 0
-    # A later turn whose 1,024-token history replica 0 holds costs 46 ms more elsewhere: it stays.
+    # A later turn whose 1,024-token history replica 0 holds costs 46 ms more elsewhere: it stays (on the
+    # estimate alone, without the private copy charge).
     later_turn = request(prompt_len=1152)
-    assert policy_after([0] * 200).select(later_turn, loads, index_with({0: 64}, later_turn)) == 0
+    estimate_only = policy_after([0] * 200, private_copy_charge=0)
+    assert estimate_only.select(later_turn, loads, index_with({0: 64}, later_turn)) == 0
     with pytest.raises(ValueError, match="spread_tolerance_steps"):
         CostTTFTPolicy(model, spread_tolerance_steps=-1)
 
@@ -591,7 +593,8 @@ def test_cost_ttft_keeps_a_private_prefix_on_its_replica_under_backlog_and_spill
     index = index_with({0: 99}, first)
     # Replica 0 holds 99 blocks but queues 3000 tokens more than replica 1, which has no queue.
     spread = [queued(0, 6, 4000), queued(1, 0, 1000)]
-    policy = CostTTFTPolicy(MODEL)
+    # Without the private copy charge, which alone would keep the first request (its own test is below).
+    policy = CostTTFTPolicy(MODEL, private_copy_charge=0)
 
     # Private (no earlier prompt went on from its last block, no other match ended there): the
     # mean backlog (3 requests) prices the 1,584 tokens a move recomputes above the 3,000 it skips.
@@ -599,7 +602,8 @@ def test_cost_ttft_keeps_a_private_prefix_on_its_replica_under_backlog_and_spill
     # Shared: the fewest waiting is 0, a copy on replica 1 costs nobody else: spill.
     assert policy.select(second, spread, index) == 1
     # Without the distinction every match is shared.
-    assert CostTTFTPolicy(MODEL, shared_match_window=None).select(first, spread, index) == 1
+    every_match_shared = CostTTFTPolicy(MODEL, shared_match_window=None, private_copy_charge=0)
+    assert every_match_shared.select(first, spread, index) == 1
 
 
 def test_cost_ttft_keeps_a_private_prefix_on_its_replica_mid_way_through_another_prompt() -> None:
