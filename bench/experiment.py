@@ -15,8 +15,11 @@ whose vocabulary and tokenizer the front end uses.
 Every policy sees the same requests at each rate.  ``--qps knee`` finds the rate at which the baseline's TTFT p99 is
 ``--knee-factor`` times its unloaded value, by simulation (with ``--live``
 too: the live runs follow at that rate).  Replica caches are sized as a
-fraction of the stream's prefix working set (the blocks an infinite cache
-would reuse) unless ``--kv-blocks-per-replica`` is given.  Session workloads
+fraction of the prefix working set (the blocks an infinite cache would
+reuse) of the stream at 1 qps with the default number of requests (a trace:
+all its records), whatever ``--num-requests`` and the rates, unless
+``--kv-blocks-per-replica`` is given: the hardware stays the same however
+long a run measures and whatever load it is under.  Session workloads
 start in their steady state and mark a warm-up (served, not measured): the
 figures cover the measured requests, ``--num-requests`` of them (by
 default 250 per replica: with fewer, a big fleet's figures are its cold
@@ -94,6 +97,7 @@ from kvserve.bench.experiment_setup import (
     prepare_output,
     record_in_config,
     qps_label,
+    sizing_stream,
     stream_spec,
 )
 from kvserve.bench.report import count, format_table
@@ -211,7 +215,8 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     kv.add_argument("--kv-blocks-per-replica", type=int, help="KV blocks per replica")
     kv.add_argument(
         "--kv-fraction", type=float,
-        help=f"KV blocks per replica as a fraction of the prefix working set (default {DEFAULT_KV_FRACTION})",
+        help=f"KV blocks per replica as a fraction of the prefix working set of the stream at 1 qps with the "
+             f"default number of requests (default {DEFAULT_KV_FRACTION})",
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="step token budget (default 2048)")
@@ -322,15 +327,22 @@ def _run(args: argparse.Namespace) -> int:
     # A trace may hold fewer than --num-requests; session workloads add a warm-up.
     num_measured = sum(r.measured for r in reference_stream)
     reference = infinite_cache_reference(reference_stream, args.block_size)
-    fleet = fleet_config(args, reference_stream, reference, cost_model)
+    # The caches are sized on the default stream's working set, whatever --num-requests (see sizing_stream).
+    sizing = sizing_stream(args, stream)
+    sizing_reference = reference
+    if sizing is not None and sizing.num_requests != stream.num_requests:
+        num_sizing = "all its" if sizing.num_requests is None else f"{sizing.num_requests:,}"
+        _print_progress(f"generating the stream {_rate(reference_qps)} with {num_sizing} requests, to size the caches")
+        sizing_reference = infinite_cache_reference(_stream_at(sizing, reference_qps), args.block_size)
+    fleet = fleet_config(args, reference_stream, sizing_reference, cost_model)
     if args.address is None:  # a joined cluster's replicas live on its nodes
         num_runs = len(rates) * len(policies)  # the knee's search: one run at a time
         check_fleet_memory(fleet, min(args.jobs, num_runs), available_memory_bytes())
     if model is not None:
         # Synthetic tokens come from the model's vocabulary, live and simulated alike.
         fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
-    prepare_output(args, RESULT_FILES, reference, fleet)
-    describe(stream, num_measured, reference, fleet)
+    prepare_output(args, RESULT_FILES, reference, sizing_reference, fleet)
+    describe(stream, num_measured, reference, sizing, sizing_reference, fleet)
     if model is not None:
         print(
             f"token ids come from the served model's vocabulary of {model.vocab_size}: for the same stream "
@@ -360,7 +372,7 @@ def _run(args: argparse.Namespace) -> int:
         rates = [knee_qps]
         record_in_config(args.out, knee_qps=knee_qps)
     # Every rate's stream must fit the fleet before any run starts (a session workload's grows with the rate).
-    sized_by = cache_sized_by(args, reference)
+    sized_by = cache_sized_by(args, sizing_reference)
     for qps in rates:
         _fleet_at(fleet, stream, qps, sized_by)
     runs = [Run(qps, policy, policy_kwargs[policy]) for qps in rates for policy in policies]

@@ -313,6 +313,24 @@ def qps_label(qps: float | None, stream: Sequence[WorkloadRequest]) -> float:
     return float(f"{(len(stream) - 1) / span:.4g}") if span > 0 else float(len(stream))
 
 
+def sizing_stream(args: argparse.Namespace, stream: StreamSpec) -> StreamSpec | None:
+    """The stream whose prefix working set ``--kv-fraction`` sizes the caches on, at the reference rate
+    (1 qps; a trace as recorded): ``stream`` with the default number of requests for ``--replicas`` (a
+    trace: all its records).  ``None`` where no stream is needed (``--kv-blocks-per-replica``).
+
+    NOTE: sized on ``stream`` itself, a session workload's caches shrank with ``--num-requests``: its
+    working set is every session's history, which grows with the stream, while the histories under way
+    at once do not.  With 300 requests of multi-turn chat at 8 replicas and 20 qps, each replica held
+    1,604 blocks where the default 2,000 requests give 9,960; the fleet could not hold the 16,013
+    blocks of the sessions under way, and every policy's hit rate was 0.20-0.29 of an infinite cache's.
+    ``--num-requests`` now sets how long a run measures, not how much its replicas hold.
+    """
+    if args.kv_blocks_per_replica is not None:
+        return None
+    num_requests = None if stream.workload == TRACE_WORKLOAD else default_num_requests(args.replicas)
+    return dataclasses.replace(stream, num_requests=num_requests)
+
+
 def cache_sized_by(args: argparse.Namespace, reference: CacheReference) -> tuple[float, int] | None:
     """The (fraction, working-set blocks) replica caches are sized from; ``None`` for ``--kv-blocks-per-replica``."""
     if args.kv_blocks_per_replica is not None:
@@ -425,12 +443,18 @@ def _check_room(
             f"({longest} tokens = {blocks_for_longest} blocks); raise --kv-fraction or --kv-blocks-per-replica"
         )
     fraction, working_set = sized_by
-    least = math.ceil(100 * blocks_for_longest / working_set) / 100  # rounded up: it holds the longest
+    least = _round_up(blocks_for_longest / working_set)  # rounded up: it holds the longest
     raise ExperimentError(
         f"{num_usable_blocks} KV blocks per replica ({fraction:g} of the {working_set}-block working set) cannot "
         f"hold the longest request ({longest} tokens = {blocks_for_longest} blocks); give --kv-fraction "
         f"{least:g} or more, or --kv-blocks-per-replica"
     )
+
+
+def _round_up(fraction: float, digits: int = 2) -> float:
+    """``fraction`` (> 0) rounded up to ``digits`` significant digits."""
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(fraction)))
+    return math.ceil(fraction * scale - 1e-9) / scale
 
 
 def fleet_for(
@@ -460,18 +484,43 @@ def default_policy_kwargs(
     return {name: values[name] for name in EXPERIMENT_POLICY_ARGS.get(policy, {})}
 
 
-def describe(stream: StreamSpec, num_requests: int, reference: CacheReference, fleet: FleetConfig) -> None:
-    """Print the setup; ``num_requests`` is the measured requests of the stream."""
+def describe(
+    stream: StreamSpec,
+    num_requests: int,
+    reference: CacheReference,
+    sizing: StreamSpec | None,
+    sizing_reference: CacheReference,
+    fleet: FleetConfig,
+) -> None:
+    """Print the setup; ``num_requests`` is the measured requests of the stream.
+
+    ``reference``: the stream's infinite-cache reference at the reference rate; ``sizing`` and
+    ``sizing_reference``: the stream the caches were sized on and its reference (``sizing`` ``None``:
+    ``--kv-blocks-per-replica`` set them, and ``sizing_reference`` is ``reference``).
+    """
     cost = fleet.cost_model
     params = f" {stream.params}" if stream.params else ""
-    # The reference stream the fleet was sized on: at 1 qps, a trace as recorded.
+    # The reference rate, which the fleet was sized at: 1 qps, a trace as recorded.
     rate = "as recorded" if stream.workload == TRACE_WORKLOAD else "at 1 qps"
     lines = [
         f"workload {stream.workload}{params}: {count(num_requests, 'request')}, seed {stream.seed}",
         f"prefix working set {rate}: {reference.num_reused_blocks} blocks reused "
         f"({reference.num_distinct_blocks} distinct; infinite-cache hit rate {reference.hit_rate:.3f})",
+    ]
+    working_set = "the working set"
+    if sizing is not None and sizing.num_requests != stream.num_requests:
+        length = (
+            "all its records" if sizing.num_requests is None
+            else f"{sizing.num_requests:,} requests, the default for {count(fleet.num_replicas, 'replica')}"
+        )
+        lines.append(
+            f"caches sized on the stream {rate} with {length} (--num-requests sets how long a run measures, "
+            f"not the caches): {sizing_reference.num_reused_blocks} blocks reused"
+        )
+        working_set = "that working set"
+    lines += [
         f"fleet: {count(fleet.num_replicas, 'replica')} x {fleet.cache_config.num_usable_blocks} KV blocks "
-        f"({fleet.cache_config.num_usable_blocks / max(reference.num_reused_blocks, 1):.2f} of the working set), "
+        f"({fleet.cache_config.num_usable_blocks / max(sizing_reference.num_reused_blocks, 1):.2g} of {working_set}), "
         f"budget {fleet.scheduler_config.max_num_batched_tokens} tokens, max {fleet.scheduler_config.max_num_seqs} seqs",
         f"step cost: a={cost.a:.3g} s, b={cost.b:.3g} s/prefill token, c={cost.c:.3g} s/decode, "
         f"d={cost.d:.3g} s/context token",
@@ -501,7 +550,11 @@ def check_output_dir(out: Path) -> None:
 
 
 def prepare_output(
-    args: argparse.Namespace, result_files: Sequence[str], reference: CacheReference, fleet: FleetConfig
+    args: argparse.Namespace,
+    result_files: Sequence[str],
+    reference: CacheReference,
+    sizing_reference: CacheReference,
+    fleet: FleetConfig,
 ) -> None:
     """Create ``--out`` (``check_output_dir`` has checked it), remove an earlier run's ``result_files``
     there and write ``config.json``."""
@@ -517,6 +570,10 @@ def prepare_output(
     config["kv_blocks_per_replica_used"] = fleet.cache_config.num_usable_blocks
     config["infinite_cache_hit_rate"] = reference.hit_rate
     config["prefix_working_set_blocks"] = reference.num_reused_blocks
+    # The working set --kv-fraction sized the caches on (that of the default stream; see sizing_stream).
+    config["sizing_working_set_blocks"] = (
+        None if args.kv_blocks_per_replica is not None else sizing_reference.num_reused_blocks
+    )
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name in result_files:

@@ -28,7 +28,8 @@ from kvserve.bench.experiment_setup import (
     default_num_requests,
     qps_label,
 )
-from kvserve.bench.workloads import WorkloadRequest, sessions
+from kvserve.bench.workloads import WorkloadRequest, make_workload, sessions
+from kvserve.bench.workloads.cache_reference import CacheReference, infinite_cache_reference
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
@@ -613,13 +614,79 @@ def test_every_rates_stream_is_fitted_before_the_first_run(tmp_path, capsys) -> 
 
 def test_a_cache_fraction_too_small_for_a_higher_rates_stream_names_the_least_that_fits(tmp_path, capsys) -> None:  # noqa: ANN001
     # At 3 qps a session's history outgrows the cache sized at 1 qps: the error said only "raise --kv-fraction".
-    message = run_bad(["--workload", "multi_turn", "--replicas", "2", "--num-requests", "1", "--qps", "3",
-                       "--kv-fraction", "0.65", "--no-plots", "--out", str(tmp_path / "run")], capsys)
+    # The caches are sized on the default stream (2,000 requests at 1 qps: 40,770 blocks reused), and
+    # 0.006 of it (245 blocks) holds the run's stream at 1 qps, whose longest request is shorter.
+    argv = ["--workload", "multi_turn", "--replicas", "2", "--num-requests", "1", "--qps", "3", "--no-plots",
+            "--policies", "round_robin"]
+    message = run_bad([*argv, "--kv-fraction", "0.006", "--out", str(tmp_path / "run")], capsys)
 
     assert message.strip().endswith(
-        "multi_turn at 3 qps: 211 KV blocks per replica (0.65 of the 324-block working set) cannot hold the longest "
-        "request (4096 tokens = 256 blocks); give --kv-fraction 0.8 or more, or --kv-blocks-per-replica"
+        "multi_turn at 3 qps: 245 KV blocks per replica (0.006 of the 40770-block working set) cannot hold the "
+        "longest request (4096 tokens = 256 blocks); give --kv-fraction 0.0063 or more, or --kv-blocks-per-replica"
     )
+    # The fraction it names is enough: 0.0063 x 40,770 blocks, rounded up, is 257.
+    assert run_experiment(parse([*argv, "--kv-fraction", "0.0063", "--out", str(tmp_path / "enough")])) == 0
+    assert "2 replicas x 257 KV blocks" in capsys.readouterr().out
+
+
+def sized_blocks(out: Path) -> tuple[int, int | None]:
+    """A finished run's KV blocks per replica, and the working set ``--kv-fraction`` sized them on."""
+    config = json.loads((out / "config.json").read_text())
+    return config["kv_blocks_per_replica_used"], config["sizing_working_set_blocks"]
+
+
+def test_num_requests_sets_how_long_a_run_measures_not_the_replicas_caches(tmp_path, capsys) -> None:  # noqa: ANN001
+    # A session workload's working set is every history of the stream: sized on the run's own stream,
+    # 30 requests gave caches a tenth of the default run's, too small for the sessions under way (hit
+    # rate 0.16 of an infinite cache's, TTFT p50 12 s).
+    argv = ["--workload", "multi_turn", "--replicas", "2", "--qps", "5", "--policies", "cost_ttft", "--no-plots"]
+    default_stream = sessions_reference(2_000)
+    assert run_experiment(parse([*argv, "--num-requests", "30", "--out", str(tmp_path / "short")])) == 0
+
+    printed = capsys.readouterr().out
+    assert "caches sized on the stream at 1 qps with 2,000 requests, the default for 2 replicas" in printed
+    expected = -(-default_stream.num_reused_blocks // 4)  # a quarter, rounded up
+    assert sized_blocks(tmp_path / "short") == (expected, default_stream.num_reused_blocks)
+    assert f"2 replicas x {expected} KV blocks" in printed
+    # The run's own stream reuses far fewer blocks: what the caches were sized on before.
+    assert sessions_reference(30).num_reused_blocks < default_stream.num_reused_blocks / 10
+    row = next(line for line in printed.splitlines() if line.startswith("| cost_ttft"))
+    assert float(row.split("|")[4]) >= 0.9  # hit rate against an infinite cache's
+
+    assert run_experiment(parse([*argv, "--num-requests", "60", "--kv-fraction", "0.5",
+                                 "--out", str(tmp_path / "half")])) == 0
+    half = -(-default_stream.num_reused_blocks // 2)
+    assert sized_blocks(tmp_path / "half") == (half, default_stream.num_reused_blocks)
+    assert "caches sized on" in capsys.readouterr().out
+    # Given outright, nothing is sized on a stream.
+    assert run_experiment(parse([*argv, "--num-requests", "30", "--kv-blocks-per-replica", "4000",
+                                 "--out", str(tmp_path / "given")])) == 0
+    assert sized_blocks(tmp_path / "given") == (4000, None)
+    assert "caches sized on" not in capsys.readouterr().out
+
+
+def sessions_reference(num_requests: int) -> CacheReference:
+    """The infinite-cache reference of multi-turn chat (seed 0) at 1 qps."""
+    return infinite_cache_reference(make_workload("multi_turn", num_requests, 1.0, seed=0), 16)
+
+
+def test_a_trace_cut_short_gets_the_caches_of_the_whole_trace(tmp_path, capsys) -> None:  # noqa: ANN001
+    # Blocks of 16 tokens, as the KV cache's: the first 4 records reuse 1 block, the whole trace 3.
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(
+        json.dumps({"timestamp": 100 * i, "input_length": 16 * len(ids), "output_length": 4, "hash_ids": ids}) + "\n"
+        for i, ids in enumerate([[0, 1], [0, 2], [0, 3], [0, 4], [5, 6, 7], [5, 6, 8], [5, 6, 9]])
+    ))
+    argv = ["--workload", "mooncake", "--trace", str(trace), "--workload-arg", "block_tokens=16", "--replicas", "2",
+            "--qps", "trace", "--kv-fraction", "2", "--policies", "round_robin", "--no-plots"]
+
+    assert run_experiment(parse([*argv, "--out", str(tmp_path / "whole")])) == 0
+    assert sized_blocks(tmp_path / "whole") == (6, 3)
+    # Sized on its own 1 block, the cut trace's caches (2 blocks) could not hold its requests (3 blocks).
+    assert run_experiment(parse([*argv, "--num-requests", "4", "--out", str(tmp_path / "cut")])) == 0
+    assert sized_blocks(tmp_path / "cut") == (6, 3)
+    assert "caches sized on the stream as recorded with all its records" in capsys.readouterr().out
+    assert json.loads((tmp_path / "cut" / "config.json").read_text())["prefix_working_set_blocks"] == 1
 
 
 def test_the_knees_baseline_gets_a_row_and_the_knee_is_recorded(tmp_path, capsys) -> None:  # noqa: ANN001
