@@ -396,7 +396,8 @@ def check_fleet_memory(fleet: FleetConfig, num_fleets: int, available_bytes: int
         raise ExperimentError(
             f"{fleet.num_replicas:,} replicas x {fleet.cache_config.num_blocks:,} KV blocks need at least "
             f"{_size(needed)} to simulate{jobs} ({FLEET_BYTES_PER_BLOCK} bytes a block before any request), more than "
-            f"the {_size(available_bytes)} available here: fewer replicas or KV blocks per replica"
+            f"the {_size(available_bytes)} available here: fewer replicas, or fewer KV blocks per replica "
+            f"(--kv-fraction or --kv-blocks-per-replica)"
             f"{', or fewer --jobs' if num_fleets > 1 else ''}"
         )
 
