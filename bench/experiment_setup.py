@@ -509,7 +509,7 @@ def describe(
         f"({reference.num_distinct_blocks} distinct; infinite-cache hit rate {reference.hit_rate:.3f})",
     ]
     working_set = "the working set"
-    if sizing is not None and sizing.num_requests != stream.num_requests:
+    if sizing is not None and sizing_reference != reference:  # the caches were not sized on this stream
         length = (
             "all its records" if sizing.num_requests is None
             else f"{sizing.num_requests:,} requests, the default for {count(fleet.num_replicas, 'replica')}"

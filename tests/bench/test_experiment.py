@@ -682,6 +682,10 @@ def test_a_trace_cut_short_gets_the_caches_of_the_whole_trace(tmp_path, capsys) 
 
     assert run_experiment(parse([*argv, "--out", str(tmp_path / "whole")])) == 0
     assert sized_blocks(tmp_path / "whole") == (6, 3)
+    # More requests than records: the whole trace runs, on the caches sized on it, as it says.
+    assert run_experiment(parse([*argv, "--num-requests", "100", "--out", str(tmp_path / "more")])) == 0
+    assert sized_blocks(tmp_path / "more") == (6, 3)
+    assert "caches sized on" not in capsys.readouterr().out
     # Sized on its own 1 block, the cut trace's caches (2 blocks) could not hold its requests (3 blocks).
     assert run_experiment(parse([*argv, "--num-requests", "4", "--out", str(tmp_path / "cut")])) == 0
     assert sized_blocks(tmp_path / "cut") == (6, 3)
