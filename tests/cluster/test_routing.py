@@ -217,6 +217,10 @@ def test_the_actor_sends_a_shared_prefix_to_its_cache_and_forgets_a_failed_repli
         assert second.num_cached_tokens == 10 * BLOCK_SIZE
         index = actor._router.index  # what the router knows of the replicas' caches
         assert index.num_blocks(first.replica) > 0
+        # The other replica serves another prompt: an empty replica would take a copy of the prefix,
+        # now shared (the second request's match ended where the third's does).
+        other = await run_to_the_end(actor, "other", list(range(900, 900 + 4 * BLOCK_SIZE)) + [1])
+        assert other.replica == 1 - first.replica
 
         executors[first.replica].failed = True
         lost = await run_to_the_end(actor, "lost", prefix + [4])

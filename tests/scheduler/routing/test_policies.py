@@ -42,6 +42,14 @@ def index_with(replica_blocks: dict[int, int], req: RoutingRequest) -> GlobalPre
     return index
 
 
+def served_other_prompts(index: GlobalPrefixIndex, *replica_ids: int) -> GlobalPrefixIndex:
+    """``index`` with each of ``replica_ids`` caching a block of an unrelated prompt, as replicas of a
+    running fleet do: none is an empty replica, which would take a copy of a shared prefix."""
+    for replica_id in replica_ids:
+        index.add_blocks(replica_id, list(request(prompt_len=16, seed=1000 + replica_id).block_hashes))
+    return index
+
+
 # -- round robin and least loaded ------------------------------------------------------
 
 
@@ -400,7 +408,7 @@ def saw_sessions_fork(policy: CostTTFTPolicy, req: RoutingRequest) -> None:
 def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holding_only_a_system_prompt() -> None:
     """The system prompt saves less than a step: a near-tie, so the less loaded replica wins."""
     req = request(prompt_len=384)
-    index = index_with({0: 16}, req)  # replica 0 caches the 256-token system prompt
+    index = served_other_prompts(index_with({0: 16}, req), 1)  # replica 0 caches the 256-token system prompt
     loads = [
         ReplicaLoad(0, num_running=30, num_running_tokens=60_000, num_free_blocks=1000, num_total_blocks=1000),
         ReplicaLoad(1, num_free_blocks=1000, num_total_blocks=1000),
@@ -420,7 +428,7 @@ def test_cost_ttft_sends_a_new_session_to_a_replica_far_under_its_share_within_t
     not (more than a tie); once the idle replica is far under its share, it takes the session."""
     model = StepCostModel.default()
     first_turn = request(prompt_len=384)
-    index = index_with({0: 16}, first_turn)  # replica 0 caches the 256-token system prompt
+    index = served_other_prompts(index_with({0: 16}, first_turn), 1)  # replica 0 caches the system prompt
     loads = [
         ReplicaLoad(0, num_running=10, num_running_tokens=6000, num_free_blocks=1000, num_total_blocks=1000),
         ReplicaLoad(1, num_free_blocks=1000, num_total_blocks=1000),
@@ -522,7 +530,8 @@ def test_cost_ttft_with_bounded_loads_skips_a_replica_over_the_bound() -> None:
 
 def test_cost_ttft_with_a_share_bound_spreads_a_hot_prefix_once_its_replica_had_more_than_its_share() -> None:
     req = request(prompt_len=1600)
-    index = index_with({0: 99}, req)  # only replica 0 holds the prompt; the loads stay idle
+    # Only replica 0 holds the prompt; the loads stay idle, and the others have served other prompts.
+    index = served_other_prompts(index_with({0: 99}, req), 1, 2, 3)
     unbound = CostTTFTPolicy(MODEL, share_factor=None)
     bound = CostTTFTPolicy(MODEL)  # the defaults: factor 2, 3 deviations, slack 8
 
@@ -624,3 +633,58 @@ def test_cost_ttft_keeps_a_private_prefix_on_its_replica_mid_way_through_another
     assert policy.select(turn, loads, index) == 0
     # The sibling's match ends at the same block: shared, a second holder is worth having, no charge.
     assert policy.select(sibling, loads, index) == 1
+
+
+def test_cost_ttft_sends_a_shared_prefix_held_by_one_replica_to_an_empty_replica() -> None:
+    """An empty replica (no request, no block) takes a second copy of a shared prefix; nothing else does."""
+    req = request(prompt_len=1600)  # 100 blocks: replica 0 holds the first 99, a prefix earlier prompts went on from
+    loads = idle(3)
+
+    def policy_seeing_forks(**kwargs: object) -> CostTTFTPolicy:
+        policy = CostTTFTPolicy(MODEL, **kwargs)
+        saw_sessions_fork(policy, req)
+        return policy
+
+    index = served_other_prompts(index_with({0: 99}, req), 1)  # replica 2 is empty
+    assert policy_seeing_forks().select(req, loads, index) == 2
+    assert policy_seeing_forks(copy_to_empty=False).select(req, loads, index) == 0
+    # A private match (no earlier prompt went on from its end: a session's history) stays.
+    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 0
+    # Not empty: serving a request, or with blocks on their way to it.
+    assert policy_seeing_forks().select(req, with_outstanding([0, 0, 1]), index) == 0
+    pending = served_other_prompts(index_with({0: 99}, req), 1)
+    pending.add_pending(2, request(prompt_len=32, seed=7).block_hashes)
+    assert policy_seeing_forks().select(req, loads, pending) == 0
+    # Two holders already: the estimate decides between them.
+    assert policy_seeing_forks().select(req, loads, index_with({0: 99, 1: 99}, req)) in (0, 1)
+    # A replica whose cache was cleared (restarted) is empty again.
+    index.clear_replica(1)
+    assert policy_seeing_forks().select(req, loads, index) == 1
+
+
+def test_cost_ttft_breaks_ties_among_some_holders_of_a_shared_prefix_by_their_recent_requests() -> None:
+    """Holders of a shared prefix that also serve other prefixes: fewest outstanding requests would keep
+    feeding the one whose queue happens to be shorter; the fewest requests lately balances them."""
+    req = request(prompt_len=1600)
+    loads = with_outstanding([3, 2, 0])
+
+    def policy_after(routed: list[int], **kwargs: object) -> CostTTFTPolicy:
+        policy = CostTTFTPolicy(MODEL, **kwargs)
+        saw_sessions_fork(policy, req)
+        for replica_id in routed:
+            policy.recent_share.record(replica_id, 3)
+        return policy
+
+    routed = [1] * 60 + [0] * 30 + [2] * 30
+    some = served_other_prompts(index_with({0: 99, 1: 99}, req), 2)  # replicas 0 and 1 hold it
+    estimate = policy_after(routed).estimate_ttft(req, loads, some)
+    assert abs(estimate[0] - estimate[1]) < 0.5 * MODEL.a  # a tie
+    assert policy_after(routed).select(req, loads, some) == 0
+    assert policy_after(routed, holder_share_ties=False).select(req, loads, some) == 1
+    # Held by every replica (a system prompt): the fewest outstanding requests, as for any tie.
+    every = index_with({0: 99, 1: 99, 2: 99}, req)
+    assert policy_after([2] * 60 + [0, 1] * 30).select(req, with_outstanding([3, 2, 1]), every) == 2
+    with pytest.raises(ValueError, match="holder_share_ties"):
+        CostTTFTPolicy(MODEL, holder_share_ties=1)
+    with pytest.raises(ValueError, match="copy_to_empty"):
+        CostTTFTPolicy(MODEL, copy_to_empty="yes")

@@ -91,12 +91,18 @@ def test_cost_ttft_sends_a_second_request_for_a_long_prompt_to_the_replica_compu
     document = [11] * 1536  # 3 steps of the 512-token budget
     first = Item(0.0, document + [1] * 16, 2)
     second = Item(0.03, document + [2] * 16, 2)  # during the first step: a third of it cached
+    # The other replica has served another prompt: an empty one takes a copy of a shared prefix.
+    other = Item(0.0, [13] * 64, 2)
 
+    records = FleetSimulator(config(2), make_policy("cost_ttft")).run([first, other, second]).records
+
+    assert records[1].replica_id != records[0].replica_id
+    assert records[2].replica_id == records[0].replica_id
+    assert records[2].num_cached_tokens == len(document)
+    assert records[2].ttft < FleetSimulator(config(1), make_policy("cost_ttft")).run([first]).records[0].ttft
+    # With the other replica still empty, the second request makes the document's second copy there.
     records = FleetSimulator(config(2), make_policy("cost_ttft")).run([first, second]).records
-
-    assert records[1].replica_id == records[0].replica_id
-    assert records[1].num_cached_tokens == len(document)
-    assert records[1].ttft < FleetSimulator(config(1), make_policy("cost_ttft")).run([first]).records[0].ttft
+    assert records[1].replica_id != records[0].replica_id and records[1].num_cached_tokens == 0
 
 
 def test_requests_must_arrive_in_order() -> None:
