@@ -136,7 +136,7 @@ policy the default are in ``README.md`` beside this file.
   lately** (``holder_share_ties``, default on).  When two or more replicas,
   but not all, hold a shared match, ties go first to the replica with the
   fewest recent requests (``RecentShare``'s counts, rounded), then to the
-  fewest outstanding.  NOTE: such holders also serve other prefixes (a
+  fewest outstanding; ``share_factor=None`` turns it off too.  NOTE: such holders also serve other prefixes (a
   copy's holder, its own); the fewest outstanding requests send the prefix
   to whichever holder's queue is shorter at that moment, and the holder that
   also carries another prefix ends with more than its share: load max/mean
@@ -281,7 +281,6 @@ class CostTTFTPolicy:
         score = self._estimate(table, uncached, step_time)
         waiting = table.num_waiting if available is None else table.num_waiting[available]
         backlog = float(waiting.min())
-        shared = False
         num_holders = 0  # replicas holding the longest match, when it is shared
         if self.shared_matches is not None:
             num_matched = max(matches.values(), default=0)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import numpy as np
 import pytest
 
@@ -405,6 +408,18 @@ def saw_sessions_fork(policy: CostTTFTPolicy, req: RoutingRequest) -> None:
     policy.shared_matches.observe(req.block_hashes, 0)
 
 
+def forked_policy(
+    req: RoutingRequest, model: StepCostModel, routed: Sequence[int] = (), num_replicas: int = 1, **kwargs: object
+) -> CostTTFTPolicy:
+    """A cost_ttft policy that saw sessions fork on ``req``'s prompt (``saw_sessions_fork``) and routed
+    the requests ``routed`` (replica ids) among ``num_replicas``."""
+    policy = CostTTFTPolicy(model, **kwargs)
+    saw_sessions_fork(policy, req)
+    for replica_id in routed:
+        policy.recent_share.record(replica_id, num_replicas)
+    return policy
+
+
 def test_cost_ttft_sends_a_new_session_to_an_idle_replica_over_a_busy_one_holding_only_a_system_prompt() -> None:
     """The system prompt saves less than a step: a near-tie, so the less loaded replica wins."""
     req = request(prompt_len=384)
@@ -434,12 +449,7 @@ def test_cost_ttft_sends_a_new_session_to_a_replica_far_under_its_share_within_t
         ReplicaLoad(1, num_free_blocks=1000, num_total_blocks=1000),
     ]
 
-    def policy_after(routed: list[int], **kwargs: float) -> CostTTFTPolicy:
-        policy = CostTTFTPolicy(model, **kwargs)
-        saw_sessions_fork(policy, first_turn)
-        for replica_id in routed:
-            policy.recent_share.record(replica_id, 2)
-        return policy
+    policy_after = functools.partial(forked_policy, first_turn, model, num_replicas=2)
 
     estimate = policy_after([]).estimate_ttft(first_turn, loads, index)
     step = model.a + 10 * model.c + 6000 * model.d
@@ -640,10 +650,7 @@ def test_cost_ttft_sends_a_shared_prefix_held_by_one_replica_to_an_empty_replica
     req = request(prompt_len=1600)  # 100 blocks: replica 0 holds the first 99, a prefix earlier prompts went on from
     loads = idle(3)
 
-    def policy_seeing_forks(**kwargs: object) -> CostTTFTPolicy:
-        policy = CostTTFTPolicy(MODEL, **kwargs)
-        saw_sessions_fork(policy, req)
-        return policy
+    policy_seeing_forks = functools.partial(forked_policy, req, MODEL)
 
     index = served_other_prompts(index_with({0: 99}, req), 1)  # replica 2 is empty
     assert policy_seeing_forks().select(req, loads, index) == 2
@@ -655,7 +662,7 @@ def test_cost_ttft_sends_a_shared_prefix_held_by_one_replica_to_an_empty_replica
     pending = served_other_prompts(index_with({0: 99}, req), 1)
     pending.add_pending(2, request(prompt_len=32, seed=7).block_hashes)
     assert policy_seeing_forks().select(req, loads, pending) == 0
-    # Two holders already: the estimate decides between them.
+    # Two holders already (replica 2 is empty in this index too): the estimate decides between them.
     assert policy_seeing_forks().select(req, loads, index_with({0: 99, 1: 99}, req)) in (0, 1)
     # A replica whose cache was cleared (restarted) is empty again.
     index.clear_replica(1)
@@ -668,12 +675,7 @@ def test_cost_ttft_breaks_ties_among_some_holders_of_a_shared_prefix_by_their_re
     req = request(prompt_len=1600)
     loads = with_outstanding([3, 2, 0])
 
-    def policy_after(routed: list[int], **kwargs: object) -> CostTTFTPolicy:
-        policy = CostTTFTPolicy(MODEL, **kwargs)
-        saw_sessions_fork(policy, req)
-        for replica_id in routed:
-            policy.recent_share.record(replica_id, 3)
-        return policy
+    policy_after = functools.partial(forked_policy, req, MODEL, num_replicas=3)
 
     routed = [1] * 60 + [0] * 30 + [2] * 30
     some = served_other_prompts(index_with({0: 99, 1: 99}, req), 2)  # replicas 0 and 1 hold it
