@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvserve.kernels.host_to_device import to_device
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
@@ -136,10 +138,10 @@ def attention_metadata_from_arrays(
     slot_mapping_np = block_ids * block_size + positions % block_size
 
     return AttentionMetadata(
-        query_start_loc=torch.from_numpy(query_start_loc_np.astype(np.int32)).to(device),
-        seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
-        block_tables=torch.from_numpy(np.ascontiguousarray(block_tables, dtype=np.int32)).to(device),
-        slot_mapping=torch.from_numpy(slot_mapping_np).to(device),
+        query_start_loc=to_device(query_start_loc_np.astype(np.int32), device),
+        seq_lens=to_device(seq_lens.astype(np.int32), device),
+        block_tables=to_device(np.ascontiguousarray(block_tables, dtype=np.int32), device),
+        slot_mapping=to_device(slot_mapping_np, device),
         query_start_loc_cpu=tuple(query_start_loc_np.tolist()),
         seq_lens_cpu=tuple(seq_lens.tolist()),
         max_query_len=int(query_lens.max(initial=0)),

@@ -9,6 +9,11 @@ One call of :meth:`CudaAttentionBackend.paged_attention` runs up to three kernel
   (token, head) pairs of one kv head, causal within the chunk;
 * a combine of the split partials, for rows whose context spans several splits.
 
+Prefill rows go instead to FlashAttention's tensor-core kernel that ships with torch, on
+K/V gathered from the cache (:mod:`kvserve.kernels.flash_prefill`), where it can serve
+them (bf16/fp16 on compute capability 8.0+); ``flash_prefill=False`` keeps them on the
+CUDA-core kernel above.
+
 Shapes the kernels lack (another head_dim or block size, float64) fall back to the torch
 reference, with one warning per shape.  ``KVSERVE_ATTENTION_BACKEND=torch`` forces the
 reference everywhere (see :mod:`kvserve.kernels.backend`).
@@ -24,6 +29,13 @@ from kvserve.kernels import reference
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.cuda_build import load_cuda_extension
 from kvserve.kernels.cuda_plan import SplitPlan, check_split_tokens, plan_splits
+from kvserve.kernels.flash_prefill import (
+    PrefillPlan,
+    flash_varlen_attention,
+    flash_varlen_unsupported,
+    plan_prefill,
+    prefill_attention,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +54,23 @@ class CudaAttentionBackend:
     of choosing it per batch; tests and benchmarks use it.
     """
 
-    __slots__ = ("_extension", "_num_sms", "_split_tokens", "_plan_metadata", "_plans", "_warned")
+    __slots__ = (
+        "_extension", "_num_sms", "_split_tokens", "_flash_prefill", "_plan_metadata", "_plans",
+        "_prefill_plan", "_warned",
+    )
     name = "cuda"
 
-    def __init__(self, *, split_tokens: int | None = None) -> None:
+    def __init__(self, *, split_tokens: int | None = None, flash_prefill: bool = True) -> None:
         if split_tokens is not None:
             check_split_tokens(split_tokens)
         self._extension = load_cuda_extension()
         self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._split_tokens = split_tokens
-        # The plan depends only on the batch: computed at the first layer of a step, reused by the others.
+        self._flash_prefill = flash_prefill
+        # The plans depend only on the batch: computed at the first layer of a step, reused by the others.
         self._plan_metadata: AttentionMetadata | None = None
-        self._plans: dict[tuple[int, int], SplitPlan] = {}
+        self._plans: dict[tuple[int, int, int, bool], SplitPlan] = {}
+        self._prefill_plan: PrefillPlan | None = None
         self._warned: set[str] = set()
 
     def write_kv_cache(
@@ -82,13 +99,45 @@ class CudaAttentionBackend:
         reference.check_inputs(query, key_cache, value_cache, metadata, scale)
         unsupported = _unsupported(query, key_cache, value_cache)
         if unsupported is not None:
-            self._warn_once(unsupported)
+            self._warn_once(f"{unsupported}; using the slower torch reference for these calls")
             return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_tokens == 0:
             return output
         num_kv_heads = key_cache.shape[2]
+        prefill = self._flash_prefill_plan(query, key_cache, metadata)
+        if prefill is not None:
+            try:
+                flash_output = prefill_attention(query, key_cache, value_cache, prefill, scale, flash_varlen_attention)
+            except RuntimeError as exc:  # a torch whose FlashAttention refuses these shapes: keep serving
+                self._flash_prefill = False
+                self._prefill_plan = None
+                self._warn_once(f"FlashAttention failed ({exc}); prefill rows stay on the CUDA-core kernel")
+                return self.paged_attention(query, key_cache, value_cache, metadata, scale)
+            decode_metadata = prefill.decode_metadata
+            if decode_metadata is not None:  # the decode rows, as a batch of their own
+                plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2],
+                                       decode_only=True)
+                decode_query = _select_rows(query, prefill.decode_token_indices)
+                decode_output = torch.empty(decode_query.shape, dtype=query.dtype, device=query.device)
+                self._launch(decode_output, decode_query, key_cache, value_cache, decode_metadata, scale, plan)
+                _write_rows(output, prefill.decode_token_indices, decode_output)
+            _write_rows(output, prefill.token_indices, flash_output)
+            return output
         plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2])
+        self._launch(output, query, key_cache, value_cache, metadata, scale, plan)
+        return output
+
+    def _launch(
+        self,
+        output: torch.Tensor,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        plan: SplitPlan,
+    ) -> None:
         self._extension.paged_attention(
             output,
             _vector_ready(query),
@@ -102,30 +151,57 @@ class CudaAttentionBackend:
             plan.num_decode_splits,
             plan.num_prefill_splits,
         )
-        return output
 
-    def split_plan(self, metadata: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int) -> SplitPlan:
-        """The split plan of ``metadata``'s batch (see :mod:`kvserve.kernels.cuda_plan`), cached per batch."""
-        if metadata is not self._plan_metadata:
-            self._plan_metadata = metadata
-            self._plans.clear()
-        key = (num_kv_heads, group, head_dim)
+    def split_plan(
+        self, metadata: AttentionMetadata, num_kv_heads: int, group: int, head_dim: int, *, decode_only: bool = False
+    ) -> SplitPlan:
+        """The split plan of ``metadata``'s batch (see :mod:`kvserve.kernels.cuda_plan`), cached per batch.
+
+        ``decode_only``: for its decode rows alone (FlashAttention serves the prefill rows).
+        """
+        self._forget_other_batch(metadata)
+        key = (num_kv_heads, group, head_dim, decode_only)
         plan = self._plans.get(key)
         if plan is None:
+            if decode_only:
+                assert self._prefill_plan is not None  # decode_only follows _flash_prefill_plan
+                query_start_loc, seq_lens = self._prefill_plan.decode_query_start_loc, self._prefill_plan.decode_seq_lens
+            else:
+                query_start_loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
             plan = plan_splits(
-                metadata.query_start_loc_cpu, metadata.seq_lens_cpu, num_kv_heads, group, self._num_sms,
-                self._split_tokens, head_dim=head_dim,
+                query_start_loc, seq_lens, num_kv_heads, group, self._num_sms, self._split_tokens, head_dim=head_dim
             )
             self._plans[key] = plan
         return plan
 
+    def _flash_prefill_plan(
+        self, query: torch.Tensor, key_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> PrefillPlan | None:
+        """The batch's prefill plan when FlashAttention serves its prefill rows, else ``None``."""
+        if not self._flash_prefill or metadata.max_query_len <= 1:
+            return None
+        unsupported = flash_varlen_unsupported(query)
+        if unsupported is not None:
+            self._warn_once(f"prefill rows stay on the CUDA-core kernel: {unsupported}")
+            return None
+        self._forget_other_batch(metadata)
+        if self._prefill_plan is None:
+            self._prefill_plan = plan_prefill(metadata, key_cache.shape[1])
+        return self._prefill_plan
+
+    def _forget_other_batch(self, metadata: AttentionMetadata) -> None:
+        if metadata is not self._plan_metadata:
+            self._plan_metadata = metadata
+            self._plans.clear()
+            self._prefill_plan = None
+
     def _warn_once(self, reason: str) -> None:
         if reason not in self._warned:
             self._warned.add(reason)
-            logger.warning("CUDA attention kernels: %s; using the slower torch reference for these calls", reason)
+            logger.warning("CUDA attention kernels: %s", reason)
 
     def __repr__(self) -> str:
-        return f"CudaAttentionBackend(split_tokens={self._split_tokens})"
+        return f"CudaAttentionBackend(split_tokens={self._split_tokens}, flash_prefill={self._flash_prefill})"
 
 
 def _unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
@@ -144,6 +220,17 @@ def _unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16:
         return "the KV cache does not start on a 16-byte boundary"
     return None
+
+
+def _select_rows(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
+
+
+def _write_rows(tensor: torch.Tensor, rows: slice | torch.Tensor, values: torch.Tensor) -> None:
+    if isinstance(rows, slice):
+        tensor[rows] = values
+    else:
+        tensor.index_copy_(0, rows, values)
 
 
 def _kernel_can_write(

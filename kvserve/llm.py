@@ -60,6 +60,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         attention_backend: str | None = None,
         seed: int | None = 0,
+        enforce_eager: bool = False,
     ) -> None:
         self.model_config = ModelConfig.from_pretrained(model, max_model_len)
         self.tokenizer = load_tokenizer(model)
@@ -75,6 +76,8 @@ class LLM:
             attention_backend=attention_backend,
             sampler_seed=seed,
             max_model_len=self.model_config.max_model_len,
+            max_num_seqs=max_num_seqs,
+            enforce_eager=enforce_eager,
         )
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
         if tensor_parallel_size == 1:
@@ -102,6 +105,7 @@ class LLM:
         )
         self.engine = EngineCore(scheduler, executor)
         self._request_counter = itertools.count()
+        self._shut_down = False
 
     def generate(
         self,
@@ -111,6 +115,8 @@ class LLM:
         cache_salt: str | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids); results in prompt order."""
+        if self._shut_down:
+            raise RuntimeError("this LLM was shut down")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
@@ -173,6 +179,14 @@ class LLM:
         )
 
     def shutdown(self) -> None:
+        """Stop the workers and give back their memory: the weights, the KV cache, the CUDA graphs.
+
+        Afterwards a new ``LLM`` in this process can use the whole device again.
+        Calling it twice is harmless; ``generate`` afterwards raises ``RuntimeError``.
+        """
+        if self._shut_down:
+            return
+        self._shut_down = True
         self.engine.shutdown()
 
     def __enter__(self) -> LLM:

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# Everything the CUDA attention kernels need checked on a GPU machine, in one call:
-# build (timed), resource usage and SASS of the built kernels, the GPU tests, the benchmark,
-# and the step cost model calibrated on a Llama-3-8B-sized model (random weights).
+# Everything the GPU path needs checked on a GPU machine, in one call of about 8 minutes:
+# build (timed), the GPU tests, and bench.gpu_serving on the Llama-3-8B and Llama-3.2-1B
+# shapes (random weights): decode steps eager and graphed against their floors, prefill
+# attention against dense FlashAttention, end-to-end workloads against transformers.
 # Logs go to $OUT (default /tmp/kvserve-gpu-check); the end of each step is printed.
 #
-#   bash scripts/gpu_check.sh              # all steps
-#   bash scripts/gpu_check.sh tests        # one step: build | sass | tests | bench | calibrate
+#   bash scripts/gpu_check.sh              # the default steps: build tests serving8b serving1b
+#   bash scripts/gpu_check.sh "tests"      # some steps: build | sass | tests | serving8b | serving1b
+#                                          #   | attention | calibrate (sass, attention and calibrate: on request only)
+# Part (d) of gpu_serving (through `kvserve serve` and gRPC) needs Ray on the machine; the
+# serving steps skip it unless SERVING_PARTS says otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/kvserve-gpu-check}"
@@ -13,7 +17,8 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export KVSERVE_CACHE_DIR="${KVSERVE_CACHE_DIR:-/tmp/kvserve-cache}"
 mkdir -p "$OUT"
-steps="${1:-build sass tests bench calibrate}"
+steps="${1:-build tests serving8b serving1b}"
+SERVING_PARTS="${SERVING_PARTS:-abc}"
 status=0
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
@@ -47,12 +52,23 @@ fi
 
 if [[ " $steps " == *" tests "* ]]; then
     echo "== GPU tests"
-    "$PYTHON" -m pytest -m gpu tests/kernels tests/engine/test_llm_cuda_parity.py tests/worker/test_sampler.py -q -p no:cacheprovider \
-        >"$OUT/tests.txt" 2>&1 || status=1
+    timeout 240 "$PYTHON" -m pytest -m gpu tests/kernels/test_flash_prefill.py tests/worker/test_cuda_graphs.py \
+        tests/engine/test_llm_shutdown.py tests/engine/test_llm_cuda_parity.py tests/kernels/test_cuda_backend.py \
+        tests/worker/test_sampler.py -q -p no:cacheprovider --timeout 120 -rfE --tb=short --durations=8 >"$OUT/tests.txt" 2>&1 || status=1
     tail -25 "$OUT/tests.txt"
 fi
 
-if [[ " $steps " == *" bench "* ]]; then
+for shape in 8b 1b; do
+    if [[ " $steps " == *" serving$shape "* ]]; then
+        name=$([[ $shape == 8b ]] && echo llama-3-8b || echo llama-3.2-1b)
+        echo "== gpu_serving --shape $name"
+        timeout "$([[ $shape == 8b ]] && echo 270 || echo 130)" "$PYTHON" -m kvserve.bench.gpu_serving --shape "$name" \
+            --parts "$SERVING_PARTS" >"$OUT/serving_$shape.txt" 2>&1 || status=1
+        grep -v "^Loading weights" "$OUT/serving_$shape.txt" | tail -45
+    fi
+done
+
+if [[ " $steps " == *" attention "* ]]; then
     echo "== benchmark"
     "$PYTHON" -m kvserve.bench.attention --prefill --json "$OUT/attention.json" >"$OUT/bench.txt" 2>&1 || status=1
     tail -40 "$OUT/bench.txt"

@@ -19,8 +19,10 @@ import torch
 
 from kvserve.kernels import AttentionMetadata
 from kvserve.kernels.attention_metadata import attention_metadata_from_arrays
+from kvserve.kernels.host_to_device import to_device
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.step_plan import StepPlan
+from kvserve.worker.device_block_table import DeviceBlockTable
 
 
 @dataclass(slots=True)
@@ -46,16 +48,58 @@ class ModelInputs:
     output_indices: list[int]
 
 
-class InputBatch:
-    """The per-request state of one worker, updated by every plan."""
+@dataclass(frozen=True, slots=True)
+class DecodeBatch:
+    """Host arrays of a step in which every request has exactly one new token.
 
-    def __init__(self, block_size: int, device: torch.device, initial_rows: int = 64, initial_blocks: int = 64) -> None:
+    Such a step can replay a CUDA graph: its inputs are these arrays, copied into
+    the graph's static buffers, and the block-table ``rows`` gathered from the
+    device mirror of the block table.
+    """
+
+    input_ids: np.ndarray  # int64 [n]
+    positions: np.ndarray  # int64 [n]
+    slot_mapping: np.ndarray  # int64 [n]
+    seq_lens: np.ndarray  # int32 [n], context after this step (position + 1)
+    rows: np.ndarray  # int64 [n], each request's row of the block table
+    logits_indices: np.ndarray  # int64, the requests whose token is sampled, in plan order
+    sampling_params: list[SamplingParams]
+    output_indices: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max(initial=0))
+
+
+class InputBatch:
+    """The per-request state of one worker, updated by every plan.
+
+    With ``max_blocks_per_req`` the block table is mirrored on the device as well
+    (:class:`DeviceBlockTable`), which the CUDA-graph path reads.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        device: torch.device,
+        initial_rows: int = 64,
+        initial_blocks: int = 64,
+        *,
+        max_blocks_per_req: int | None = None,
+    ) -> None:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, CachedRequestState] = {}
         self.block_table = np.zeros((initial_rows, initial_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(initial_rows, dtype=np.int64)
         self._free_rows = list(range(initial_rows - 1, -1, -1))
+        self.device_block_table = (
+            DeviceBlockTable(initial_rows, max_blocks_per_req, device) if max_blocks_per_req is not None else None
+        )
 
     def block_ids(self, req_id: str) -> list[int]:
         row = self.requests[req_id].row
@@ -92,8 +136,49 @@ class InputBatch:
             self._grow_columns(int(ends.max()))
         first_flat = np.cumsum(counts) - counts
         columns = np.arange(int(counts.sum())) + np.repeat(starts - first_flat, counts)
-        self.block_table[np.repeat(rows, counts), columns] = np.asarray(plan.new_block_ids, dtype=np.int32)
+        scatter_rows = np.repeat(rows, counts)
+        new_block_ids = np.asarray(plan.new_block_ids, dtype=np.int32)
+        self.block_table[scatter_rows, columns] = new_block_ids
         self.num_blocks[rows] = ends
+        if self.device_block_table is not None:
+            self.device_block_table.write(scatter_rows, columns, new_block_ids)
+
+    def prepare_decode(self, plan: StepPlan) -> DecodeBatch | None:
+        """The host arrays of ``plan`` when every request has one new token, else ``None``.
+
+        Call ``apply(plan)`` first.  A request's single token may also be the last
+        of its prompt: attention treats both alike.
+        """
+        num_reqs = len(plan.req_ids)
+        if num_reqs == 0 or len(plan.token_ids) != num_reqs:
+            return None
+        requests = self.requests
+        try:
+            states = [requests[req_id] for req_id in plan.req_ids]
+        except KeyError as exc:
+            raise ValueError(f"step {plan.step_id} schedules unknown request {exc.args[0]!r}") from None
+        rows = np.fromiter((state.row for state in states), dtype=np.int64, count=num_reqs)
+        positions = np.asarray(plan.num_computed_tokens, dtype=np.int64)
+        block_index = positions // self.block_size
+        short = np.flatnonzero(block_index >= self.num_blocks[rows])
+        if short.size:
+            r = int(short[0])
+            raise ValueError(
+                f"step {plan.step_id}: request {plan.req_ids[r]!r} at position {positions[r]} has only "
+                f"{self.num_blocks[rows[r]]} blocks of {self.block_size}"
+            )
+        block_ids = self.block_table[rows, block_index].astype(np.int64)
+        sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
+        return DecodeBatch(
+            input_ids=np.asarray(plan.token_ids, dtype=np.int64),
+            positions=positions,
+            slot_mapping=block_ids * self.block_size + positions % self.block_size,
+            seq_lens=(positions + 1).astype(np.int32),
+            rows=rows,
+            logits_indices=np.asarray(sample_rows, dtype=np.int64),
+            sampling_params=[states[i].sampling_params for i in sample_rows],
+            output_indices=[int(positions[i]) + 1 - states[i].num_prompt_tokens for i in sample_rows],
+        )
 
     def prepare(self, plan: StepPlan) -> ModelInputs:
         """Tensors for ``plan``; call ``apply(plan)`` first."""
@@ -119,10 +204,10 @@ class InputBatch:
         logits_indices = query_start_loc[1:][sample_rows] - 1
         device = self.device
         return ModelInputs(
-            input_ids=torch.from_numpy(np.asarray(plan.token_ids, dtype=np.int64)).to(device),
-            positions=torch.from_numpy(positions).to(device),
+            input_ids=to_device(np.asarray(plan.token_ids, dtype=np.int64), device),
+            positions=to_device(positions, device),
             attn_metadata=attn_metadata,
-            logits_indices=torch.from_numpy(logits_indices).to(device),
+            logits_indices=to_device(logits_indices, device),
             sampling_params=[states[i].sampling_params for i in sample_rows],
             # NOTE: the metadata's tuple of ints, not numpy scalars, per sampled row.
             output_indices=[attn_metadata.seq_lens_cpu[i] - states[i].num_prompt_tokens for i in sample_rows],

@@ -10,6 +10,7 @@ Block ids are shared by every rank of a replica; block 0 is the null block.
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -50,7 +51,11 @@ def cuda_kv_cache_budget(device: torch.device, gpu_memory_utilization: float) ->
 
     The worker may use ``gpu_memory_utilization`` of the device's memory in
     all; what is already allocated (weights, the framework's own) comes off it.
+    Memory this process freed but torch's caching allocator still holds (an
+    ``LLM`` dropped without ``shutdown()``) is returned to the device first.
     """
+    gc.collect()
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     budget = int(total * gpu_memory_utilization) - used

@@ -12,6 +12,7 @@ in-process engine uses it directly.  Lifecycle::
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ import torch
 from transformers import AutoConfig
 
 from kvserve.kernels import get_attention_backend
+from kvserve.kernels.host_to_device import to_device
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
+from kvserve.worker.cuda_graphs import DEFAULT_MAX_SEQ_LEN_TO_CAPTURE, DecodeGraphs, graph_batch_sizes
 from kvserve.worker.distributed import TensorParallelGroup, init_distributed
 from kvserve.worker.input_batch import InputBatch
 from kvserve.worker.kv_cache import (
@@ -31,7 +34,7 @@ from kvserve.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from kvserve.worker.model_loader import load_model
-from kvserve.worker.sampler import Sampler
+from kvserve.worker.sampler import Sampler, SamplerOutput
 from kvserve.worker.tiny_model import ensure_default_tiny_model_at
 
 logger = logging.getLogger(__name__)
@@ -66,6 +69,10 @@ class WorkerConfig:
     cpu_threads: int | None = None
     # The longest sequence the scheduler sends (None: the model's max_position_embeddings).
     max_model_len: int | None = None
+    # The most requests in one step (the scheduler's max_num_seqs): the largest CUDA graph.
+    max_num_seqs: int = 256
+    # CUDA only: run every step eagerly instead of replaying CUDA graphs for decode steps.
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -82,6 +89,8 @@ class WorkerConfig:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
 
 def resolve_device(config: WorkerConfig) -> torch.device:
@@ -134,9 +143,16 @@ class Worker:
             max_model_len=config.max_model_len,
         )
         self.sampler = Sampler(seed=config.sampler_seed)
-        self.input_batch = InputBatch(config.block_size, self.device)
+        self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
+        # CUDA graphs need the CUDA kernels (the others plan on the host per batch).
+        self.use_cuda_graphs = self.device.type == "cuda" and backend.name == "cuda" and not config.enforce_eager
+        self.input_batch = InputBatch(
+            config.block_size, self.device,
+            max_blocks_per_req=-(-self.max_model_len // config.block_size) if self.use_cuda_graphs else None,
+        )
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -172,6 +188,29 @@ class Worker:
             raise ValueError(f"num_blocks must be >= 2, got {num_blocks}")
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
         self.num_blocks = num_blocks
+        if self.use_cuda_graphs:
+            self._capture_decode_graphs()
+
+    @torch.inference_mode()
+    def _capture_decode_graphs(self) -> None:
+        assert self.input_batch.device_block_table is not None  # created with use_cuda_graphs
+        graphs = DecodeGraphs(
+            self._forward,
+            self.input_batch.device_block_table,
+            batch_sizes=graph_batch_sizes(self.config.max_num_seqs),
+            max_seq_len=min(self.max_model_len, DEFAULT_MAX_SEQ_LEN_TO_CAPTURE),
+            block_size=self.config.block_size,
+            device=self.device,
+        )
+        seconds = graphs.capture()
+        self.decode_graphs = graphs
+        logger.info(
+            "captured %d CUDA graphs for decode steps of up to %d requests (contexts up to %d tokens) in %.1f s",
+            graphs.num_graphs, graphs.batch_sizes[-1], graphs.max_seq_len, seconds,
+        )
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
+        return self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
@@ -182,17 +221,54 @@ class Worker:
         batch.apply(plan)
         if not plan.req_ids:
             return StepResult(plan.step_id) if self.is_driver else None
-        inputs = batch.prepare(plan)
-        hidden_states = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        if not inputs.output_indices:
+        graphs = self.decode_graphs
+        decode = batch.prepare_decode(plan) if graphs is not None else None
+        padded_size = graphs.padded_size(decode) if graphs is not None and decode is not None else None
+        if padded_size is not None:
+            hidden_states = graphs.run(decode, padded_size)
+            sampling_params, output_indices = decode.sampling_params, decode.output_indices
+            logits_rows = (
+                hidden_states if len(output_indices) == decode.num_reqs
+                else hidden_states[to_device(decode.logits_indices, self.device)]
+            )
+        else:
+            inputs = batch.prepare(plan)
+            hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            sampling_params, output_indices = inputs.sampling_params, inputs.output_indices
+            logits_rows = hidden_states[inputs.logits_indices] if output_indices else None
+        if not output_indices:
             return StepResult(plan.step_id) if self.is_driver else None
-        logits = self.model.compute_logits(hidden_states[inputs.logits_indices])
+        logits = self.model.compute_logits(logits_rows)
         if not self.is_driver:
             return None
-        sampled = self.sampler(logits, inputs.sampling_params, inputs.output_indices)
-        return StepResult(plan.step_id, sampled.token_ids.tolist(), sampled.logprobs.tolist())
+        token_ids, logprobs = _to_host(self.sampler(logits, sampling_params, output_indices))
+        return StepResult(plan.step_id, token_ids, logprobs)
 
     def shutdown(self) -> None:
+        """Release the graphs, the KV cache and the weights (and the process group).
+
+        On CUDA the memory goes back to the device, so that another worker (or a new
+        ``LLM``) in this process can size its cache from the whole GPU again.
+        """
+        if self.decode_graphs is not None:
+            self.decode_graphs.release()
+            self.decode_graphs = None
         self.kv_caches = []
+        self.input_batch = InputBatch(self.config.block_size, torch.device("cpu"))
+        self.model = None
         if self.config.tp_size > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
+
+def _to_host(sampled: SamplerOutput) -> tuple[list[int], list[float]]:
+    """The sampled tokens and their logprobs as lists, after one wait for the device."""
+    if sampled.token_ids.device.type != "cuda":
+        return sampled.token_ids.tolist(), sampled.logprobs.tolist()
+    token_ids = sampled.token_ids.to("cpu", non_blocking=True)
+    logprobs = sampled.logprobs.to("cpu", non_blocking=True)
+    torch.cuda.current_stream(sampled.token_ids.device).synchronize()
+    return token_ids.tolist(), logprobs.tolist()

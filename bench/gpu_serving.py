@@ -1,0 +1,273 @@
+"""Serving speed on a GPU against the hardware's floors, transformers and the gRPC server.
+
+    python -m kvserve.bench.gpu_serving --shape llama-3-8b     (or --shape llama-3.2-1b, --model DIR)
+
+In one run, on one device:
+
+0. ceilings: the read rate (a 4 GiB bf16 ``sum``) and the bf16 matmul rate (8192^3);
+a. decode step time at batch 1/16/64/256 (prompts of ``--decode-context`` tokens), eager
+   and through CUDA graphs, against the floor (weight bytes + K/V bytes read) / read rate;
+   each step is ``engine.step()`` as ``LLM.generate`` runs it (schedule, execute, update);
+b. prefill attention TFLOP/s against dense causal FlashAttention (``bench.prefill_attention``);
+c. the end-to-end workloads of ``bench.serving_workloads`` through ``LLM.generate``, in output
+   tokens/s, against the workload's floor and transformers' ``generate`` (static batches of
+   ``--hf-batch`` left-padded prompts, the first ``--hf-prompts`` of each workload);
+d. the ``mixed`` workload through ``kvserve serve`` (a local Ray cluster) and gRPC, against (c).
+
+Greedy, EOS ignored, bfloat16, random weights (timing depends on shapes, not values).
+``--parts`` picks parts; ``--scale`` shrinks the workloads (a CPU smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvserve.bench.model_source import add_model_arguments, model_dir_for
+from kvserve.bench.report import format_table
+from kvserve.bench.serving_workloads import Workload, make_workloads, model_cost, workload_floor_s
+
+
+def ceilings() -> tuple[float, float]:
+    """(read bytes/s, bf16 matmul FLOP/s) of this GPU."""
+    from kvserve.bench.attention import memory_bandwidths_gbps, time_us_per_call
+
+    _, read_gbps = memory_bandwidths_gbps(replays=10)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    mm_us, _ = time_us_per_call([lambda: a @ b] * 4, replays=10, use_graph=False)
+    return read_gbps * 1e9, 2 * 8192**3 / (mm_us * 1e-6)
+
+
+def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, cost, read_rate: float | None):
+    """Rows of part (a): per batch, the median eager and graphed step time and its floor."""
+    from kvserve import SamplingParams
+    from kvserve.scheduler.request import Request
+
+    engine, worker = llm.engine, llm.engine.executor.worker
+    graphs = worker.decode_graphs
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for batch in batches:
+        req_ids = []
+        for i in range(batch):
+            prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
+            request = Request(f"decode-{batch}-{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True))
+            engine.add_request(request)
+            req_ids.append(request.req_id)
+        started: set[str] = set()
+        while len(started) < batch:  # every prompt prefilled: from here on, decode-only steps
+            started.update(output.req_id for output in engine.step())
+        times = {}
+        for mode in ("eager", "graphed"):
+            if mode == "graphed" and graphs is None:
+                continue
+            worker.decode_graphs = graphs if mode == "graphed" else None
+            for _ in range(2):
+                engine.step()
+            samples = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                engine.step()
+                samples.append(time.perf_counter() - start)
+            times[mode] = statistics.median(samples) * 1e3
+        worker.decode_graphs = graphs
+        engine.abort_requests(req_ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+        floor_ms = None
+        if read_rate is not None:
+            kv_bytes = batch * (context + 2 * steps) * cost.kv_bytes_per_token
+            floor_ms = (cost.weight_bytes + kv_bytes) / read_rate * 1e3
+        best = min(times.values())
+        rows.append([batch, f"{times['eager']:.2f}", f"{times['graphed']:.2f}" if "graphed" in times else "-",
+                     f"{floor_ms:.2f}" if floor_ms else "-", f"{best / floor_ms:.2f}" if floor_ms else "-"])
+    return rows
+
+
+def run_kvserve(llm, workload: Workload) -> float:
+    from kvserve import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    elapsed = time.perf_counter() - start
+    if [len(o.token_ids) for o in outputs] != workload.max_tokens:
+        raise RuntimeError(f"{workload.name}: kvserve generated a different number of tokens than asked")
+    return elapsed
+
+
+def run_transformers(model_dir: Path, workloads: list[Workload], count: int, batch: int, device: str) -> dict[str, float]:
+    """Output tokens/s of transformers' ``generate`` on the first ``count`` prompts of each workload."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    rates = {}
+    for workload in workloads:
+        prompts, max_new = workload.prompts[:count], workload.max_tokens[:count]
+        tokens, start = 0, time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            part, new = prompts[i : i + batch], max(max_new[i : i + batch])
+            width = max(len(p) for p in part)
+            ids = torch.tensor([[0] * (width - len(p)) + p for p in part], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part], device=device)
+            with torch.no_grad():
+                model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                               pad_token_id=0)
+            tokens += sum(max_new[i : i + batch])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        rates[workload.name] = tokens / (time.perf_counter() - start)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rates
+
+
+def run_grpc(model_dir: Path, workload: Workload, port: int, device: str, timeout_s: float) -> float:
+    """Seconds for ``workload`` through a ``kvserve serve`` subprocess, all streams at once."""
+    import asyncio
+
+    import grpc
+
+    from kvserve.proto import generate_pb2, generate_pb2_grpc
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", "from kvserve.cluster.cli import main; raise SystemExit(main())", "serve", "--model", str(model_dir), "--device", device,
+         "--port", str(port), "--max-concurrent-requests", "4096"]
+        + ([] if device == "cuda" else ["--num-blocks", "4096"]),
+        stdout=subprocess.DEVNULL, stderr=None,
+    )
+
+    async def one(stub, prompt: list[int], n: int) -> int:
+        request = generate_pb2.GenerateRequest(
+            token_ids=generate_pb2.TokenIds(ids=prompt),
+            sampling_params=generate_pb2.SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+        )
+        return sum([len(message.token_ids) async for message in stub.Generate(request)])
+
+    async def run() -> float:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            await asyncio.wait_for(channel.channel_ready(), timeout_s)
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            deadline = time.monotonic() + timeout_s
+            while True:  # the port opens before the replica is up: retry a short request
+                try:
+                    await one(stub, workload.prompts[0][:8], 2)
+                    break
+                except grpc.aio.AioRpcError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(1.0)
+            start = time.perf_counter()
+            counts = await asyncio.gather(*(one(stub, p, n) for p, n in zip(workload.prompts, workload.max_tokens)))
+            elapsed = time.perf_counter() - start
+            if list(counts) != workload.max_tokens:
+                raise RuntimeError("the server streamed a different number of tokens than asked")
+            return elapsed
+
+    try:
+        return asyncio.run(run())
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--parts", default="abcd", help="which parts to run (default: abcd)")
+    parser.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default: 1,16,64,256)")
+    parser.add_argument("--decode-context", type=int, default=1024, help="prompt tokens of each decode request")
+    parser.add_argument("--decode-steps", type=int, default=20, help="timed steps per batch and mode")
+    parser.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' counts and lengths")
+    parser.add_argument("--hf-prompts", type=int, default=64, help="prompts per workload for transformers")
+    parser.add_argument("--hf-batch", type=int, default=64, help="transformers' batch size")
+    parser.add_argument("--grpc-port", type=int, default=50077, help="port of part (d)'s server")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device == "cuda"
+    read_rate = matmul_rate = None
+    if on_gpu:
+        read_rate, matmul_rate = ceilings()
+        print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}: read {read_rate / 1e12:.2f} TB/s, "
+              f"bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s", flush=True)
+    if "b" in args.parts and on_gpu:
+        from kvserve.bench.prefill_attention import CASES, prefill_table, run_case
+
+        print("\n(b) prefill attention, 32/8 heads x 128, bf16\n")
+        print(prefill_table([run_case(cached, new) for cached, new in CASES]), flush=True)
+    if not set(args.parts) & set("acd"):
+        return 0
+
+    from kvserve import LLM
+    from kvserve.worker.model_config import ModelConfig
+
+    with tempfile.TemporaryDirectory() as scratch:
+        model_dir = model_dir_for(args, Path(scratch), num_hidden_layers=2)
+        config = ModelConfig.from_pretrained(model_dir)
+        from transformers import AutoConfig
+
+        cost = model_cost(AutoConfig.from_pretrained(model_dir), dtype_bytes=2 if on_gpu else 4)
+        workloads = make_workloads(config.vocab_size, args.scale, args.seed)
+        kvserve_s: dict[str, float] = {}
+        start = time.perf_counter()
+        llm = LLM(model_dir, device=device, max_num_seqs=256, num_blocks=None if on_gpu else 4096)
+        print(f"\nLLM started in {time.perf_counter() - start:.1f} s", flush=True)
+        try:
+            if "a" in args.parts:
+                batches = [int(b) for b in args.batches.split(",")]
+                print(f"\n(a) decode step, {args.decode_context}-token prompts, median of {args.decode_steps} steps\n")
+                rows = decode_steps(llm, batches, args.decode_context, config.vocab_size, args.decode_steps, cost,
+                                    read_rate)
+                print(format_table(["batch", "eager ms", "graphed ms", "floor ms", "best / floor"], rows), flush=True)
+            if "c" in args.parts:
+                run_kvserve(llm, Workload("warm-up", workloads[0].prompts[:8], [8] * 8, [0] * 8))
+                for workload in workloads:
+                    kvserve_s[workload.name] = run_kvserve(llm, workload)
+                    print(f"  {workload.name}: {kvserve_s[workload.name]:.2f} s", flush=True)
+        finally:
+            llm.shutdown()
+            del llm
+        if "c" in args.parts:
+            hf = run_transformers(model_dir, workloads, args.hf_prompts, args.hf_batch, device)
+            rows = []
+            for w in workloads:
+                rate = w.num_output_tokens / kvserve_s[w.name]
+                floor_s = workload_floor_s(w, cost, matmul_rate, read_rate) if on_gpu else None
+                rows.append([w.name, len(w.prompts), w.num_output_tokens, f"{kvserve_s[w.name]:.2f}", f"{rate:.0f}",
+                             f"{hf[w.name]:.0f}", f"{rate / hf[w.name]:.1f}",
+                             f"{floor_s:.2f}" if floor_s else "-", f"{kvserve_s[w.name] / floor_s:.2f}" if floor_s else "-"])
+            print(f"\n(c) end to end (transformers: the first {args.hf_prompts} prompts, batches of {args.hf_batch})\n")
+            print(format_table(["workload", "requests", "output tokens", "kvserve s", "kvserve tok/s",
+                                "transformers tok/s", "vs transformers", "floor s", "kvserve / floor"], rows), flush=True)
+        if "d" in args.parts:
+            mixed = workloads[0]
+            grpc_s = run_grpc(model_dir, mixed, args.grpc_port, device, timeout_s=300)
+            local = kvserve_s.get(mixed.name)
+            print(f"\n(d) the mixed workload through kvserve serve --device {device} and gRPC\n")
+            print(format_table(
+                ["path", "s", "tok/s", "vs in-process"],
+                [["gRPC", f"{grpc_s:.2f}", f"{mixed.num_output_tokens / grpc_s:.0f}",
+                  f"{local / grpc_s:.2f}" if local else "-"]]
+                + ([["in-process", f"{local:.2f}", f"{mixed.num_output_tokens / local:.0f}", "1.00"]] if local else []),
+            ), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    raise SystemExit(main())
