@@ -36,7 +36,7 @@ from kvserve.bench.experiment_setup import parse_key_values
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.bench.report import format_table
 from kvserve.bench.workloads import WorkloadRequest, make_workload
-from kvserve.engine import EngineCore
+from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.routing.policies import make_policy

@@ -1,13 +1,14 @@
 """The scheduler actor (``kvserve-scheduler``): routing and the step loops of every replica.
 
-One asyncio actor owns a ``Router`` and, per replica, a ``Scheduler`` (with its
-block pool) and an executor that sends each step to the replica's workers.
+One asyncio actor owns a ``Router`` and, per replica, an ``EngineCore``: a
+``Scheduler`` (with its block pool) and an executor that sends each step to the
+replica's workers.
 The router is wired as in the simulator: every pool reports its cached blocks
 to the router's global prefix index, and every change of a replica's queues
 updates the router's load table, so live routing decides as simulated routing
 does.  Each replica runs its own step loop, concurrently with the others::
 
-    while healthy:  plan = schedule()  →  await executor.execute(plan)  →  update()
+    while healthy:  plan = begin_step()  →  await executor.execute(plan)  →  finish_step()
                     (asleep on an asyncio.Event while the replica has nothing to do)
 
 An idle replica's workers are checked every ``IDLE_CHECK_S`` seconds
@@ -39,6 +40,7 @@ from ray.util.placement_group import PlacementGroup
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
+from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
 from kvserve.scheduler.request import Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
@@ -88,13 +90,14 @@ class _PendingOutput:
 
 
 class _Replica:
-    """One replica as the actor drives it: its scheduler, executor and step loop."""
+    """One replica as the actor drives it: its engine (scheduler and executor) and step loop."""
 
     def __init__(self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle) -> None:
         self.replica_id = replica_id
         self.scheduler = scheduler
         self.handle = handle
         self.executor: AsyncExecutor = handle.executor
+        self.engine = EngineCore(scheduler, handle.executor)
         self.healthy = True
         self.wakeup = asyncio.Event()
         self.step_loop: asyncio.Task[None] | None = None
@@ -309,16 +312,16 @@ class SchedulerActor:
     # -- the step loop ---------------------------------------------------------
 
     async def _step_loop(self, replica: _Replica) -> None:
-        scheduler = replica.scheduler
+        engine = replica.engine
         executor = replica.executor
         while replica.healthy:
-            plan = scheduler.schedule()
-            # NOTE: recorded after schedule(), as the simulator does: this is
+            plan = engine.begin_step()
+            # NOTE: recorded after the schedule, as the simulator does: this is
             # the load the router sees while the step runs.  It follows every
-            # update() too: no await separates update() from this schedule().
+            # finish_step() too: no await separates it from this begin_step().
             self._update_load(replica)
-            if plan.is_empty:
-                # NOTE: no await between schedule() and clear(): an add_request
+            if plan is None:
+                # NOTE: no await between begin_step() and clear(): an add_request
                 # cannot slip in between and lose its wake-up.
                 replica.wakeup.clear()
                 try:
@@ -333,7 +336,7 @@ class SchedulerActor:
                 continue
             try:
                 result = await executor.execute(plan)
-                outputs = scheduler.update(plan, result.sampled_token_ids, result.logprobs)
+                outputs = engine.finish_step(plan, result)
             except asyncio.CancelledError:
                 raise
             except ReplicaFailedError as exc:

@@ -1,8 +1,8 @@
 """Calibrating the step cost model on a real replica.
 
-``calibrate`` drives an ``Executor`` (the real workers of one replica) with
-plans of varied shapes from a real ``Scheduler``, times each step, and fits
-a ``StepCostModel``.  It imports nothing heavy: the executor is built by the
+``calibrate`` drives an ``Executor`` (the real workers of one replica) through
+the replica's ``EngineCore`` with plans of varied shapes from a real
+``Scheduler``, times each step's execution, and fits a ``StepCostModel``.  It imports nothing heavy: the executor is built by the
 caller (``python -m kvserve.bench.calibrate_cost_model`` builds a
 ``kvserve.LLM``).
 """
@@ -18,12 +18,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.executor import Executor
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample, StepShape
 from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_result import StepResult
 
 logger = logging.getLogger(__name__)
 
@@ -73,53 +75,73 @@ def calibrate(
         ),
         CacheConfig(block_size=block_size, num_blocks=executor.num_kv_blocks, enable_prefix_caching=False),
     )
+    timed = _TimedExecutor(executor, clock)
+    engine = EngineCore(scheduler, timed)
     counter = iter(range(1 << 62))
 
     def add(length: int, max_tokens: int) -> str:
         req_id = f"calib-{next(counter)}"
         prompt = [rng.randrange(3, vocab_size) for _ in range(length)]
-        scheduler.add_request(Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        engine.add_request(Request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
         return req_id
 
-    def run(plan: StepPlan) -> float:
-        start = clock()
-        result = executor.execute(plan)
-        seconds = clock() - start
-        scheduler.update(plan, result.sampled_token_ids)
-        return seconds
+    def measured_step() -> StepSample:
+        timed.last = None
+        engine.step()
+        if timed.last is None:
+            raise RuntimeError("calibration scheduled an empty step")
+        plan, seconds = timed.last
+        return StepSample(StepShape.of(plan), seconds)
 
     def drain() -> None:
-        scheduler.abort_requests(list(scheduler.requests))
-        plan = scheduler.schedule()  # carries the finished ids to the workers
-        if not plan.is_empty:
-            executor.execute(plan)
+        engine.abort_requests(list(scheduler.requests))
+        engine.step()  # carries the finished ids to the workers
 
     samples: list[StepSample] = []
     add(min(grid.prefill_lengths), 1)
-    run(scheduler.schedule())  # warm-up
+    engine.step()  # warm-up
     drain()
     for _ in range(grid.repeats):
         for length in grid.prefill_lengths:
             add(length, 1)
-            plan = scheduler.schedule()
-            samples.append(StepSample(StepShape.of(plan), run(plan)))
+            samples.append(measured_step())
             drain()
         for context in grid.context_lengths:
             for batch in grid.decode_batches:
                 for _ in range(batch):
                     add(context, 1 << 20)
                 while any(r.num_computed_tokens < r.num_prompt_tokens for r in scheduler.requests.values()):
-                    run(scheduler.schedule())
-                plan = scheduler.schedule()
-                samples.append(StepSample(StepShape.of(plan), run(plan)))
+                    engine.step()
+                samples.append(measured_step())
                 add(max(grid.prefill_lengths), 1)
-                plan = scheduler.schedule()
-                samples.append(StepSample(StepShape.of(plan), run(plan)))
+                samples.append(measured_step())
                 drain()
     samples = median_per_shape(samples)
     model = StepCostModel.fit(samples)
     logger.info("calibrated %s from %d step shapes", model, len(samples))
     return model, samples
+
+
+class _TimedExecutor:
+    """``executor``, remembering its last plan and how long executing it took on ``clock``."""
+
+    def __init__(self, executor: Executor, clock: Callable[[], float]) -> None:
+        self._executor = executor
+        self._clock = clock
+        self.last: tuple[StepPlan, float] | None = None
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._executor.num_kv_blocks
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        start = self._clock()
+        result = self._executor.execute(plan)
+        self.last = (plan, self._clock() - start)
+        return result
+
+    def shutdown(self) -> None:
+        self._executor.shutdown()
 
 
 def median_per_shape(samples: Sequence[StepSample]) -> list[StepSample]:

@@ -1,7 +1,8 @@
 """Replicas that step on a virtual clock: a real ``Scheduler`` each, the model simulated.
 
 A ``SimulatedReplicas`` holds some of a fleet's replicas (all of them, or one
-process's share: ``FleetSimulator``).  A step lasts
+process's share: ``FleetSimulator``), each an ``EngineCore`` without an executor
+whose step halves run at virtual times.  A step lasts
 ``cost_model.step_time(plan)`` and samples the request's scripted or
 synthetic tokens::
 
@@ -25,11 +26,13 @@ import math
 from collections.abc import Callable, Sequence
 
 from kvserve.scheduler.block_pool import KVCacheEventObserver
+from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.scheduler import Scheduler, SchedulerLoad
 from kvserve.scheduler.simulation.admission import TrackedRequest
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord
 from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
 from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_result import StepResult
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -52,10 +55,10 @@ class SimulatedReplicas:
         self._progress_every = 1
         self._num_requests = 0
         # Indexed by replica id, None for the fleet's other replicas.
-        self._schedulers: list[Scheduler | None] = [None] * num_replicas
+        self._engines: list[EngineCore | None] = [None] * num_replicas
         for replica_id in replica_ids:
             scheduler = Scheduler(config.scheduler_config, config.cache_config, observer=observer_for(replica_id))
-            self._schedulers[replica_id] = scheduler
+            self._engines[replica_id] = EngineCore(scheduler)
             report_load(replica_id, scheduler.get_load())
         self._plans: list[StepPlan | None] = [None] * num_replicas
         self.busy_time = [0.0] * num_replicas
@@ -85,9 +88,10 @@ class SimulatedReplicas:
         Raises ``ValueError`` naming the request when the replica's scheduler
         refuses it.
         """
-        scheduler = self._schedulers[replica_id]
-        if scheduler is None:
+        engine = self._engines[replica_id]
+        if engine is None:
             raise ValueError(f"replica {replica_id} is not one of these replicas")
+        scheduler = engine.scheduler
         if request.script is None:
             request.script = synthetic_output_token_array(
                 request.req_id, request.num_prompt_tokens, request.sampling_params.max_tokens, self._vocab_size
@@ -125,16 +129,16 @@ class SimulatedReplicas:
             raise RuntimeError(f"{num_unfinished} requests never finished (a replica stalled)")
 
     def _start_step(self, replica_id: int) -> None:
-        scheduler = self._schedulers[replica_id]
+        engine: EngineCore = self._engines[replica_id]  # type: ignore[assignment]
         plan = None
-        while scheduler.has_unfinished_requests():  # type: ignore[union-attr]
-            plan = scheduler.schedule()  # type: ignore[union-attr]
-            if plan.req_ids:
+        while engine.has_unfinished_requests():
+            plan = engine.begin_step()
+            if plan is not None and plan.req_ids:
                 break
-            if not plan.preempted_req_ids:
+            if plan is None or not plan.preempted_req_ids:
                 raise RuntimeError(f"replica {replica_id} has requests but cannot schedule any")
             # Everything running was preempted: the next plan admits from the front.
-        self._report_load(replica_id, scheduler.get_load())  # type: ignore[union-attr]
+        self._report_load(replica_id, engine.scheduler.get_load())
         if plan is None or not plan.req_ids:
             self._plans[replica_id] = None
             return
@@ -158,8 +162,8 @@ class SimulatedReplicas:
         if plan is None:
             raise RuntimeError(f"replica {replica_id} finished a step it never started")
         now = self.now
-        scheduler: Scheduler = self._schedulers[replica_id]  # type: ignore[assignment]
-        requests: dict[str, TrackedRequest] = scheduler.requests  # type: ignore[assignment]
+        engine: EngineCore = self._engines[replica_id]  # type: ignore[assignment]
+        requests: dict[str, TrackedRequest] = engine.scheduler.requests  # type: ignore[assignment]
         tokens: list[int] = []
         finished: list[TrackedRequest] = []
         # NOTE: every sampled row's request is running (nothing aborts in a
@@ -174,7 +178,7 @@ class SimulatedReplicas:
                     request.first_token_time = now
                 if num_output + 1 == request.sampling_params.max_tokens:
                     finished.append(request)
-        scheduler.update(plan, tokens, collect_outputs=False)
+        engine.finish_step(plan, StepResult(plan.step_id, tokens), collect_outputs=False)
         for request in finished:
             if not request.is_finished:
                 raise RuntimeError(

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvserve.engine import EngineCore
+from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams

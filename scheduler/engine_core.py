@@ -1,0 +1,83 @@
+"""The step loop of one replica: ``schedule()`` -> the executor -> ``update()``.
+
+Every replica runs this loop, wherever it runs; the executor is the only seam::
+
+    in-process LLM     step()                                   Uniproc- / MultiprocExecutor
+    calibration        step()                                   the same, timed by a wrapper
+    cluster replica    begin_step(), await execute, finish_step()   gRPC to the workers (async)
+    fleet simulator    begin_step() ... finish_step()           none: the step cost model
+                                                                sets the virtual time between
+
+``begin_step`` and ``finish_step`` are the loop's two halves, for drivers that await the
+executor or let virtual time pass between them.  Plain Python: no torch, Ray or gRPC.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvserve.scheduler.executor import AsyncExecutor, Executor
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.request_output import RequestOutput
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.step_plan import StepPlan
+from kvserve.scheduler.step_result import StepResult
+
+
+class EngineCore:
+    """One replica's scheduler driving its executor, one step at a time."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor | AsyncExecutor | None = None) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
+        return self.scheduler.abort_requests(req_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def begin_step(self) -> StepPlan | None:
+        """Schedule the next step; ``None`` when there is nothing to send.
+
+        NOTE: a plan with no scheduled request is still returned when it carries
+        finished or preempted ids, so that workers drop their state.
+        """
+        plan = self.scheduler.schedule()
+        return None if plan.is_empty else plan
+
+    def finish_step(self, plan: StepPlan, result: StepResult, *, collect_outputs: bool = True) -> list[RequestOutput]:
+        """Apply ``plan``'s sampled tokens; the outputs of the requests that got one.
+
+        ``result.logprobs`` empty means the executor reported none (the simulator).
+        """
+        return self.scheduler.update(plan, result.sampled_token_ids, result.logprobs or None,
+                                     collect_outputs=collect_outputs)
+
+    def fail_step(self, plan: StepPlan) -> None:
+        """``plan`` never ran: abort its requests and uncache the blocks it was to fill.
+
+        NOTE: its blocks were cached when it was scheduled, and their KV was never
+        written: a later request would hit them and read garbage.
+        """
+        self.scheduler.discard_step(plan)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step on a synchronous executor; returns the tokens it produced."""
+        plan = self.begin_step()
+        if plan is None:
+            return []
+        try:
+            result = self.executor.execute(plan)  # type: ignore[union-attr]
+        except BaseException:
+            self.fail_step(plan)
+            raise
+        return self.finish_step(plan, result)
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+
