@@ -5,12 +5,14 @@
 In one run, on one device:
 
 0. ceilings: the read rate (a 4 GiB bf16 ``sum``) and the bf16 matmul rate (8192^3);
-a. decode step time at batch 1/16/64/256 (prompts of ``--decode-context`` tokens), eager
-   and through CUDA graphs, against the floor (weight bytes + K/V bytes read) / read rate;
-   each step is ``engine.step()`` as ``LLM.generate`` runs it (schedule, execute, update);
+a. decode step time at batch 1/16/64/256 (prompts of ``--decode-context`` tokens), eager,
+   through CUDA graphs, and through graphs with overlapped (async) scheduling, against the
+   floor (weight bytes + K/V bytes read) / read rate; each step is ``engine.step()`` as
+   ``LLM.generate`` runs it (schedule, execute, update);
 b. prefill attention TFLOP/s against dense causal FlashAttention (``bench.prefill_attention``);
-c. the end-to-end workloads of ``bench.serving_workloads`` through ``LLM.generate``, in output
-   tokens/s, against the workload's floor and transformers' ``generate`` (static batches of
+c. the end-to-end workloads of ``bench.serving_workloads`` through ``LLM.generate``, plain and
+   with async scheduling, in output tokens/s, against the workload's floor and transformers'
+   ``generate`` (static batches of
    ``--hf-batch`` left-padded prompts, the first ``--hf-prompts`` of each workload);
 d. the ``mixed`` workload through ``kvserve serve`` (a local Ray cluster) and gRPC, against (c).
 
@@ -67,10 +69,11 @@ def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, 
         while len(started) < batch:  # every prompt prefilled: from here on, decode-only steps
             started.update(output.req_id for output in engine.step())
         times = {}
-        for mode in ("eager", "graphed"):
-            if mode == "graphed" and graphs is None:
+        for mode in ("eager", "graphed", "overlapped"):
+            if mode != "eager" and graphs is None:
                 continue
-            worker.decode_graphs = graphs if mode == "graphed" else None
+            worker.decode_graphs = None if mode == "eager" else graphs
+            engine.async_scheduling = mode == "overlapped"
             for _ in range(2):
                 engine.step()
             samples = []
@@ -81,21 +84,23 @@ def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, 
             times[mode] = statistics.median(samples) * 1e3
         worker.decode_graphs = graphs
         engine.abort_requests(req_ids)
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests():  # with async scheduling on: the step in flight too
             engine.step()
+        engine.async_scheduling = False
         floor_ms = None
         if read_rate is not None:
             kv_bytes = batch * (context + 2 * steps) * cost.kv_bytes_per_token
             floor_ms = (cost.weight_bytes + kv_bytes) / read_rate * 1e3
         best = min(times.values())
-        rows.append([batch, f"{times['eager']:.2f}", f"{times['graphed']:.2f}" if "graphed" in times else "-",
+        rows.append([batch, f"{times['eager']:.2f}", *(f"{times[m]:.2f}" if m in times else "-" for m in ("graphed", "overlapped")),
                      f"{floor_ms:.2f}" if floor_ms else "-", f"{best / floor_ms:.2f}" if floor_ms else "-"])
     return rows
 
 
-def run_kvserve(llm, workload: Workload) -> float:
+def run_kvserve(llm, workload: Workload, async_scheduling: bool = False) -> float:
     from kvserve import SamplingParams
 
+    llm.engine.async_scheduling = async_scheduling  # nothing is in flight between generate() calls
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)
@@ -224,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         cost = model_cost(AutoConfig.from_pretrained(model_dir), dtype_bytes=2 if on_gpu else 4)
         workloads = make_workloads(config.vocab_size, args.scale, args.seed)
         kvserve_s: dict[str, float] = {}
+        overlapped_s: dict[str, float] = {}
         start = time.perf_counter()
         llm = LLM(model_dir, device=device, max_num_seqs=256, num_blocks=None if on_gpu else 4096)
         print(f"\nLLM started in {time.perf_counter() - start:.1f} s", flush=True)
@@ -233,12 +239,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n(a) decode step, {args.decode_context}-token prompts, median of {args.decode_steps} steps\n")
                 rows = decode_steps(llm, batches, args.decode_context, config.vocab_size, args.decode_steps, cost,
                                     read_rate)
-                print(format_table(["batch", "eager ms", "graphed ms", "floor ms", "best / floor"], rows), flush=True)
+                print(format_table(["batch", "eager ms", "graphed ms", "graphed + async ms", "floor ms", "best / floor"],
+                                   rows), flush=True)
             if "c" in args.parts:
                 run_kvserve(llm, Workload("warm-up", workloads[0].prompts[:8], [8] * 8, [0] * 8))
                 for workload in workloads:
                     kvserve_s[workload.name] = run_kvserve(llm, workload)
-                    print(f"  {workload.name}: {kvserve_s[workload.name]:.2f} s", flush=True)
+                    overlapped_s[workload.name] = run_kvserve(llm, workload, async_scheduling=True)
+                    print(f"  {workload.name}: {kvserve_s[workload.name]:.2f} s, with async scheduling "
+                          f"{overlapped_s[workload.name]:.2f} s", flush=True)
         finally:
             llm.shutdown()
             del llm
@@ -248,11 +257,12 @@ def main(argv: list[str] | None = None) -> int:
             for w in workloads:
                 rate = w.num_output_tokens / kvserve_s[w.name]
                 floor_s = workload_floor_s(w, cost, matmul_rate, read_rate) if on_gpu else None
-                rows.append([w.name, len(w.prompts), w.num_output_tokens, f"{kvserve_s[w.name]:.2f}", f"{rate:.0f}",
+                rows.append([w.name, len(w.prompts), w.num_output_tokens, f"{kvserve_s[w.name]:.2f}",
+                             f"{overlapped_s[w.name]:.2f}", f"{rate:.0f}",
                              f"{hf[w.name]:.0f}", f"{rate / hf[w.name]:.1f}",
                              f"{floor_s:.2f}" if floor_s else "-", f"{kvserve_s[w.name] / floor_s:.2f}" if floor_s else "-"])
             print(f"\n(c) end to end (transformers: the first {args.hf_prompts} prompts, batches of {args.hf_batch})\n")
-            print(format_table(["workload", "requests", "output tokens", "kvserve s", "kvserve tok/s",
+            print(format_table(["workload", "requests", "output tokens", "kvserve s", "async sched. s", "kvserve tok/s",
                                 "transformers tok/s", "vs transformers", "floor s", "kvserve / floor"], rows), flush=True)
         if "d" in args.parts:
             mixed = workloads[0]

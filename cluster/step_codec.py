@@ -61,7 +61,13 @@ def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
 
 
 def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
-    """The wire form of ``plan``; encode once and send the same message to every rank."""
+    """The wire form of ``plan``; encode once and send the same message to every rank.
+
+    ``ValueError`` for a plan with placeholder rows: the cluster does not schedule
+    overlapped yet, and the step protocol does not carry them.
+    """
+    if plan.placeholder_rows:
+        raise ValueError(f"step {plan.step_id} has placeholder rows, which the step protocol does not carry")
     message = step_pb2.StepPlan(
         step_id=plan.step_id,
         req_ids=plan.req_ids,

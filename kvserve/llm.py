@@ -61,6 +61,7 @@ class LLM:
         attention_backend: str | None = None,
         seed: int | None = 0,
         enforce_eager: bool = False,
+        async_scheduling: bool = False,
     ) -> None:
         self.model_config = ModelConfig.from_pretrained(model, max_model_len)
         self.tokenizer = load_tokenizer(model)
@@ -80,6 +81,8 @@ class LLM:
             enforce_eager=enforce_eager,
         )
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
+        if async_scheduling and tensor_parallel_size != 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size=1 (the sampling rank feeds the next step)")
         if tensor_parallel_size == 1:
             from kvserve.worker.uniproc_executor import UniprocExecutor
 
@@ -103,7 +106,7 @@ class LLM:
                 model_id=self.model_config.model_id,
             ),
         )
-        self.engine = EngineCore(scheduler, executor)
+        self.engine = EngineCore(scheduler, executor, async_scheduling=async_scheduling)
         self._request_counter = itertools.count()
         self._shut_down = False
 

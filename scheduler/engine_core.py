@@ -9,14 +9,23 @@ Every replica runs this loop, wherever it runs; the executor is the only seam::
                                                                 sets the virtual time between
 
 ``begin_step`` and ``finish_step`` are the loop's two halves, for drivers that await the
-executor or let virtual time pass between them.  Plain Python: no torch, Ray or gRPC.
+executor or let virtual time pass between them.
+
+Overlapped (asynchronous) scheduling, ``async_scheduling=True`` with an executor that can
+``launch`` a step without waiting for it: each ``step()`` plans and launches step N+1, then
+waits for step N and applies it, so the host's planning hides behind the device's work::
+
+    step():  begin_step(N+1), launch(N+1)  |  N.result(), finish_step(N)  ->  N's outputs
+
+Requests sampled by step N are planned into N+1 with placeholders for their new token
+(see ``Scheduler``).  Plain Python: no torch, Ray or gRPC.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from kvserve.scheduler.executor import AsyncExecutor, Executor
+from kvserve.scheduler.executor import AsyncExecutor, Executor, PendingStep
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
@@ -27,9 +36,20 @@ from kvserve.scheduler.step_result import StepResult
 class EngineCore:
     """One replica's scheduler driving its executor, one step at a time."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor | AsyncExecutor | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor | AsyncExecutor | None = None,
+        *,
+        async_scheduling: bool = False,
+    ) -> None:
+        if async_scheduling and not callable(getattr(executor, "launch", None)):
+            raise ValueError(f"async_scheduling needs an executor that can launch steps, got {executor!r}")
         self.scheduler = scheduler
         self.executor = executor
+        self.async_scheduling = async_scheduling
+        # The step launched and not yet applied (async scheduling).
+        self._in_flight: tuple[StepPlan, PendingStep] | None = None
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -38,7 +58,7 @@ class EngineCore:
         return self.scheduler.abort_requests(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def begin_step(self) -> StepPlan | None:
         """Schedule the next step; ``None`` when there is nothing to send.
@@ -66,7 +86,12 @@ class EngineCore:
         self.scheduler.discard_step(plan)
 
     def step(self) -> list[RequestOutput]:
-        """Run one step on a synchronous executor; returns the tokens it produced."""
+        """Run one step on a synchronous executor; returns the tokens it produced.
+
+        With async scheduling, the tokens of the step launched by the previous call.
+        """
+        if self.async_scheduling:
+            return self._overlapped_step()
         plan = self.begin_step()
         if plan is None:
             return []
@@ -76,6 +101,35 @@ class EngineCore:
             self.fail_step(plan)
             raise
         return self.finish_step(plan, result)
+
+    def _overlapped_step(self) -> list[RequestOutput]:
+        plan = self.begin_step()
+        launched = None
+        if plan is not None:
+            try:
+                launched = self.executor.launch(plan)  # type: ignore[union-attr]
+            except BaseException:
+                self.fail_step(plan)
+                self._fail_in_flight()
+                raise
+        previous, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
+        if previous is None:
+            return []
+        previous_plan, previous_launched = previous
+        try:
+            result = previous_launched.result()
+        except BaseException:
+            self.fail_step(previous_plan)
+            self._fail_in_flight()
+            raise
+        if result is None:
+            raise RuntimeError(f"step {previous_plan.step_id} returned no samples")
+        return self.finish_step(previous_plan, result)
+
+    def _fail_in_flight(self) -> None:
+        if self._in_flight is not None:
+            self.fail_step(self._in_flight[0])
+            self._in_flight = None
 
     def shutdown(self) -> None:
         if self.executor is not None:

@@ -30,6 +30,22 @@ class Executor(Protocol):
         ...
 
 
+class PendingStep(Protocol):
+    """A step an executor has started and not yet returned."""
+
+    def result(self) -> StepResult | None:
+        """Wait for the step; its samples (``None`` from a rank that does not sample)."""
+        ...
+
+
+class OverlappingExecutor(Executor, Protocol):
+    """An executor that can start a step and return before it ends (overlapped scheduling)."""
+
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Start ``plan``; the next plan's placeholder rows take this one's samples."""
+        ...
+
+
 class ReplicaFailedError(RuntimeError):
     """A replica's worker failed or died; its requests cannot continue there."""
 

@@ -72,6 +72,7 @@ class Request:
         "block_hashes",
         "pending_claim",
         "kv_room",
+        "num_pending_tokens",
     )
 
     def __init__(
@@ -119,6 +120,9 @@ class Request:
         # most this many tokens needs no new block and fills none (0 when it
         # holds no blocks), so the scheduler schedules it without a call.
         self.kv_room = 0
+        # Tokens sampled by scheduled steps whose results have not been applied
+        # yet: 0 except between schedule() and update() (overlapped scheduling).
+        self.num_pending_tokens = 0
 
     @property
     def prompt_token_ids(self) -> list[int]:

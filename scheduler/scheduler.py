@@ -11,7 +11,11 @@ the prefix cache).  The prefix cache is looked up when a request is scheduled
 from the waiting queue.
 
 One step is ``plan = schedule()``, the workers run ``plan``, then
-``update(plan, sampled_token_ids)``.
+``update(plan, sampled_token_ids)``.  With overlapped scheduling the next
+``schedule()`` comes before the last ``update()``: a request whose sampled
+token is still on its way is planned with a placeholder for it (the worker
+knows its own sample), unless the token cannot but finish it (its last allowed
+one); its tokens are applied when they come, also if it was preempted meanwhile.
 """
 
 from __future__ import annotations
@@ -205,6 +209,7 @@ class Scheduler:
         sample: list[bool] = []
         new_requests: list[NewRequestData] = []
         preempted_req_ids: list[str] = []
+        placeholder_rows: list[int] = []
 
         # Running requests first: decodes and unfinished prefill chunks.
         running = self.running
@@ -215,11 +220,12 @@ class Scheduler:
         while req_index < len(running) and budget > 0:
             request = running[req_index]
             start = request.num_computed_tokens
-            num_tokens = len(request.all_token_ids)
+            num_pending = request.num_pending_tokens
+            num_tokens = len(request.all_token_ids) + num_pending
             num_new = num_tokens - start
             if num_new > 1:
                 num_new = min(num_new, budget, max_chunk)
-            elif num_new <= 0:
+            elif num_new <= 0 or (num_pending and _pending_token_ends(request, max_model_len)):
                 req_index += 1
                 continue
             if start + num_new <= request.kv_room:
@@ -241,7 +247,11 @@ class Scheduler:
             num_scheduled.append(num_new)
             num_computed.append(start)
             if num_new == 1:
-                token_ids.append(request.all_token_ids[start])
+                if num_pending:
+                    placeholder_rows.append(len(req_ids) - 1)
+                    token_ids.append(0)
+                else:
+                    token_ids.append(request.all_token_ids[start])
             else:
                 token_ids.extend(request.all_token_ids[start : start + num_new])
             if new_blocks:
@@ -249,7 +259,11 @@ class Scheduler:
                 new_block_ids.extend([block.block_id for block in new_blocks])
             else:
                 num_new_block_ids.append(0)
-            sample.append(start + num_new == num_tokens)
+            if start + num_new == num_tokens:
+                sample.append(True)
+                request.num_pending_tokens = num_pending + 1
+            else:
+                sample.append(False)
             request.num_computed_tokens = start + num_new
             budget -= num_new
             req_index += 1
@@ -284,7 +298,11 @@ class Scheduler:
             token_ids.extend(request.all_token_ids[start : start + num_new])
             num_new_block_ids.append(len(block_ids))
             new_block_ids.extend(block_ids)
-            sample.append(start + num_new == request.num_tokens)
+            if start + num_new == request.num_tokens:
+                sample.append(True)
+                request.num_pending_tokens = 1
+            else:
+                sample.append(False)
             request.num_computed_tokens = start + num_new
             budget -= num_new
             # From waiting (all its tokens queued) to running (its prompt's rest queued).
@@ -308,6 +326,7 @@ class Scheduler:
             new_requests=new_requests,
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
+            placeholder_rows=placeholder_rows,
         )
         self._next_step_id += 1
         if logger.isEnabledFor(logging.DEBUG):
@@ -362,7 +381,14 @@ class Scheduler:
             if token_logprobs is not None:
                 logprob = next(token_logprobs)
             request = requests.get(req_id)
-            if request is None or request.status is not running_status:
+            if request is None:
+                continue
+            request.num_pending_tokens -= 1
+            if request.status is not running_status:
+                if request.status is RequestStatus.PREEMPTED:  # preempted while its token was on its way
+                    reason = self._apply_to_waiting(request, token_id)
+                    if collect_outputs:
+                        outputs.append(RequestOutput(req_id, token_id, reason, logprob))
                 continue
             request.all_token_ids.append(token_id)
             request.output_token_ids.append(token_id)
@@ -388,6 +414,22 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs
+
+    def _apply_to_waiting(self, request: Request, token_id: int) -> FinishReason | None:
+        """A token sampled before ``request`` was preempted: it joins what the request recomputes.
+
+        Returns why the token ends the request, if it does (the request is then gone).
+        """
+        request.append_output_token(token_id)
+        self._num_queued_prefill_tokens += 1
+        reason = _finish_reason(request, token_id, self.scheduler_config.max_model_len)
+        if reason is not None:
+            self._num_queued_prefill_tokens -= request.num_tokens - request.num_computed_tokens
+            self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(request.req_id, 0)
+            self.waiting = deque(r for r in self.waiting if r is not request)
+            del self.requests[request.req_id]
+            request.finish(reason)
+        return reason
 
     def discard_step(self, plan: StepPlan) -> None:
         """The step of ``plan`` never ran (its execution failed): abort its requests, and take the
@@ -460,6 +502,24 @@ class Scheduler:
             num_cached = num_blocks * kv.block_size
             self._waiting_cached_tokens[request.req_id] = num_cached
             self._num_queued_cached_tokens += num_cached
+
+
+def _finish_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
+    """Why ``request`` ends with its newly appended ``token_id``, if it does."""
+    if token_id in request.stop_token_ids:
+        return FinishReason.STOP
+    if len(request.output_token_ids) >= request.sampling_params.max_tokens or len(request.all_token_ids) >= max_model_len:
+        return FinishReason.LENGTH
+    return None
+
+
+def _pending_token_ends(request: Request, max_model_len: int) -> bool:
+    """Whether the tokens on their way end ``request`` by length: nothing to plan after them."""
+    num_pending = request.num_pending_tokens
+    return (
+        len(request.output_token_ids) + num_pending >= request.sampling_params.max_tokens
+        or len(request.all_token_ids) + num_pending >= max_model_len
+    )
 
 
 def _queued_prefill_tokens(request: Request) -> int:

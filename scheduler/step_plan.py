@@ -18,7 +18,7 @@ A request's block table on the worker is the concatenation of every
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.scheduler.sampling_params import SamplingParams
 
@@ -63,6 +63,10 @@ class StepPlan:
     the same plan is filling in this very step (blocks are cached when they
     are allocated).  Workers therefore write the K/V of the whole batch into
     the cache before any attention of that layer reads it.
+
+    ``placeholder_rows`` (overlapped scheduling): rows whose single token is
+    the one sampled for that request by the previous step, planned before it
+    was known; ``token_ids`` holds 0 there and the worker puts in its own sample.
     """
 
     step_id: int
@@ -76,6 +80,7 @@ class StepPlan:
     new_requests: list[NewRequestData]
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
+    placeholder_rows: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

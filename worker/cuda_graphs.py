@@ -191,10 +191,21 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         return time.perf_counter() - start
 
-    def run(self, batch: DecodeBatch, padded_size: int) -> torch.Tensor:
-        """Replay the graph of ``padded_size`` on ``batch``; returns its hidden states ``[n, hidden]``."""
+    def run(
+        self,
+        batch: DecodeBatch,
+        padded_size: int,
+        fix_input_ids: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor:
+        """Replay the graph of ``padded_size`` on ``batch``; returns its hidden states ``[n, hidden]``.
+
+        ``fix_input_ids`` may rewrite the loaded token ids in place before the replay
+        (placeholders of overlapped scheduling).
+        """
         graph, output = self._graphs[padded_size]
         self.load(batch, padded_size)
+        if fix_input_ids is not None:
+            fix_input_ids(self.input_ids[: batch.num_reqs])
         graph.replay()
         return output[: batch.num_reqs]
 

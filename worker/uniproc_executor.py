@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
-from kvserve.worker.worker import Worker, WorkerConfig
+from kvserve.worker.worker import LaunchedStep, Worker, WorkerConfig
 
 
 class UniprocExecutor:
-    """An ``Executor`` for tensor-parallel size 1: the worker lives in this process."""
+    """An ``Executor`` for tensor-parallel size 1: the worker lives in this process.
+
+    It is an ``OverlappingExecutor``: ``launch`` queues a step on the device and returns.
+    """
 
     def __init__(self, config: WorkerConfig) -> None:
         if config.tp_size != 1:
@@ -25,6 +28,9 @@ class UniprocExecutor:
         if result is None:  # only non-driver ranks return None
             raise RuntimeError("the single rank did not return samples")
         return result
+
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        return self.worker.launch(plan)
 
     def shutdown(self) -> None:
         self.worker.shutdown()

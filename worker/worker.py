@@ -17,6 +17,7 @@ import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AutoConfig
 
@@ -34,7 +35,7 @@ from kvserve.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from kvserve.worker.model_loader import load_model
-from kvserve.worker.sampler import Sampler, SamplerOutput
+from kvserve.worker.sampler import Sampler
 from kvserve.worker.tiny_model import ensure_default_tiny_model_at
 
 logger = logging.getLogger(__name__)
@@ -153,6 +154,9 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
+        # The last step's samples on the device, and each sampled request's index in them.
+        self._sampled_token_ids: torch.Tensor | None = None
+        self._sampled_rows: dict[str, int] = {}
 
     @property
     def is_driver(self) -> bool:
@@ -212,20 +216,31 @@ class Worker:
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata) -> torch.Tensor:
         return self.model(input_ids, positions, self.kv_caches, attn_metadata)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult | None:
         """Run ``plan``; rank 0 returns the sampled tokens, other ranks ``None``."""
+        return self.launch(plan).result()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> LaunchedStep:
+        """Queue ``plan``'s work on the device; its result comes from ``LaunchedStep.result()``.
+
+        On CUDA nothing here waits for the device, so the caller can plan the next
+        step meanwhile.  The next plan's placeholder rows take this step's samples.
+        """
         if not self.kv_caches:
             raise RuntimeError("initialize_cache() must be called before execute()")
         batch = self.input_batch
         batch.apply(plan)
         if not plan.req_ids:
-            return StepResult(plan.step_id) if self.is_driver else None
+            return LaunchedStep(plan.step_id, self.is_driver)
         graphs = self.decode_graphs
         decode = batch.prepare_decode(plan) if graphs is not None else None
         padded_size = graphs.padded_size(decode) if graphs is not None and decode is not None else None
         if padded_size is not None:
-            hidden_states = graphs.run(decode, padded_size)
+            rows = np.arange(decode.num_reqs)
+            hidden_states = graphs.run(
+                decode, padded_size, fix_input_ids=lambda input_ids: self._fill_placeholders(plan, input_ids, rows)
+            )
             sampling_params, output_indices = decode.sampling_params, decode.output_indices
             logits_rows = (
                 hidden_states if len(output_indices) == decode.num_reqs
@@ -233,16 +248,40 @@ class Worker:
             )
         else:
             inputs = batch.prepare(plan)
+            self._fill_placeholders(plan, inputs.input_ids, inputs.attn_metadata.query_start_loc_cpu)
             hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             sampling_params, output_indices = inputs.sampling_params, inputs.output_indices
             logits_rows = hidden_states[inputs.logits_indices] if output_indices else None
         if not output_indices:
-            return StepResult(plan.step_id) if self.is_driver else None
+            return LaunchedStep(plan.step_id, self.is_driver)
         logits = self.model.compute_logits(logits_rows)
         if not self.is_driver:
-            return None
-        token_ids, logprobs = _to_host(self.sampler(logits, sampling_params, output_indices))
-        return StepResult(plan.step_id, token_ids, logprobs)
+            return LaunchedStep(plan.step_id, False)
+        sampled = self.sampler(logits, sampling_params, output_indices)
+        # For the next plan's placeholders: each sampled request's row in this step's samples.
+        self._sampled_token_ids = sampled.token_ids
+        self._sampled_rows = {plan.req_ids[i]: k for k, i in enumerate(i for i, s in enumerate(plan.sample) if s)}
+        return LaunchedStep.copying(plan.step_id, sampled.token_ids, sampled.logprobs)
+
+    def _fill_placeholders(self, plan: StepPlan, input_ids: torch.Tensor, token_index_of_row) -> None:
+        """Put the last step's samples into ``input_ids`` at ``plan``'s placeholder rows.
+
+        ``token_index_of_row[r]``: where row ``r``'s token sits in ``input_ids``.
+        """
+        if not plan.placeholder_rows:
+            return
+        if self._sampled_token_ids is None:
+            raise RuntimeError("a plan with placeholders reached a rank that does not sample (overlapped "
+                               "scheduling needs tensor-parallel size 1)")
+        try:
+            sources = [self._sampled_rows[plan.req_ids[row]] for row in plan.placeholder_rows]
+        except KeyError as exc:
+            raise ValueError(f"step {plan.step_id}: request {exc.args[0]!r} has a placeholder but was not "
+                             "sampled by the previous step") from None
+        targets = [int(token_index_of_row[row]) for row in plan.placeholder_rows]
+        input_ids[to_device(np.asarray(targets, dtype=np.int64), self.device)] = self._sampled_token_ids[
+            to_device(np.asarray(sources, dtype=np.int64), self.device)
+        ]
 
     def shutdown(self) -> None:
         """Release the graphs, the KV cache and the weights (and the process group).
@@ -264,11 +303,33 @@ class Worker:
             torch.cuda.empty_cache()
 
 
-def _to_host(sampled: SamplerOutput) -> tuple[list[int], list[float]]:
-    """The sampled tokens and their logprobs as lists, after one wait for the device."""
-    if sampled.token_ids.device.type != "cuda":
-        return sampled.token_ids.tolist(), sampled.logprobs.tolist()
-    token_ids = sampled.token_ids.to("cpu", non_blocking=True)
-    logprobs = sampled.logprobs.to("cpu", non_blocking=True)
-    torch.cuda.current_stream(sampled.token_ids.device).synchronize()
-    return token_ids.tolist(), logprobs.tolist()
+@dataclass(frozen=True, slots=True)
+class LaunchedStep:
+    """A step whose work is queued on the device; rank 0's samples are on their way to the host."""
+
+    step_id: int
+    is_driver: bool
+    token_ids: torch.Tensor | None = None  # host tensors (pinned on CUDA), complete once `ready` passed
+    logprobs: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
+
+    @classmethod
+    def copying(cls, step_id: int, token_ids: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
+        """The step whose samples are ``token_ids`` and ``logprobs``, copied to the host without a wait."""
+        if token_ids.device.type != "cuda":
+            return cls(step_id, True, token_ids, logprobs)
+        host_ids = token_ids.to("cpu", non_blocking=True)
+        host_logprobs = logprobs.to("cpu", non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(step_id, True, host_ids, host_logprobs, ready)
+
+    def result(self) -> StepResult | None:
+        """The sampled tokens (rank 0) after one wait for the device; ``None`` on other ranks."""
+        if not self.is_driver:
+            return None
+        if self.token_ids is None:
+            return StepResult(self.step_id)
+        if self.ready is not None:
+            self.ready.synchronize()
+        return StepResult(self.step_id, self.token_ids.tolist(), self.logprobs.tolist())

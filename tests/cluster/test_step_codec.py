@@ -200,3 +200,11 @@ def test_result_with_unpaired_logprobs_is_rejected() -> None:
     message.logprobs = message.logprobs[:4]
     with pytest.raises(ValueError, match="^logprobs has 1 entries but sampled_token_ids has 2"):
         decode_result(message)
+
+
+def test_a_plan_with_placeholder_rows_is_refused_rather_than_sent_without_them() -> None:
+    from kvserve.scheduler.step_plan import StepPlan
+
+    plan = StepPlan(0, ["a"], [1], [3], [0], [0], [], [True], [], [], [], placeholder_rows=[0])
+    with pytest.raises(ValueError, match="placeholder rows"):
+        encode_plan(plan)

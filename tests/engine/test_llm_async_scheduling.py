@@ -1,0 +1,78 @@
+"""Overlapped (async) scheduling gives the plain engine's outputs, token for token.
+
+Step N+1 is planned before step N's tokens are applied: requests sampled by N are
+planned with placeholders that the worker fills with its own samples; stops are
+seen a step late.  Greedy and seeded sampling depend only on each request's own
+tokens, so every output must equal the non-overlapped engine's, through chunked
+prefill, prefix-cache hits, EOS stops and preemption.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvserve import LLM, SamplingParams
+from kvserve.worker.tiny_model import create_tiny_model
+from tests.engine.test_llm_parity import random_prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):
+    return create_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=3)
+
+
+def generate_both(model_dir, prompts, params, **llm_args):
+    results = {}
+    for overlapped in (False, True):
+        with LLM(model_dir, async_scheduling=overlapped, **llm_args) as llm:
+            results[overlapped] = llm.generate(prompts, params)
+    return results[False], results[True]
+
+
+def assert_same(plain, overlapped) -> None:
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
+    assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in plain]
+    for a, b in zip(plain, overlapped):
+        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+
+
+def test_greedy_outputs_equal_the_plain_engine_with_eos_stops_and_chunks(model_dir) -> None:
+    prompts = random_prompts(12, seed=4, lo=3, hi=80)
+    rng = random.Random(1)
+    params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0) for _ in prompts]
+    plain, overlapped = generate_both(model_dir, prompts, params, num_blocks=256, max_num_batched_tokens=40)
+    assert_same(plain, overlapped)
+    assert any(o.finish_reason == "length" for o in plain)
+
+
+def test_outputs_equal_under_preemption(model_dir) -> None:
+    prompts = random_prompts(8, seed=9, lo=10, hi=30)
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    plain, overlapped = generate_both(model_dir, prompts, params, block_size=4, num_blocks=40,
+                                      max_num_batched_tokens=64)
+    assert_same(plain, overlapped)
+
+
+def test_seeded_sampling_and_prefix_hits_equal_the_plain_engine(model_dir) -> None:
+    shared = [random.Random(5).randrange(3, 1000) for _ in range(33)]
+    prompts = random_prompts(6, seed=6, lo=2, hi=12, shared=shared)
+    params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=i) for i in range(len(prompts))]
+    plain, overlapped = generate_both(model_dir, prompts, params, block_size=8, num_blocks=128)
+    assert_same(plain, overlapped)
+    assert [o.num_cached_tokens for o in overlapped] == [o.num_cached_tokens for o in plain]
+
+
+def test_an_engine_with_nothing_left_in_flight_after_generate(model_dir) -> None:
+    with LLM(model_dir, num_blocks=64, async_scheduling=True) as llm:
+        first = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        assert len(first[0].token_ids) == 5
+        assert not llm.engine.has_unfinished_requests()
+        again = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))
+        assert again[0].token_ids == first[0].token_ids
+
+
+def test_async_scheduling_with_tensor_parallelism_is_refused(model_dir) -> None:
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size=1"):
+        LLM(model_dir, tensor_parallel_size=2, async_scheduling=True)
