@@ -134,12 +134,27 @@ class Run:
 # -- command line -----------------------------------------------------------------
 
 
+# What --help says does not combine (each is refused with an error naming it).
+_DO_NOT_COMBINE = """\
+options that do not combine:
+  --qps knee            not with the mooncake workload (a trace; give rates or 'trace')
+  --qps trace           only with the mooncake workload
+  --knee-factor         only with --qps knee
+  --trace               only with (and required by) --workload mooncake
+  --burstiness          not with a trace: its arrivals keep the trace's pattern
+  --address, --model, --time-scale    only with --live
+  --jobs, --sim-processes             only for simulations (not --live)
+  --sim / --live, --kv-blocks-per-replica / --kv-fraction: one of each pair
+"""
+
+
 def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``experiment`` on a ``kvserve`` subcommand parser."""
     parser = subparsers.add_parser(
         "experiment",
         help="compare routing policies on one workload (simulated fleet, or --live on Ray)",
         description=__doc__,
+        epilog=_DO_NOT_COMBINE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     workloads = sorted([*WORKLOADS, TRACE_WORKLOAD])
@@ -412,8 +427,12 @@ def _run(args: argparse.Namespace) -> int:
         f"{rate:.3f} at {qps_label(qps, reference_stream):g} qps" for qps, rate in infinite_hit_rates.items()
     )
     mode = "live, simulated replicas" if args.live else "simulated"
+    replayed = (
+        count(num_measured, "request") if num_measured == len(reference_stream)
+        else f"{count(len(reference_stream), 'request')} replayed, {num_measured:,} measured (the rest warm-up)"
+    )
     header = (
-        f"{stream.workload} ({mode}): {count(num_measured, 'request')}, {count(fleet.num_replicas, 'replica')} x "
+        f"{stream.workload} ({mode}): {replayed}, {count(fleet.num_replicas, 'replica')} x "
         f"{fleet.cache_config.num_usable_blocks} KV blocks of {fleet.cache_config.block_size} tokens; "
         f"infinite-cache hit rate {infinite}; baseline {baseline}"
     )

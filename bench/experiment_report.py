@@ -6,7 +6,8 @@ A run is one policy at one rate over one request stream, simulated
 
 * ``hit_rate``: prompt tokens served from a prefix cache / prompt tokens;
   ``hit_vs_infinite``: that over the stream's infinite-cache hit rate;
-* TTFT and end-to-end latency percentiles (seconds);
+* TTFT (milliseconds, two decimals: close policies differ by fractions of a
+  millisecond) and end-to-end latency percentiles (seconds);
 * ``throughput``: output tokens per second from the first arrival to the last finish;
 * ``load_imbalance``: max / mean over replicas of the requests each served;
   ``busy_imbalance``: the same for the time each spent running steps;
@@ -138,7 +139,7 @@ def summarize(
 
 
 SUMMARY_HEADERS = (
-    "policy", "qps", "hit rate", "vs infinite", "TTFT p50 s", "TTFT p99 s", "e2e p50 s", "e2e p99 s",
+    "policy", "qps", "hit rate", "vs infinite", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 s", "e2e p99 s",
     "tok/s", "load max/mean", "busy max/mean", "preempt", "TTFT p99 vs baseline",
 )
 
@@ -152,7 +153,7 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
         ratio = f"{s.ttft_p99 / reference:.2f}x" if reference else "-"
         rows.append([
             s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}", "-" if s.hit_vs_infinite is None else f"{s.hit_vs_infinite:.2f}",
-            f"{s.ttft_p50:.3f}", f"{s.ttft_p99:.3f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
+            f"{s.ttft_p50 * 1e3:.2f}", f"{s.ttft_p99 * 1e3:.2f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
             f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}",
             "-" if s.busy_imbalance is None else f"{s.busy_imbalance:.2f}",
             "-" if s.num_preemptions is None else s.num_preemptions, ratio,
@@ -205,16 +206,22 @@ def _sees_steps(result: RunResult) -> bool:
 # (metric, axis label, file name) of each plot.
 PLOTS = (
     ("hit_rate", "prefix cache hit rate", "hit_rate_vs_qps.png"),
-    ("ttft_p99", "TTFT p99 (s)", "ttft_p99_vs_qps.png"),
+    ("ttft_p99", "TTFT p99 (ms)", "ttft_p99_vs_qps.png"),
 )
+# Each policy's line has its own marker and dash pattern, so that lines stay apart where they overlap.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINE_STYLES = ("-", "--", "-.", ":")
 
 
 def plot_summaries(summaries: Sequence[RunSummary], out_dir: Path) -> list[Path]:
     """``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``: one line per policy.
 
-    The infinite cache's hit rate at each rate is drawn as a dashed line.
+    Each policy has its own marker and line style (hollow markers, so that a line
+    drawn over another still shows both).  The infinite cache's hit rate at each
+    rate is drawn as a gray dotted line.
     """
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -224,16 +231,25 @@ def plot_summaries(summaries: Sequence[RunSummary], out_dir: Path) -> list[Path]
     paths = []
     for metric, label, filename in PLOTS:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for policy in policies:
-            points = sorted((s.qps, getattr(s, metric)) for s in summaries if s.policy == policy)
-            ax.plot([q for q, _ in points], [v for _, v in points], marker="o", label=policy)
+        scale = 1e3 if metric == "ttft_p99" else 1.0
+        for i, policy in enumerate(policies):
+            points = sorted((s.qps, getattr(s, metric) * scale) for s in summaries if s.policy == policy)
+            ax.plot(
+                [q for q, _ in points], [v for _, v in points], label=policy,
+                marker=_MARKERS[i % len(_MARKERS)], markersize=8 - 0.5 * (i % 4), markerfacecolor="none",
+                linestyle=_LINE_STYLES[i % len(_LINE_STYLES)], linewidth=1.6,
+            )
         if metric == "hit_rate":
             rates = sorted({s.qps for s in summaries})
             infinite = [next(s.infinite_hit_rate for s in summaries if s.qps == q) for q in rates]
-            ax.plot(rates, infinite, color="gray", linestyle="--", marker=".", label="infinite cache")
+            ax.plot(rates, infinite, color="gray", linestyle=":", marker=".", label="infinite cache")
             ax.set_ylim(0, 1.02)
         else:
             ax.set_yscale("log")
+            # Plain numbers (80, 200), not powers of ten, on the log axis.
+            plain = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
         ax.set_xlabel("offered load (requests/s)")
         ax.set_ylabel(label)
         ax.set_title(title)
