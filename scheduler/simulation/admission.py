@@ -35,7 +35,8 @@ class TrackedRequest(Request):
     ) -> None:
         super().__init__(req_id, prompt_token_ids, sampling_params, cache_salt=cache_salt, arrival_time=arrival_time)
         self.index = index
-        self.replica_id = -1
+        # The replica it was routed to; None until then.
+        self.replica_id: int | None = None
         # The tokens the simulated model samples (its first max_tokens); None until added to a replica.
         self.script: Sequence[int] | None = None
         self.first_token_time: float | None = None
