@@ -274,6 +274,11 @@ def local_ray_lost() -> bool:
 def _stop(scheduler: Any, placement_groups: tuple[PlacementGroup, ...], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     try:
+        # A replica started again after a failure has a placement group of its own.
+        placement_groups = (*placement_groups, *ray.get(scheduler.placement_groups.remote(), timeout=_LOST_RAY_CHECK_S))
+    except Exception as exc:  # noqa: BLE001 - a dead or hung scheduler: the groups known at start
+        logger.debug("placement groups of the running replicas: %s", remote_error_message(exc))
+    try:
         done = scheduler.shutdown.remote()
         # In slices, so that a Ray instance stopped underneath (local_ray_lost) is not waited out.
         while not ray.wait([done], timeout=min(_LOST_RAY_CHECK_S, max(deadline - time.monotonic(), 0)))[0]:

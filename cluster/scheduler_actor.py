@@ -18,12 +18,18 @@ found before a request is sent to it.
 The front end adds and aborts requests and fetches what the steps produced
 with ``poll_outputs``: one remote call returns every token of every request
 since the previous call, so traffic between the two is per batch of steps,
-never per token.  A replica whose executor fails is marked unhealthy (and
-unavailable to the router, its cached blocks forgotten) and new requests go to
-the others.  Its requests that it had not started (queued, nothing computed,
-nothing produced) are routed again, as if they had just arrived; those it was
-computing end with an error: their tokens so far have been delivered, and one
-of them may be what broke it (routed again, it could break the next replica).
+never per token.
+
+A replica whose executor fails is marked unhealthy (unavailable to the router,
+its cached blocks forgotten) and new requests go to the others.  Its requests
+move to the others too: those it had not started as they arrived, those it was
+computing with their prompt and the tokens they produced so far (a preempted
+request's state), so that their streams go on without a gap or a repeat.  A
+request it had started moves at most ``MAX_MOVES_PER_REQUEST`` times (one of them may be what
+broke the replica); past that, or when no replica can take it, it ends with an
+error.  The failed replica's workers are stopped and started again on the same
+kind of resources, after ``RESTART_BACKOFF_S`` seconds, doubling between tries,
+up to ``MAX_RESTART_TRIES`` tries; it then rejoins routing with an empty cache.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, R
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
-from kvserve.scheduler.request import Request, RequestStatus
+from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -55,6 +61,10 @@ SCHEDULER_ACTOR_NAME = "kvserve-scheduler"
 _WATCHDOG_INTERVAL_S = 1.0
 # How often an idle replica's workers are checked (see the module docstring).
 IDLE_CHECK_S = 2.0
+# Recovery of a failed replica (see the module docstring).
+MAX_MOVES_PER_REQUEST = 2
+RESTART_BACKOFF_S = 1.0
+MAX_RESTART_TRIES = 5
 
 
 @dataclass(slots=True)
@@ -92,16 +102,18 @@ class _PendingOutput:
 class _Replica:
     """One replica as the actor drives it: its engine (scheduler and executor) and step loop."""
 
-    def __init__(self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle) -> None:
+    def __init__(self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle, device_kind: str) -> None:
         self.replica_id = replica_id
         self.scheduler = scheduler
         self.handle = handle
+        self.device_kind = device_kind
         self.executor: AsyncExecutor = handle.executor
         self.engine = EngineCore(scheduler, handle.executor)
         self.healthy = True
         self.wakeup = asyncio.Event()
         self.step_loop: asyncio.Task[None] | None = None
         self.release: asyncio.Task[None] | None = None
+        self.restart: asyncio.Task[None] | None = None
 
 
 class SchedulerActor:
@@ -139,6 +151,8 @@ class SchedulerActor:
         self._last_poll_time = time.monotonic()
         self._watchdog: asyncio.Task[None] | None = None
         self._shutting_down = False
+        # How many times each request in flight moved off a failed replica.
+        self._num_moves: dict[str, int] = {}
 
     # -- start-up --------------------------------------------------------------
 
@@ -164,13 +178,17 @@ class SchedulerActor:
         if self._shutting_down:
             await handle.shutdown()
             raise RuntimeError(f"the scheduler shut down while replica {replica_id} started")
+        return self._replica_stats(self._install_replica(replica_id, handle, device_kind))
+
+    def _install_replica(self, replica_id: int, handle: ReplicaHandle, device_kind: str) -> _Replica:
+        """Put a launched replica (new, or started again after a failure) into service."""
         num_kv_blocks = handle.executor.num_kv_blocks
         scheduler = Scheduler(
             self._scheduler_config,
             self.config.cache_config(num_kv_blocks, self.model_config.model_id),
             observer=self._router.observer_for(replica_id),
         )
-        replica = _Replica(replica_id, scheduler, handle)
+        replica = _Replica(replica_id, scheduler, handle, device_kind)
         self._replicas[replica_id] = replica
         self._router.update_load(replica_id, scheduler.get_load())
         self._router.set_available(replica_id, True)
@@ -178,7 +196,7 @@ class SchedulerActor:
         if self._watchdog is None:
             self._watchdog = asyncio.create_task(self._watch_undelivered_outputs(), name="output-watchdog")
         logger.info("replica %d ready: %d KV blocks", replica_id, num_kv_blocks)
-        return self._replica_stats(replica)
+        return replica
 
     async def placement_groups(self) -> list[PlacementGroup]:
         """The placement group of every started replica (for a forced clean-up: they outlive this actor)."""
@@ -301,6 +319,7 @@ class SchedulerActor:
             if replica.healthy:
                 self._fail_replica(replica, "the cluster is shutting down", release=False)
         tasks = [r.step_loop for r in self._replicas.values() if r.step_loop is not None]
+        tasks += [r.restart for r in self._replicas.values() if r.restart is not None]
         if self._watchdog is not None:
             tasks.append(self._watchdog)
         for task in tasks:
@@ -361,6 +380,7 @@ class SchedulerActor:
             entry.token_ids.append(output.token_id)
             if output.finish_reason is not None:
                 _, request = requests.pop(req_id)
+                self._num_moves.pop(req_id, None)
                 entry.finish(request, reason=output.finish_reason.value)
         self._outputs_ready.set()
 
@@ -372,6 +392,7 @@ class SchedulerActor:
             entry = self._requests.pop(req_id, None)
             if entry is None:
                 continue
+            self._num_moves.pop(req_id, None)
             replica, request = entry
             by_replica.setdefault(replica.replica_id, []).append(req_id)
             # Blocks of its prompt it had not computed stop counting as on their way there.
@@ -391,16 +412,21 @@ class SchedulerActor:
             self._outputs_ready.set()
 
     def _fail_replica(self, replica: _Replica, reason: str, *, release: bool = True) -> None:
-        """Take ``replica`` out of service.
+        """Take ``replica`` out of service, move its requests to the others and start it again.
 
-        Its requests not yet started are routed again (unless the cluster is
-        shutting down); the others end with ``reason`` as their error.
+        Unless the cluster is shutting down, its requests are routed again (see
+        the module docstring); those that cannot move end with ``reason`` as
+        their error.
         """
         replica.healthy = False
         self._router.set_available(replica.replica_id, False)
         mine = [(req_id, request) for req_id, (r, request) in self._requests.items() if r is replica]
-        # Decided before the abort below finishes them all.
-        unstarted = {req_id for req_id, request in mine if _not_started(request)}
+        # Taken before the abort below finishes them all: what each had produced, and whether it had
+        # started (was computed there: it may be what broke the replica, and its moves are counted).
+        resumes = {
+            req_id: (request.prompt_token_ids, list(request.output_token_ids), _started(request))
+            for req_id, request in mine
+        }
         # Keep the pool's books straight: every block goes back.
         scheduler = replica.scheduler
         scheduler.abort_requests(list(scheduler.requests))
@@ -412,29 +438,82 @@ class SchedulerActor:
         num_failed = 0
         for req_id, request in mine:
             del self._requests[req_id]
-            error = reason
-            if req_id in unstarted and not self._shutting_down:
-                try:
-                    # As it arrived, its hashes kept.
-                    self._queue(self._new_request(
-                        req_id, request.prompt_token_ids, request.sampling_params, request.cache_salt,
-                        arrival_time=request.arrival_time, block_hashes=request.block_hashes,
-                    ))
-                    continue
-                except (ValueError, RuntimeError) as exc:
-                    error = f"{reason}; no other replica took it: {exc}"
+            error = self._move(req_id, request, *resumes[req_id], reason=reason)
+            if error is None:
+                continue
+            self._num_moves.pop(req_id, None)
             output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
             output.finish(request, error=error)
             num_failed += 1
         if mine and not self._shutting_down:
             logger.warning(
-                "replica %d failed: %d of its requests routed again, %d ended with an error",
+                "replica %d failed: %d of its requests moved to other replicas, %d ended with an error",
                 replica.replica_id, len(mine) - num_failed, num_failed,
             )
         if num_failed:
             self._outputs_ready.set()
         if release:
             self._release(replica)
+            if not self._shutting_down and replica.restart is None:
+                replica.restart = asyncio.create_task(
+                    self._restart_replica(replica), name=f"restart-r{replica.replica_id}"
+                )
+
+    def _move(
+        self, req_id: str, request: Request, prompt: list[int], outputs: list[int], started: bool, reason: str
+    ) -> str | None:
+        """Queue ``request`` again elsewhere, resumed after ``outputs``; ``None``, or why it could not move."""
+        if self._shutting_down:
+            return reason
+        num_moves = self._num_moves.get(req_id, 0)
+        if started and num_moves >= MAX_MOVES_PER_REQUEST:
+            return f"{reason}; it had moved {num_moves} times already"
+        # As it arrived (its hashes and arrival time kept), plus what it produced: a preempted request's state.
+        moved = self._new_request(
+            req_id, prompt, request.sampling_params, request.cache_salt,
+            arrival_time=request.arrival_time, block_hashes=request.block_hashes,
+        )
+        for token_id in outputs:
+            moved.append_output_token(token_id)
+        moved.num_cached_tokens = request.num_cached_tokens
+        try:
+            self._queue(moved)
+        except (ValueError, RuntimeError) as exc:
+            return f"{reason}; no other replica took it: {exc}"
+        if started:
+            self._num_moves[req_id] = num_moves + 1
+        return None
+
+    async def _restart_replica(self, failed: _Replica) -> None:
+        """Start ``failed``'s workers again on the same kind of resources, with backoff between tries."""
+        replica_id = failed.replica_id
+        await self._release(failed)
+        delay_s = RESTART_BACKOFF_S
+        for attempt in range(1, MAX_RESTART_TRIES + 1):
+            await asyncio.sleep(delay_s)
+            if self._shutting_down:
+                return
+            logger.info("replica %d: starting again (try %d of %d)", replica_id, attempt, MAX_RESTART_TRIES)
+            try:
+                handle = await launch_replica(
+                    replica_id,
+                    self.config.worker_config(self.model_config.max_model_len),
+                    device_kind=failed.device_kind,
+                    placement_timeout_s=self.config.placement_timeout_s,
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed try is logged and tried again
+                logger.warning("replica %d: try %d to start again failed: %s", replica_id, attempt, exc)
+                delay_s *= 2
+                continue
+            if self._shutting_down:
+                await handle.shutdown()
+                return
+            self._install_replica(replica_id, handle, failed.device_kind)
+            logger.info("replica %d is back in service after %d tries", replica_id, attempt)
+            return
+        logger.error("replica %d stays down: %d tries to start it again failed", replica_id, MAX_RESTART_TRIES)
 
     def _update_load(self, replica: _Replica) -> None:
         """Tell the router ``replica``'s current load (after its queues changed)."""
@@ -484,10 +563,6 @@ class SchedulerActor:
         )
 
 
-def _not_started(request: Request) -> bool:
-    """Whether ``request`` is still as it arrived: queued, nothing computed, nothing produced."""
-    return (
-        request.status is RequestStatus.WAITING
-        and not request.num_computed_tokens
-        and not request.output_token_ids
-    )
+def _started(request: Request) -> bool:
+    """Whether a replica began computing ``request`` (it is no longer as it arrived)."""
+    return bool(request.num_computed_tokens or request.output_token_ids or request.num_preemptions)

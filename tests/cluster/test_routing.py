@@ -223,12 +223,13 @@ def test_the_actor_sends_a_shared_prefix_to_its_cache_and_forgets_a_failed_repli
         assert other.replica == 1 - first.replica
 
         executors[first.replica].failed = True
-        lost = await run_to_the_end(actor, "lost", prefix + [4])
-        assert lost.replica == first.replica and lost.error is not None
+        moved = await run_to_the_end(actor, "moved", prefix + [4])
+        # Its step failed on the prefix's replica; it moved to the other, which computed the prefix.
+        assert (moved.replica, moved.error) == (1 - first.replica, None)
         assert index.num_blocks(first.replica) == 0
         elsewhere = await run_to_the_end(actor, "elsewhere", prefix + [5])
         await actor.shutdown()
-        assert (elsewhere.replica, elsewhere.num_cached_tokens) == (1 - first.replica, 0)
+        assert (elsewhere.replica, elsewhere.num_cached_tokens) == (1 - first.replica, 10 * BLOCK_SIZE)
 
     asyncio.run(scenario())
 
@@ -245,7 +246,7 @@ async def last_deltas(actor: SchedulerActor, req_ids: set[str]) -> dict[str, Req
     return last
 
 
-def test_requests_queued_on_a_failed_replica_are_routed_again_and_those_it_was_computing_fail(
+def test_every_request_of_a_failed_replica_moves_to_the_other_and_finishes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Prompts of a whole step's budget: a replica computes one per step, the rest wait.
@@ -268,13 +269,69 @@ def test_requests_queued_on_a_failed_replica_are_routed_again_and_those_it_was_c
         return deltas
 
     deltas = asyncio.run(scenario())
-    # Round robin sent r0, r2, r4 to replica 0; its first step (r0's prompt) failed.
-    failed = deltas.pop("r0")
-    assert failed.error is not None and "replica 0 failed" in failed.error
-    assert failed.token_ids == []
+    # Round robin sent r0, r2, r4 to replica 0; its first step (r0's prompt) failed; all moved.
     for req_id, delta in deltas.items():
         assert (delta.error, delta.replica, delta.token_ids) == (None, 1, [7, 7]), req_id
         assert delta.finish_reason == "length"
+
+
+def test_a_stream_moved_mid_way_goes_on_from_its_last_token_and_the_replica_comes_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvserve.cluster.scheduler_actor.RESTART_BACKOFF_S", 0.01)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> tuple[list[int], RequestDelta, list[bool], RequestDelta]:
+        actor, executors = fake_actor(monkeypatch, "round_robin")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        await actor.add_request(RequestSpec("moved", [1, 2, 3], params))
+        tokens: list[int] = []
+        while len(tokens) < 2:  # two tokens from replica 0, then it fails
+            for delta in await actor.poll_outputs(TIMEOUT_S):
+                tokens.extend(delta.token_ids)
+        executors[0].failed = True
+        last = (await last_deltas(actor, {"moved"}))["moved"]
+        executors[0].failed = False  # the restarted workers are sound
+        for _ in range(200):
+            healthy = [s.healthy for s in await actor.get_stats()]
+            if all(healthy):
+                break
+            await asyncio.sleep(0.01)
+        after = await run_to_the_end(actor, "after", [4, 5, 6])
+        await actor.shutdown()
+        return tokens, last, healthy, after
+
+    tokens, last, healthy, after = asyncio.run(scenario())
+    assert last.error is None and last.finish_reason == "length" and last.replica == 1
+    # No token lost or repeated: 6 in all, counted as the request's own.
+    assert len(tokens) + len(last.token_ids) >= 6 and last.num_output_tokens == 6
+    assert last.num_prompt_tokens == 3
+    assert healthy == [True, True]
+    assert after.error is None
+
+
+def test_a_request_that_broke_replicas_as_often_as_it_may_move_ends_with_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # It may move no more: the replica it was computed on fails, and it ends there although the other is up.
+    monkeypatch.setattr("kvserve.cluster.scheduler_actor.MAX_MOVES_PER_REQUEST", 0)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> tuple[RequestDelta, RequestDelta]:
+        actor, executors = fake_actor(monkeypatch, "round_robin")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        executors[0].failed = True
+        await actor.add_request(RequestSpec("poison", [1, 2, 3], params))  # round robin: replica 0
+        last = (await last_deltas(actor, {"poison"}))["poison"]
+        after = await run_to_the_end(actor, "after", [4, 5, 6])
+        await actor.shutdown()
+        return last, after
+
+    last, after = asyncio.run(scenario())
+    assert last.error is not None and "it had moved 0 times already" in last.error
+    assert (after.error, after.replica) == (None, 1)
 
 
 def test_a_request_too_big_for_the_replica_is_refused_and_leaves_nothing_pending(
@@ -356,8 +413,9 @@ def test_a_queued_request_with_no_replica_left_ends_with_an_error_saying_so(monk
         return deltas
 
     deltas = asyncio.run(scenario())
-    assert "replica 0 failed" in deltas["r0"].error and "no other replica" not in deltas["r0"].error
-    assert "no other replica took it: none of the 2 replicas is available" in deltas["r1"].error
+    for req_id in ("r0", "r1"):  # r0 was being computed, r1 queued: neither had another replica to go to
+        assert "replica 0 failed" in deltas[req_id].error
+        assert "no other replica took it: none of the 2 replicas is available" in deltas[req_id].error
 
 
 # -- live: 2 replicas routed by cost_ttft ------------------------------------------------
