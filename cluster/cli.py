@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cluster.cli_config_file import expand_config_file
 from kvserve.cluster.host_port import split_host_port
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
@@ -37,6 +38,13 @@ _CPU_KV_CACHE_MIB = 512
 _SHUTDOWN_GRACE_S = 5.0
 # gRPC's name resolvers: a target that starts with one is not HOST:PORT.
 _GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
+_LOG_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,12 +60,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(_subcommand_parser(parser, "serve"), argv, "serve")
+    except ValueError as exc:
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.handler(args)
+
+
+def log_level(args: argparse.Namespace) -> int:
+    """``--log-level`` when given, else DEBUG with ``-v``, else WARNING."""
+    if args.log_level is not None:
+        return _LOG_LEVELS[args.log_level]
+    return logging.DEBUG if args.verbose else logging.WARNING
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvserve",
         description="kvserve: a Ray-distributed LLM serving cluster with fleet-wide prefix caching.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {kvserve_version()}")
+    _add_logging_arguments(parser, defaults=True)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_create_tiny_model_parser(subparsers)
     add_serve_parser(subparsers)
@@ -73,7 +92,45 @@ def build_parser() -> argparse.ArgumentParser:
     from kvserve.bench.experiment import add_experiment_parser
 
     add_experiment_parser(subparsers)
+    for subparser in subparsers.choices.values():
+        # After the subcommand too: `kvserve serve --log-level debug`.
+        _add_logging_arguments(subparser, defaults=False)
     return parser
+
+
+def _subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    return subparsers.choices[name]
+
+
+def kvserve_version() -> str:
+    """The installed distribution's version (pyproject's ``version``)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvserve")
+    except PackageNotFoundError:  # run from a checkout that is not installed
+        from kvserve import __version__
+
+        return __version__
+
+
+def _add_logging_arguments(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """``-v/--verbose`` and ``--log-level``; only the main parser sets their defaults.
+
+    NOTE: a subcommand's parser writes its defaults over the main parser's values, so
+    there they are suppressed: ``kvserve -v serve`` stays verbose.
+    """
+    group = parser.add_argument_group("logging")
+    group.add_argument(
+        "-v", "--verbose", action="store_true", default=False if defaults else argparse.SUPPRESS,
+        help="log at DEBUG level (same as --log-level debug)",
+    )
+    group.add_argument(
+        "--log-level", type=str.lower, choices=tuple(_LOG_LEVELS), metavar="LEVEL",
+        default=None if defaults else argparse.SUPPRESS,
+        help=f"log at LEVEL: {', '.join(_LOG_LEVELS)} (default: warning, or debug with -v)",
+    )
 
 
 def add_create_tiny_model_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -123,16 +180,23 @@ def run_create_tiny_model(args: argparse.Namespace) -> int:
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "serve",
-        help="start a cluster and serve the kvserve.v1.Generation gRPC API",
+        help="start a cluster and serve the kvserve.v1.Generation gRPC API and the OpenAI-compatible HTTP API",
         description=(
             "Start the scheduler actor and the model replicas on Ray, then serve "
-            "kvserve.v1.Generation, grpc.health.v1 and server reflection over gRPC until "
+            "kvserve.v1.Generation, grpc.health.v1 and server reflection over gRPC, and the "
+            "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+            "/metrics) on --http-port, until "
             "interrupted (Ctrl-C or SIGTERM), and shut everything down.  Without --address, "
             "a local Ray instance bound to 127.0.0.1 is started (and stopped at the end); "
             "with --address, the cluster runs on an existing Ray cluster (e.g. after "
             "`ray up`), whose nodes need GPUs, or on CPU the custom resource "
             f"{{'{_WORKER_CPU_RESOURCE}': N}} for N ranks."
         ),
+    )
+    parser.add_argument(
+        "--config", metavar="FILE.yaml", type=Path, default=None,
+        help="read flags from a YAML mapping of long flag names (without the dashes) to values; "
+        "flags on the command line override it",
     )
     parser.add_argument(
         "--model", metavar="DIR", type=Path, default=None,
@@ -153,6 +217,19 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--port", type=int, default=50051, metavar="P",
         help="port to listen on; 0 picks a free one (default: %(default)s)",
+    )
+    http = parser.add_mutually_exclusive_group()
+    http.add_argument(
+        "--http-port", type=int, default=8000, metavar="P",
+        help="port of the OpenAI-compatible HTTP API on --host; 0 picks a free one (default: %(default)s)",
+    )
+    http.add_argument(
+        "--no-http", action="store_const", const=None, dest="http_port",
+        help="serve gRPC only, no HTTP API",
+    )
+    parser.add_argument(
+        "--chat-template", type=Path, default=None, metavar="FILE",
+        help="Jinja chat template of /v1/chat/completions (default: the one in the model's tokenizer files)",
     )
     parser.add_argument(
         "--address", default=None, metavar="ADDR",
@@ -183,6 +260,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None,
         help="longest prompt + output (default: the model's limit)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on GPUs, run every step eagerly instead of replaying the CUDA graphs captured at start-up "
+        "for decode steps",
     )
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=1024,
@@ -283,6 +365,7 @@ def run_serve(args: argparse.Namespace) -> int:
         server_config = ServerConfig(
             host=args.host,
             port=args.port,
+            http_port=args.http_port,
             max_concurrent_requests=args.max_concurrent_requests,
             stream_interval_s=args.stream_interval,
             max_messages_per_s=args.max_messages_per_s or None,
@@ -296,6 +379,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 progress(f"creating the default tiny model in {default_tiny_model_path()}")
             model_dir = ensure_default_tiny_model()
         simulation = _simulation_config(args)
+        chat_template = _read_chat_template(args.chat_template)
         config = ClusterConfig(
             model_dir=str(model_dir),
             parallel=parallel,
@@ -305,6 +389,7 @@ def run_serve(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_blocks=args.num_blocks,
             device=args.device,
+            enforce_eager=args.enforce_eager,
             routing=args.routing,
             routing_args=_routing_args(args.routing_args),
             placement_timeout_s=_placement_timeout(args),
@@ -327,6 +412,10 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         # A taken port or a bad --host, told before the minutes of start-up.
         check_address_free(server_config)
+        if server_config.http_port is not None:
+            from kvserve.cluster.http_server import bind_socket
+
+            bind_socket(server_config.host, server_config.http_port).close()
         if args.address is None:
             _check_local_gpus(config)
     except RuntimeError as exc:
@@ -353,7 +442,7 @@ def run_serve(args: argparse.Namespace) -> int:
         progress(f"serving model {config.model_dir}, routing {routing}")
         handle = start_cluster(config, progress=progress)
         try:
-            asyncio.run(_serve_until_signalled(handle, server_config, progress))
+            asyncio.run(_serve_until_signalled(handle, server_config, progress, chat_template))
         finally:
             stop_on_sigterm()  # asyncio left it at the default action, which would kill the shutdown below
     except (ValueError, RuntimeError) as exc:
@@ -382,6 +471,19 @@ def run_serve(args: argparse.Namespace) -> int:
     return status
 
 
+def _read_chat_template(path: Path | None) -> str | None:
+    """``--chat-template``'s text; ``ValueError`` for a file that cannot be read or is empty."""
+    if path is None:
+        return None
+    try:
+        template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not template.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return template
+
+
 def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     """``--simulated``'s settings; ``ValueError`` for a bad cost model or a setting without it."""
     from kvserve.scheduler.simulation.cost_model import StepCostModel
@@ -406,6 +508,7 @@ _FLAG_OF_FIELD = {
     "tensor_parallel_size": "--tp",
     "num_replicas": "--replicas",
     "port": "--port",
+    "http_port": "--http-port",
     "block_size": "--block-size",
     "num_blocks": "--num-blocks",
     "max_num_seqs": "--max-num-seqs",
@@ -469,7 +572,7 @@ def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[st
 
 
 async def _serve_until_signalled(
-    handle: ClusterHandle, server_config: ServerConfig, progress: Callable[[str], None]
+    handle: ClusterHandle, server_config: ServerConfig, progress: Callable[[str], None], chat_template: str | None
 ) -> None:
     import asyncio
     import signal
@@ -481,12 +584,26 @@ async def _serve_until_signalled(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     server = await start_server(handle.scheduler, handle.model_info, server_config)
-    progress(f"listening on {server_config.host}:{server.port} (Ctrl-C to stop)")
+    http_server = None
     try:
+        if server_config.http_port is not None:
+            from kvserve.cluster.http_server import start_http_server
+
+            http_server = await start_http_server(server.frontend, server_config, chat_template=chat_template)
+            progress(f"OpenAI-compatible API at http://{_url_host(server_config.host)}:{http_server.port}/v1")
+        progress(f"listening on {server_config.host}:{server.port} (Ctrl-C to stop)")
         await stop.wait()
         progress(f"stopping: finishing the streams in flight (for at most {_SHUTDOWN_GRACE_S:g} s)")
     finally:
-        await server.stop(grace_s=_SHUTDOWN_GRACE_S)
+        # Both front doors at once: the gRPC server's stop ends every stream left after the grace.
+        stopping = [server.stop(grace_s=_SHUTDOWN_GRACE_S)]
+        if http_server is not None:
+            stopping.insert(0, http_server.stop(grace_s=_SHUTDOWN_GRACE_S))
+        await asyncio.gather(*stopping)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
 
 # -- generate --------------------------------------------------------------------
@@ -526,6 +643,10 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--ignore-eos", action="store_true",
         help="keep generating past the end-of-sequence token",
+    )
+    parser.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT",
+        help="end the completion where its text contains TEXT (not printed); repeatable",
     )
     parser.add_argument(
         "--cache-salt", default="",
@@ -592,37 +713,31 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    import grpc
+    from kvserve.cluster.client import Client, RequestError
 
-    from kvserve.proto import generate_pb2, generate_pb2_grpc
-
-    params = generate_pb2.SamplingParams(ignore_eos=args.ignore_eos)
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
-        value = getattr(args, name)
-        if value is not None:
-            setattr(params, name, value)
-    request = generate_pb2.GenerateRequest(text=args.prompt, sampling_params=params, cache_salt=args.cache_salt)
-    with grpc.insecure_channel(args.target) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    sampling = {name: getattr(args, name) for name in names}
+    with Client(args.target) as client:
         last = None
         try:
-            for response in stub.Generate(request, timeout=args.timeout):
-                sys.stdout.write(response.text)
+            for delta in client.stream(
+                args.prompt, timeout=args.timeout, ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, **sampling
+            ):
+                sys.stdout.write(delta.text)
                 sys.stdout.flush()
-                last = response
-        except grpc.RpcError as exc:
+                last = delta
+        except RequestError as exc:
             print(file=sys.stdout if last is not None else sys.stderr)
-            print(f"kvserve generate: error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"kvserve generate: error: {exc.code}: {exc.message}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print()
             return 130
     print()
-    if last is not None:
+    if last is not None and last.usage is not None:
         usage = last.usage
-        reason = generate_pb2.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         print(
-            f"[{reason}] prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
+            f"[{last.finish_reason}] prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
             f"completion {usage.completion_tokens} tokens, replica {last.replica}",
             file=sys.stderr,
         )

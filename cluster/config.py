@@ -49,7 +49,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    """The public gRPC endpoint.
+    """The public endpoints: gRPC, and the OpenAI-compatible HTTP API beside it (``http_port``).
 
     ``port`` 0 binds a free port (the server reports which).  Message sizes are
     explicit limits in both directions; a request larger than
@@ -70,6 +70,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 50051
+    # The OpenAI-compatible HTTP API on the same host (0: a free port; None: no HTTP server).
+    http_port: int | None = 8000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_concurrent_requests: int = 1024
     stream_interval_s: float = 0.02
@@ -80,6 +82,12 @@ class ServerConfig:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port!r}")
+        http_port = self.http_port
+        if http_port is not None:
+            if isinstance(http_port, bool) or not isinstance(http_port, int) or not 0 <= http_port <= 65535:
+                raise ValueError(f"http_port must be in [0, 65535] or None (no HTTP server), got {http_port!r}")
+            if http_port != 0 and http_port == self.port:
+                raise ValueError(f"http_port must differ from port, both are {http_port}")
         _require_positive_int("max_message_bytes", self.max_message_bytes)
         _require_positive_int("max_concurrent_requests", self.max_concurrent_requests)
         interval = self.stream_interval_s
@@ -134,6 +142,8 @@ class ClusterConfig:
     gpu_memory_utilization: float = 0.9
     cpu_threads: int | None = None
     seed: int | None = 0
+    # CUDA: run decode steps eagerly instead of replaying CUDA graphs.
+    enforce_eager: bool = False
     routing: str = DEFAULT_POLICY
     # NOTE: hash=False: a dict is unhashable; equal configs still hash equal.
     routing_args: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -254,6 +264,8 @@ class ClusterConfig:
             cpu_threads=self.cpu_threads,
             sampler_seed=self.seed,
             max_model_len=max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            enforce_eager=self.enforce_eager,
         )
         if self.cpu_kv_cache_bytes is not None:
             config = dataclasses.replace(config, cpu_kv_cache_bytes=self.cpu_kv_cache_bytes)

@@ -1,8 +1,12 @@
-"""The front end: the ``kvserve.v1.Generation`` servicer.
+"""The front end: the ``kvserve.v1.Generation`` servicer, and the request pipeline of every front door.
 
 This is the only module that converts between ``generate_pb2`` messages and
 the scheduler actor's dataclasses (``RequestSpec``, ``RequestDelta``,
-``ReplicaStatsInfo``).  It tokenizes and validates each request, hands it to
+``ReplicaStatsInfo``).  ``responses`` is the pipeline of one request, a
+``GenerateRequest`` in and its ``GenerateResponse``s out, with no gRPC in it:
+``Generate`` serves it over gRPC and the OpenAI-compatible HTTP API
+(``openai_api``) over HTTP, each mapping its ``FrontendError``s to its own
+status codes.  It tokenizes and validates each request, hands it to
 the scheduler actor, and streams the tokens back with their text, decoded
 incrementally.  Remote calls to the actor are few and batched, because each
 costs both sides about a millisecond of CPU: the requests that arrive while
@@ -37,15 +41,19 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from typing import Any
 
 import grpc
 from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
+from kvserve.cluster.frontend_errors import FrontendError, InvalidRequestError, OverloadedError, UnavailableError
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
 from kvserve.cluster.ray_errors import remote_error_message
+from kvserve.cluster.stop_strings import StopStringMatcher, check_stop_strings
 from kvserve.cluster.tolerant_handlers import abort_if_undecodable
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -66,10 +74,6 @@ _FINISH_REASONS = {
     "length": generate_pb2.FINISH_REASON_LENGTH,
     "abort": generate_pb2.FINISH_REASON_ABORT,
 }
-
-
-class InvalidRequestError(ValueError):
-    """A request that can never be served as sent; the message names the field."""
 
 
 class Frontend(generate_pb2_grpc.GenerationServicer):
@@ -117,6 +121,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self._adder: asyncio.Task[None] | None = None
         self._scheduler_error: str | None = None
         self._dispatcher: asyncio.Task[None] | None = None
+        self.metrics = FrontendMetrics()
 
     def start(self) -> None:
         if self._dispatcher is None:
@@ -136,32 +141,45 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         await abort_if_undecodable(request, context)
         try:
-            if request.WhichOneof("prompt") == "text" and len(request.text) > _TOKENIZE_IN_THREAD_CHARS:
-                spec = await asyncio.to_thread(self.to_request_spec, request)
-            else:
-                spec = self.to_request_spec(request)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            # NOTE: aclosing: a call that ends early (cancelled, expired) ends the
+            # pipeline at once, which aborts the request and frees its blocks.
+            async with aclosing(self.responses(request)) as responses:
+                async for response in responses:
+                    yield response
+        except FrontendError as exc:
+            await context.abort(exc.grpc_code, str(exc))
+
+    def responses(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """``Generate``'s stream of ``request`` without gRPC: every front door's one request pipeline.
+
+        Raises a ``FrontendError`` (``InvalidRequestError``, ``OverloadedError``,
+        ``UnavailableError``), whose type says what to answer.  Leaving the
+        iteration before its last message (close it: ``contextlib.aclosing``)
+        aborts the request.  Measured in ``metrics``.
+        """
+        return self.metrics.track(self._responses(request))
+
+    async def _responses(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        if request.WhichOneof("prompt") == "text" and len(request.text) > _TOKENIZE_IN_THREAD_CHARS:
+            spec = await asyncio.to_thread(self.to_request_spec, request)
+        else:
+            spec = self.to_request_spec(request)
         if self._scheduler_error is not None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, self._scheduler_error)
+            raise UnavailableError(self._scheduler_error)
         req_id = spec.req_id
         drained = self._draining.get(req_id)
         if drained is not None:
             try:
                 await asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
             except asyncio.TimeoutError:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"request_id {req_id!r} is still being cancelled after {DRAIN_TIMEOUT_S:g} s",
-                )
+                raise InvalidRequestError(
+                    f"request_id {req_id!r} is still being cancelled after {DRAIN_TIMEOUT_S:g} s"
+                ) from None
         if req_id in self._streams:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"request_id {req_id!r} is already in flight"
-            )
+            raise InvalidRequestError(f"request_id {req_id!r} is already in flight")
         if len(self._streams) >= self._max_concurrent_requests:
-            await context.abort(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"the server is at its limit of {self._max_concurrent_requests} concurrent requests",
+            raise OverloadedError(
+                f"the server is at its limit of {self._max_concurrent_requests} concurrent requests"
             )
         stream = OutputStream(req_id, self._pacing)
         self._streams[req_id] = stream
@@ -177,18 +195,35 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 await self._add_request(spec)
             except ValueError as exc:  # Ray's error types also subclass the remote exception's
                 finished = True
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, remote_error_message(exc))
+                raise InvalidRequestError(remote_error_message(exc)) from None
             except (RuntimeError, RayActorError) as exc:
                 finished = True
-                await context.abort(grpc.StatusCode.UNAVAILABLE, remote_error_message(exc))
+                raise UnavailableError(remote_error_message(exc)) from None
             detokenizer = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
+            stop = tuple(request.sampling_params.stop)
+            matcher = StopStringMatcher(stop) if stop and detokenizer is not None else None
+            num_output_tokens = 0
             while not finished:
                 delta = await stream.next_message()
                 if delta.error is not None:
                     finished = True
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, delta.error)
+                    raise UnavailableError(delta.error)
                 finished = delta.is_last
-                yield self.to_response(req_id, delta, detokenizer)
+                if matcher is None:
+                    yield self.to_response(req_id, delta, detokenizer)
+                    continue
+                response = self.to_response(req_id, delta, None)
+                response.text, num_used = matcher.add_tokens(detokenizer, delta.token_ids, is_last=delta.is_last)
+                del response.token_ids[num_used:]
+                num_output_tokens += num_used
+                if matcher.stopped:
+                    last = delta if delta.is_last else await self._stop_request(req_id, stream)
+                    finished = True
+                    response.finish_reason = generate_pb2.FINISH_REASON_STOP
+                    response.usage.prompt_tokens = len(spec.prompt_token_ids)
+                    response.usage.cached_prompt_tokens = last.num_cached_tokens
+                    response.usage.completion_tokens = num_output_tokens
+                yield response
         finally:
             del self._streams[req_id]
             self._pacing.set_num_streams(len(self._streams))
@@ -202,14 +237,42 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 self._abort_quietly([req_id])
             self._sent.discard(req_id)
 
+    async def _stop_request(self, req_id: str, stream: OutputStream) -> RequestDelta:
+        """Abort ``req_id``, whose text reached a stop string, and wait for its last delta (its usage)."""
+        self._abort_quietly([req_id])
+        while not (delta := await stream.next_message()).is_last:
+            pass
+        return delta
+
+    async def replica_stats(self) -> list[ReplicaStatsInfo]:
+        """Every replica's figures from the scheduler; ``UnavailableError`` once it is gone."""
+        try:
+            return await self._scheduler.get_stats.remote()
+        except RayActorError as exc:
+            raise UnavailableError(remote_error_message(exc)) from None
+
+    @property
+    def is_serving(self) -> bool:
+        """Whether requests can be served now: the scheduler is there and some replica is healthy."""
+        return self._scheduler_error is None and self._serving
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def tokenizer(self) -> Any | None:
+        """The model's tokenizer (``None``: token-id prompts only)."""
+        return self._tokenizer
+
     async def GetStats(
         self, request: generate_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> generate_pb2.GetStatsResponse:
         await abort_if_undecodable(request, context)
         try:
-            stats: list[ReplicaStatsInfo] = await self._scheduler.get_stats.remote()
-        except RayActorError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, remote_error_message(exc))
+            stats = await self.replica_stats()
+        except UnavailableError as exc:
+            await context.abort(exc.grpc_code, str(exc))
         return generate_pb2.GetStatsResponse(
             replicas=[
                 generate_pb2.ReplicaStats(
@@ -286,6 +349,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError(
                     f"sampling_params.stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})"
                 )
+        if params.stop:
+            if self._tokenizer is None:
+                raise InvalidRequestError("sampling_params.stop: stop strings need a tokenizer and this model has none")
+            try:
+                check_stop_strings(params.stop)
+            except ValueError as exc:
+                raise InvalidRequestError(f"sampling_params.{exc}") from None
         kwargs: dict[str, Any] = {
             "stop_token_ids": tuple(params.stop_token_ids),
             "ignore_eos": params.ignore_eos,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import re
@@ -114,7 +115,9 @@ def session_processes(session_id: int) -> list[str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServeProcess, int]]:
     # A fresh cache: `serve` creates the default model itself.
-    process = ServeProcess(["--port", "0", "--num-blocks", "64"], serve_env(tmp_path_factory.mktemp("kvserve-cache")))
+    process = ServeProcess(
+        ["--port", "0", "--http-port", "0", "--num-blocks", "64"], serve_env(tmp_path_factory.mktemp("kvserve-cache"))
+    )
     try:
         port = int(process.wait_for(r"listening on 127\.0\.0\.1:(\d+)", STARTUP_TIMEOUT_S).group(1))
         yield process, port
@@ -201,6 +204,43 @@ def test_serve_refuses_an_address_it_cannot_listen_on_before_starting_ray(capsys
     assert "Ray" not in captured.out
 
 
+def test_serve_refuses_a_taken_http_port_before_starting_ray(capsys, model_dir):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(model_dir), "--port", "0", "--http-port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port} for HTTP: Address already in use" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--http-port", "70000"], "--http-port must be in [0, 65535] or None (no HTTP server), got 70000"),
+        (["--port", "9000", "--http-port", "9000"], "--http-port must differ from port, both are 9000"),
+    ],
+)
+def test_serve_rejects_a_bad_http_port_before_starting_anything(capsys, model_dir, args, message):
+    assert main(["serve", "--model", str(model_dir), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [(None, "No such file or directory"), ("  \n", "the file is empty")])
+def test_serve_refuses_an_unusable_chat_template_before_starting(capsys, tmp_path, model_dir, content, message):
+    path = tmp_path / "chat.jinja"
+    if content is not None:
+        path.write_text(content)
+    assert main(["serve", "--model", str(model_dir), "--port", "0", "--chat-template", str(path)]) == 2
+    assert f"--chat-template {path}: {message}" in capsys.readouterr().err
+
+
+def test_no_http_turns_the_http_api_off():
+    from kvserve.cluster.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--no-http"]).http_port is None
+    assert build_parser().parse_args(["serve"]).http_port == 8000
+
+
 def test_serve_refuses_a_tp_that_cannot_split_the_model_before_starting_ray(capsys, model_dir):
     # Each replica's workers found out a minute later, after Ray and the actors had started.
     assert main(["serve", "--model", str(model_dir), "--port", "0", "--tp", "3"]) == 2
@@ -244,7 +284,7 @@ def kill_what_is_left(session_id: int) -> None:
 
 def simulated_serve(tmp_path: Path, model_dir: Path) -> ServeProcess:
     return ServeProcess(
-        ["--model", str(model_dir), "--port", "0", "--simulated", "--num-blocks", "64"],
+        ["--model", str(model_dir), "--port", "0", "--http-port", "0", "--simulated", "--num-blocks", "64"],
         serve_env(tmp_path),
         new_session=True,
     )
@@ -420,6 +460,21 @@ def test_serve_shows_its_progress_while_starting(server):
     assert "replica 0 ready" in output
 
 
+def test_serve_answers_the_openai_api_on_its_http_port(server):
+    import httpx
+
+    process, _ = server
+    printed = "".join(process.lines)
+    http_port = int(re.search(r"OpenAI-compatible API at http://127\.0\.0\.1:(\d+)/v1", printed).group(1))
+    base_url = f"http://127.0.0.1:{http_port}"
+    model = httpx.get(f"{base_url}/v1/models", timeout=COMMAND_TIMEOUT_S).json()["data"][0]["id"]
+    body = {"model": model, "prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    response = httpx.post(f"{base_url}/v1/completions", json=body, timeout=COMMAND_TIMEOUT_S)
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 4
+    assert httpx.get(f"{base_url}/health", timeout=COMMAND_TIMEOUT_S).status_code == 200
+
+
 def test_generate_streams_the_completion_and_prints_the_usage(server):
     _, port = server
     result = run_generate(
@@ -429,6 +484,19 @@ def test_generate_streams_the_completion_and_prints_the_usage(server):
     assert result.stdout.strip()
     assert "[length]" in result.stderr
     assert "completion 8 tokens" in result.stderr
+
+
+def test_generate_stops_at_a_stop_string_without_printing_it(server):
+    _, port = server
+    args = ("--target", f"127.0.0.1:{port}", "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "stop me")
+    whole = run_generate(*args).stdout.removesuffix("\n")
+    stop = whole[len(whole) // 2 :][:3]
+
+    result = run_generate(*args, "--stop", stop)
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == whole[: whole.index(stop)] + "\n"
+    assert "[stop]" in result.stderr
 
 
 def test_generate_reports_invalid_input_without_a_traceback(server):
@@ -469,3 +537,114 @@ def test_placement_waits_without_limit_when_joining_a_cluster_unless_told():
     assert _placement_timeout(parse(["serve"])) == 60.0
     assert _placement_timeout(parse(["serve", "--address", "auto"])) is None
     assert _placement_timeout(parse(["serve", "--address", "auto", "--placement-timeout", "900"])) == 900.0
+
+
+# -- conveniences ------------------------------------------------------------------
+
+
+def test_version_prints_the_installed_version(capsys):
+    from tests.toml_reader import tomllib
+
+    with open(Path(__file__).parents[2] / "pyproject.toml", "rb") as file:
+        version = tomllib.load(file)["project"]["version"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out == f"kvserve {version}\n"
+
+
+@pytest.mark.parametrize(
+    "argv, level",
+    [
+        (["serve"], logging.WARNING),
+        (["-v", "serve"], logging.DEBUG),
+        (["serve", "-v"], logging.DEBUG),
+        (["serve", "--verbose"], logging.DEBUG),
+        (["--log-level", "error", "serve"], logging.ERROR),
+        (["serve", "--log-level", "info"], logging.INFO),
+        (["serve", "--log-level", "DEBUG"], logging.DEBUG),
+        (["generate", "hello", "--log-level", "critical"], logging.CRITICAL),
+        (["experiment", "--log-level", "info", "--workload", "w", "--qps", "1", "--out", "o"], logging.INFO),
+        # The level named wins over -v, wherever each is.
+        (["-v", "serve", "--log-level", "error"], logging.ERROR),
+        (["--log-level", "info", "serve", "-v"], logging.INFO),
+    ],
+)
+def test_verbosity_is_accepted_before_and_after_the_subcommand(argv, level):
+    from kvserve.cluster.cli import build_parser, log_level
+
+    assert log_level(build_parser().parse_args(argv)) == level
+
+
+def test_an_unknown_log_level_names_the_choices(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--log-level", "loud"])
+    assert exit_info.value.code == 2
+    assert "argument --log-level: invalid choice: 'loud' (choose from 'debug', 'info'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "logged"), [([], False), (["--log-level", "info"], True), (["-v"], True)])
+def test_the_log_level_after_the_subcommand_sets_what_is_logged(tmp_path, flags, logged):
+    result = subprocess.run(
+        kvserve("create-tiny-model", str(tmp_path / "model"), *flags),
+        capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S,
+    )
+    assert result.returncode == 0, result.stderr
+    assert ("INFO kvserve.worker.tiny_model: created tiny llama model" in result.stderr) == logged
+
+
+# -- serve --config ------------------------------------------------------------------
+
+
+def expanded(tmp_path: Path, text: str, *argv: str) -> list[str]:
+    from kvserve.cluster.cli import _subcommand_parser, build_parser
+    from kvserve.cluster.cli_config_file import expand_config_file
+
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+    parser = build_parser()
+    return expand_config_file(_subcommand_parser(parser, "serve"), ["serve", "--config", str(path), *argv], "serve")
+
+
+def test_a_config_file_sets_serves_flags_and_the_command_line_overrides_them(tmp_path):
+    from kvserve.cluster.cli import build_parser
+
+    config = "model: /models/m\nport: 6000\nmax_num_seqs: 8\nrouting-arg: [cache_threshold=0.5]\nno-http: true\n"
+    args = build_parser().parse_args(expanded(tmp_path, config, "--port", "7000"))
+
+    assert args.model == Path("/models/m")
+    assert args.port == 7000
+    assert args.max_num_seqs == 8
+    assert args.routing_args == [("cache_threshold", 0.5)]
+    assert args.http_port is None
+
+
+def test_a_config_file_is_checked_as_the_flags_are(capsys, tmp_path, model_dir):
+    path = tmp_path / "serve.yaml"
+    path.write_text(f"model: {model_dir}\nport: 0\ntp: 3\n")
+
+    assert main(["serve", "--config", str(path)]) == 2
+    assert "--tp 3 cannot split the model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("max-num-seq: 8\n", "unknown key 'max-num-seq'; the keys are serve's flags: "),
+        ("simulated: 1\n", "simulated is a switch: true or false, got 1"),
+        ("port: [1, 2]\n", "port takes one value, got a list"),
+        ("- port\n", "expected a mapping of flag names to values, got list"),
+        ("port: [\n", "not valid YAML"),
+    ],
+)
+def test_a_bad_config_file_is_refused_before_starting_anything(capsys, tmp_path, text, message):
+    path = tmp_path / "serve.yaml"
+    path.write_text(text)
+
+    assert main(["serve", "--config", str(path)]) == 2
+    assert f"kvserve serve: error: --config {path}: {message}" in capsys.readouterr().err
+
+
+def test_a_missing_config_file_is_refused(capsys, tmp_path):
+    assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
+    assert "none.yaml: No such file or directory" in capsys.readouterr().err

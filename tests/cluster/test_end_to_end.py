@@ -6,9 +6,7 @@ the tests that kill a worker and shut the cluster down run last.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,10 +24,11 @@ from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
 from kvserve.cluster.launcher import ClusterHandle, start_cluster
 from kvserve.cluster.messages import RequestSpec
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME
-from kvserve.cluster.server import GENERATION_SERVICE, GenerationServer, start_server
+from kvserve.cluster.server import GENERATION_SERVICE, start_server
 from kvserve.cluster.worker_actor import RAY_NAMESPACE, worker_actor_name
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.worker.tiny_model import create_tiny_model
+from tests.cluster.server_thread import ServerThread
 
 NUM_REPLICAS = 2
 TP_SIZE = 2
@@ -49,31 +48,6 @@ UNDELIVERED_OUTPUT_TIMEOUT_S = 2.0
 # Several steps per message (a step takes ~15 ms here); `kvserve serve` in
 # test_cli.py streams every step.
 STREAM_INTERVAL_S = 0.05
-
-
-class ServerThread:
-    """The gRPC server on its own event loop thread, as ``kvserve serve`` runs it."""
-
-    def __init__(self, handle: ClusterHandle, config: ServerConfig) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
-        self._thread.start()
-        self.server: GenerationServer = self._run(start_server(handle.scheduler, handle.model_info, config))
-
-    def _run(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=RPC_TIMEOUT_S)
-
-    def pause_front_end(self) -> None:
-        """Stop fetching outputs from the scheduler, as a front end that hangs would."""
-        self._run(self.server.frontend.stop())
-
-    def resume_front_end(self) -> None:
-        self._loop.call_soon_threadsafe(self.server.frontend.start)
-
-    def stop(self) -> None:
-        self._run(self.server.stop(grace_s=1.0))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
 
 
 @dataclass

@@ -1,0 +1,194 @@
+"""Streaming throughput of the three ways in: HTTP (OpenAI SSE), gRPC, and the in-process engine.
+
+The same prompts and settings (greedy, EOS ignored; every prompt shorter than a
+KV block, so that no round reuses another's cached prefix) through:
+
+* gRPC: ``kvserve serve`` in a child process, and ``kvserve.client.AsyncClient``
+  here opening every ``Generate`` stream at once and reading them to the end;
+* HTTP: the same server, ``POST /v1/completions`` with ``stream: true`` for
+  every request at once (``aiohttp``), reading the server-sent events to ``[DONE]``;
+* in process: ``kvserve.LLM(...).generate(all prompts)`` after the server stopped.
+
+gRPC and HTTP take turns, a run of each per round; each figure is the best of
+``--repeat`` rounds.  The clock runs from the first request sent to the last
+message received.  The figure that matters is HTTP's generated tokens per
+second against gRPC's (target >= 0.9 at 64 streams on the tiny model): the
+HTTP layer's own cost, since both share the server's request pipeline.
+
+    python -m kvserve.bench.http_throughput [--model DIR] [--streams N] [--max-tokens T] [--repeat R]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from typing import TYPE_CHECKING
+
+from kvserve.bench.report import format_table
+
+if TYPE_CHECKING:
+    import aiohttp
+
+    from kvserve.client import AsyncClient
+
+TARGET_RATIO = 0.9
+_STARTUP_TIMEOUT_S = 300.0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvserve.bench.http_throughput", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: the embedded tiny model)")
+    parser.add_argument("--streams", type=int, default=64, help="concurrent streams (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per stream (default: %(default)s)")
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; the best of each is kept (default: %(default)s)")
+    args = parser.parse_args(argv)
+    if args.streams < 1 or args.max_tokens < 1 or args.repeat < 1:
+        parser.error("--streams, --max-tokens and --repeat must be positive")
+    model_dir = args.model
+    if model_dir is None:
+        from kvserve.worker.tiny_model import ensure_default_tiny_model
+
+        model_dir = ensure_default_tiny_model()
+    prompts = [f"Stream number {i} tells a story about" for i in range(args.streams)]
+    expected_tokens = args.streams * args.max_tokens
+
+    with _Served(model_dir, args.streams) as (grpc_target, http_url, model_name):
+        best = asyncio.run(_rounds(grpc_target, http_url, model_name, prompts, args.max_tokens, args.repeat))
+    best["in process"] = _in_process(model_dir, prompts, args.max_tokens, args.repeat)
+
+    rows = [(name, args.streams, expected_tokens, rate, rate / best["gRPC"]) for name, rate in best.items()]
+    print(format_table(["way in", "streams", "tokens", "tokens/s", "vs gRPC"], rows))
+    ratio = best["HTTP"] / best["gRPC"]
+    verdict = "meets" if ratio >= TARGET_RATIO else "misses"
+    print(f"\nHTTP / gRPC = {ratio:.2f} ({verdict} the target of {TARGET_RATIO})")
+    return 0
+
+
+class _Served:
+    """``kvserve serve`` (gRPC and HTTP on free ports) in a child process, for a ``with`` block."""
+
+    def __init__(self, model_dir: Path, max_streams: int) -> None:
+        self._args = [
+            sys.executable, "-m", "kvserve.cluster.cli", "serve", "--model", str(model_dir),
+            "--port", "0", "--http-port", "0", "--num-blocks", str(max(256, max_streams * 16)),
+            "--max-concurrent-requests", str(max_streams * 2),
+        ]
+
+    def __enter__(self) -> tuple[str, str, str]:
+        # Its own session: Ctrl-C here stops it through __exit__, not twice.
+        self._proc = subprocess.Popen(
+            self._args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        lines: list[str] = []
+        http_port = None
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            lines.append(line)
+            if match := re.search(r"OpenAI-compatible API at http://([^/]+)/v1", line):
+                http_port = match[1]
+            if match := re.search(r"listening on (\S+) \(", line):
+                # Read what it prints from now on, or a full pipe would stop it.
+                threading.Thread(target=self._proc.stdout.read, daemon=True).start()
+                return match[1], f"http://{http_port}", Path(self._args[5]).name
+            if time.monotonic() > deadline:
+                break
+        self.__exit__()
+        raise RuntimeError("kvserve serve did not start:\n" + "".join(lines))
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+
+
+async def _rounds(
+    grpc_target: str, http_url: str, model: str, prompts: list[str], max_tokens: int, repeat: int
+) -> dict[str, float]:
+    """The best generated tokens per second of each way in; each keeps its connections between rounds."""
+    import aiohttp
+
+    from kvserve.client import AsyncClient
+
+    # NOTE: aiohttp (a dependency of Ray's): httpx's pool spent more CPU than the server at 64 streams.
+    connector = aiohttp.TCPConnector(limit=len(prompts) + 1)
+    async with AsyncClient(grpc_target) as grpc_client, aiohttp.ClientSession(
+        http_url, connector=connector, timeout=aiohttp.ClientTimeout(total=120.0)
+    ) as http_client:
+        ways = {
+            "gRPC": lambda ps, n: _grpc(grpc_client, ps, n),
+            "HTTP": lambda ps, n: _http(http_client, model, ps, n),
+        }
+        for run in ways.values():  # warm-up: the model's first steps, the connections, the app's first requests
+            await run(prompts, 2)
+        best: dict[str, float] = {}
+        for _ in range(repeat):
+            for name, run in ways.items():
+                start = time.perf_counter()
+                num_tokens = await run(prompts, max_tokens)
+                elapsed = time.perf_counter() - start
+                if num_tokens != len(prompts) * max_tokens:
+                    raise RuntimeError(f"{name}: {num_tokens} tokens generated, expected {len(prompts) * max_tokens}")
+                best[name] = max(best.get(name, 0.0), num_tokens / elapsed)
+    return best
+
+
+async def _grpc(client: AsyncClient, prompts: list[str], max_tokens: int) -> int:
+    async def one(prompt: str) -> int:
+        completion = await client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return completion.usage.completion_tokens
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+async def _http(client: aiohttp.ClientSession, model: str, prompts: list[str], max_tokens: int) -> int:
+    async def one(prompt: str) -> int:
+        body = {
+            "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        num_tokens = 0
+        async with client.post("/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.content:  # one server-sent event line at a time
+                if line.startswith(b"data: {"):
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        num_tokens = usage["completion_tokens"]
+        return num_tokens
+
+    return sum(await asyncio.gather(*(one(p) for p in prompts)))
+
+
+def _in_process(model_dir: Path, prompts: list[str], max_tokens: int, repeat: int) -> float:
+    from kvserve import LLM, SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    best = 0.0
+    with LLM(model_dir, num_blocks=max(256, len(prompts) * 16), enable_prefix_caching=False) as llm:
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        for _ in range(repeat):
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            best = max(best, sum(len(o.token_ids) for o in outputs) / elapsed)
+    return best
+
+
+if __name__ == "__main__":
+    sys.exit(main())

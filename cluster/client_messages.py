@@ -1,0 +1,234 @@
+"""What the Python client sends and returns, and their conversion to and from ``generate_pb2``.
+
+This is the client's one protobuf boundary (the server's is ``frontend.py``):
+``to_generate_request`` builds a ``GenerateRequest`` from a prompt and
+keyword arguments, checking the keywords' names and types here so that a typo
+fails at once with ``TypeError`` instead of reaching the server;
+``to_delta`` turns each streamed ``GenerateResponse`` into a
+``CompletionDelta``.  The values themselves (``top_p`` in (0, 1], ...) are
+validated by the server, which answers ``INVALID_ARGUMENT`` naming the field.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+from kvserve.proto import generate_pb2
+
+_FINISH_REASONS = {
+    generate_pb2.FINISH_REASON_STOP: "stop",
+    generate_pb2.FINISH_REASON_LENGTH: "length",
+    generate_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+class SamplingKwargs(TypedDict, total=False):
+    """The keyword arguments of ``generate`` and ``stream``: ``SamplingParams``' fields and the request's own.
+
+    Unset ones take the server's defaults (``max_tokens`` 16, ``temperature``
+    1.0, ``top_p`` 1.0, no ``top_k``).  ``stop``: strings that end the
+    completion once its text contains one (not sent).  ``cache_salt`` isolates a tenant's
+    cached prefixes; ``request_id`` must be unique among the requests in
+    flight (the server assigns one when unset).
+    """
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: Sequence[int]
+    stop: str | Sequence[str]
+    ignore_eos: bool
+    cache_salt: str
+    request_id: str
+
+
+SAMPLING_KEYWORDS = frozenset(generate_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
+REQUEST_KEYWORDS = frozenset(("cache_salt", "request_id"))
+KEYWORDS = SAMPLING_KEYWORDS | REQUEST_KEYWORDS
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts of one finished request; ``cached_prompt_tokens`` of the prompt came from the prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionDelta:
+    """What one streamed message adds: new tokens and their text.
+
+    Only the last delta of a stream has ``finish_reason`` ("stop", "length" or
+    "abort") and ``usage``; ``replica`` is the replica serving the request.
+    """
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    replica: int
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """A whole completion: the concatenation of its stream's deltas."""
+
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    usage: Usage
+    replica: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    """Load and cache figures of one replica, as ``GetStats`` reports them."""
+
+    replica: int
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    num_kv_blocks: int
+    healthy: bool
+
+
+class RequestError(Exception):
+    """The server refused or failed a request; ``code`` is the gRPC status name (``INVALID_ARGUMENT``, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+def to_generate_request(prompt: str | Sequence[int], kwargs: dict[str, Any]) -> generate_pb2.GenerateRequest:
+    """``prompt`` and ``kwargs`` (``SamplingKwargs``) as a request.
+
+    ``TypeError`` for an unknown keyword (with the likeliest meant one), a
+    value of the wrong type, or a prompt that is neither text nor token ids;
+    ``ValueError`` for an integer its field cannot hold.
+    """
+    unknown = sorted(set(kwargs) - KEYWORDS)
+    if unknown:
+        raise TypeError(_unknown_keywords_message(unknown))
+    request = generate_pb2.GenerateRequest()
+    if isinstance(prompt, str):
+        request.text = prompt
+    elif isinstance(prompt, Iterable) and not isinstance(prompt, (bytes, bytearray, dict)):
+        request.token_ids.SetInParent()  # an empty list is the server's "token_ids is empty"
+        _set_field(request.token_ids, "ids", list(prompt), label="prompt")
+    else:
+        raise TypeError(f"prompt must be a str or a sequence of token ids, got {type(prompt).__name__}")
+    params = request.sampling_params
+    for name, value in kwargs.items():
+        if value is None:  # the server's default, as when not given
+            continue
+        if name in REQUEST_KEYWORDS:
+            _set_field(request, name, value)
+        elif name == "stop":
+            stop = [value] if isinstance(value, str) else list(value) if isinstance(value, Iterable) else None
+            if stop is None or not all(isinstance(s, str) for s in stop):
+                raise TypeError(f"stop must be a string or a sequence of strings, got {value!r}")
+            _set_field(params, name, stop)
+        elif name == "stop_token_ids":
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise TypeError(f"stop_token_ids must be a sequence of token ids, got {value!r}")
+            _set_field(params, name, list(value))
+        elif name == "ignore_eos" and not isinstance(value, bool):
+            # NOTE: protobuf takes 0 and 1 for a bool; ignore_eos="no" would be True.
+            raise TypeError(f"ignore_eos must be True or False, got {value!r}")
+        else:
+            _set_field(params, name, value)
+    return request
+
+
+def to_delta(response: generate_pb2.GenerateResponse) -> CompletionDelta:
+    finish_reason = _FINISH_REASONS.get(response.finish_reason)
+    usage = None
+    if finish_reason is not None:
+        usage = Usage(
+            prompt_tokens=response.usage.prompt_tokens,
+            completion_tokens=response.usage.completion_tokens,
+            cached_prompt_tokens=response.usage.cached_prompt_tokens,
+        )
+    return CompletionDelta(
+        request_id=response.request_id,
+        text=response.text,
+        token_ids=tuple(response.token_ids),
+        replica=response.replica,
+        finish_reason=finish_reason,
+        usage=usage,
+    )
+
+
+def to_replica_stats(response: generate_pb2.GetStatsResponse) -> tuple[ReplicaStats, ...]:
+    return tuple(
+        ReplicaStats(
+            replica=s.replica,
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=s.kv_cache_usage,
+            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+            num_kv_blocks=s.num_kv_blocks,
+            healthy=s.healthy,
+        )
+        for s in response.replicas
+    )
+
+
+class CompletionBuilder:
+    """Concatenates the deltas of one stream into a ``Completion``."""
+
+    def __init__(self) -> None:
+        self._texts: list[str] = []
+        self._token_ids: list[int] = []
+        self._last: CompletionDelta | None = None
+
+    def add(self, delta: CompletionDelta) -> None:
+        self._texts.append(delta.text)
+        self._token_ids.extend(delta.token_ids)
+        self._last = delta
+
+    def build(self) -> Completion:
+        last = self._last
+        if last is None or last.finish_reason is None or last.usage is None:
+            raise RequestError("UNKNOWN", "the stream ended without a finish reason")
+        return Completion(
+            request_id=last.request_id,
+            text="".join(self._texts),
+            token_ids=tuple(self._token_ids),
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            replica=last.replica,
+        )
+
+
+def _set_field(message: Any, name: str, value: Any, *, label: str | None = None) -> None:
+    """``message.name = value`` (or its repeated field extended), naming the field in protobuf's type errors."""
+    try:
+        if isinstance(value, list):
+            getattr(message, name).extend(value)
+        else:
+            setattr(message, name, value)
+    except TypeError as exc:
+        raise TypeError(f"{label or name}: {exc}") from None
+    except ValueError as exc:  # an integer out of the field's range
+        raise ValueError(f"{label or name}: {exc}") from None
+
+
+def _unknown_keywords_message(unknown: list[str]) -> str:
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, KEYWORDS, n=1)
+        parts.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return f"unexpected keyword argument {', '.join(parts)}; the keywords are: {', '.join(sorted(KEYWORDS))}"

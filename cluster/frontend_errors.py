@@ -1,0 +1,39 @@
+"""What the front end answers a request it cannot serve: one exception type per answer.
+
+Each carries its gRPC status code and its HTTP status, so that each front door
+maps them in one line.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = ["FrontendError", "InvalidRequestError", "OverloadedError", "UnavailableError"]
+
+
+class FrontendError(Exception):
+    """A request the front end cannot serve; each subclass is one answer (gRPC status, HTTP status)."""
+
+    grpc_code = grpc.StatusCode.UNKNOWN
+    http_status = 500
+
+
+class InvalidRequestError(FrontendError, ValueError):
+    """A request that can never be served as sent; the message names the field."""
+
+    grpc_code = grpc.StatusCode.INVALID_ARGUMENT
+    http_status = 400
+
+
+class OverloadedError(FrontendError):
+    """``max_concurrent_requests`` streams are in flight already."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+
+
+class UnavailableError(FrontendError):
+    """No replica can serve the request now (the scheduler is gone, the replica failed)."""
+
+    grpc_code = grpc.StatusCode.UNAVAILABLE
+    http_status = 503

@@ -1,0 +1,120 @@
+"""Prometheus metrics of the front end, served at ``GET /metrics`` on the HTTP port.
+
+Request metrics are measured where both front doors meet, on the request
+pipeline (``track`` wraps ``Frontend.responses``): every request counts once in
+``kvserve_requests_total{code}`` with the HTTP status it is answered with
+(200, 400, 429, 503; 499 when the client left first), and a served request
+adds its prompt and generated tokens and its latencies (time to first token,
+time per output token after the first, end to end).  The replica gauges are
+the scheduler's own figures, read at each scrape (``GetStats``).
+
+Each ``FrontendMetrics`` has its own registry, so that two servers in one
+process (tests) do not share counters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from kvserve.cluster.frontend_errors import FrontendError
+from kvserve.cluster.messages import ReplicaStatsInfo
+from kvserve.proto import generate_pb2
+
+__all__ = ["CONTENT_TYPE_LATEST", "FrontendMetrics"]
+
+# Client-closed request (nginx's convention): the call or connection ended before the answer.
+CLIENT_LEFT = "499"
+_LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+_E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+class FrontendMetrics:
+    """The front end's Prometheus metrics, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.requests = Counter(
+            "kvserve_requests", "Requests answered, by HTTP status code", ["code"], registry=registry
+        )
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of served requests", registry=registry)
+        self.generation_tokens = Counter(
+            "kvserve_generation_tokens", "Tokens generated for served requests", registry=registry
+        )
+        self.time_to_first_token = Histogram(
+            "kvserve_time_to_first_token_seconds", "From a request's arrival to its first token",
+            buckets=_LATENCY_BUCKETS_S, registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "kvserve_inter_token_latency_seconds", "Time per output token after the first",
+            buckets=_LATENCY_BUCKETS_S, registry=registry,
+        )
+        self.e2e_request_latency = Histogram(
+            "kvserve_e2e_request_latency_seconds", "From a request's arrival to its last token",
+            buckets=_E2E_BUCKETS_S, registry=registry,
+        )
+        self.num_requests_running = Gauge(
+            "kvserve_num_requests_running", "Requests running on a replica", ["replica"], registry=registry
+        )
+        self.num_requests_waiting = Gauge(
+            "kvserve_num_requests_waiting", "Requests waiting on a replica", ["replica"], registry=registry
+        )
+        self.kv_cache_usage = Gauge(
+            "kvserve_kv_cache_usage_ratio", "Fraction of a replica's KV blocks in use", ["replica"],
+            registry=registry,
+        )
+        self.replica_healthy = Gauge(
+            "kvserve_replica_healthy", "1 while a replica serves, 0 once it failed", ["replica"], registry=registry
+        )
+
+    async def track(
+        self, responses: AsyncIterator[generate_pb2.GenerateResponse]
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """``responses``, measured: one request's pipeline, closed when this is."""
+        arrival = previous = time.monotonic()
+        first_token_time: float | None = None
+        code = CLIENT_LEFT
+        try:
+            async with aclosing(responses):
+                async for response in responses:
+                    num_tokens = len(response.token_ids)
+                    if num_tokens:
+                        now = time.monotonic()
+                        if first_token_time is None:
+                            # NOTE: tokens that came with the first one tell no interval.
+                            first_token_time = now
+                            self.time_to_first_token.observe(now - arrival)
+                        else:
+                            # A message carries the tokens of several steps: each took its share.
+                            per_token = (now - previous) / num_tokens
+                            for _ in range(num_tokens):
+                                self.inter_token_latency.observe(per_token)
+                        previous = now
+                    if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+                        code = "200"
+                        self.prompt_tokens.inc(response.usage.prompt_tokens)
+                        self.generation_tokens.inc(response.usage.completion_tokens)
+                        self.e2e_request_latency.observe(time.monotonic() - arrival)
+                    yield response
+        except FrontendError as exc:
+            code = str(exc.http_status)
+            raise
+        finally:
+            self.requests.labels(code=code).inc()
+
+    def set_replica_stats(self, stats: Sequence[ReplicaStatsInfo]) -> None:
+        for s in stats:
+            replica = str(s.replica)
+            self.num_requests_running.labels(replica=replica).set(s.num_running)
+            self.num_requests_waiting.labels(replica=replica).set(s.num_waiting)
+            self.kv_cache_usage.labels(replica=replica).set(s.kv_cache_usage)
+            self.replica_healthy.labels(replica=replica).set(1 if s.healthy else 0)
+
+    def exposition(self) -> bytes:
+        """The metrics in Prometheus' text format."""
+        return generate_latest(self.registry)

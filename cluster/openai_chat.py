@@ -1,0 +1,159 @@
+"""``POST /v1/chat/completions``: its messages, and the rendering of a conversation with the model's chat template.
+
+The conversation is rendered to text with the chat template (the tokenizer's
+own, or ``--chat-template FILE``) and tokenized without adding special tokens:
+a template writes the ones it wants (``{{ bos_token }}``), and the tokenizer
+adding a BOS of its own would double it.  The token ids then take the same
+pipeline as any completion (``openai_protocol.to_generate_request``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvserve.cluster.frontend import InvalidRequestError
+from kvserve.cluster.openai_protocol import CompletionUsage, SamplingRequest, finish_reason, to_usage
+from kvserve.proto import generate_pb2
+
+NO_TEMPLATE = (
+    "messages: this model has no chat template; start the server with --chat-template FILE, "
+    "or send the rendered prompt to /v1/completions"
+)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def unsupported_fields(self) -> dict[str, bool]:
+        unsupported = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None}
+        return {**super().unsupported_fields(), **unsupported}
+
+    @property
+    def output_limit(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            if self.max_tokens != self.max_completion_tokens:
+                raise InvalidRequestError("max_completion_tokens: differs from max_tokens; give one of them")
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def render_prompt(tokenizer: Any | None, template: str | None, messages: list[ChatMessage]) -> list[int]:
+    """The token ids of ``messages`` as the template renders them, ready for the assistant's turn.
+
+    ``InvalidRequestError`` when there is no template, or it refuses the conversation.
+    """
+    if tokenizer is None:
+        raise InvalidRequestError("messages: this model has no tokenizer: send token ids to /v1/completions")
+    template = template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise InvalidRequestError(NO_TEMPLATE)
+    conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception in a template) and type errors
+        raise InvalidRequestError(f"messages: the chat template refused them: {exc}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChatDelta
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: CompletionUsage | None = None
+
+
+class ChatCompletionShape:
+    """The messages of ``/v1/chat/completions``: the whole answer, its chunks (the first says the role)."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def whole(self, request_id: str, text: str, last: generate_pb2.GenerateResponse) -> ChatCompletion:
+        return ChatCompletion(
+            id=f"chatcmpl-{request_id}",
+            model=self.model,
+            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason(last))],
+            usage=to_usage(last),
+        )
+
+    def chunk(
+        self, request_id: str, created: int, text: str, reason: str | None, first: bool
+    ) -> ChatCompletionChunk | None:
+        if not text and reason is None and not first:
+            return None
+        delta = ChatDelta(role="assistant" if first else None, content=text)
+        return ChatCompletionChunk(
+            id=f"chatcmpl-{request_id}",
+            created=created,
+            model=self.model,
+            choices=[ChatChunkChoice(delta=delta, finish_reason=reason)],
+        )
+
+    def usage_chunk(self, request_id: str, created: int, last: generate_pb2.GenerateResponse) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=f"chatcmpl-{request_id}", created=created, model=self.model, choices=[], usage=to_usage(last)
+        )

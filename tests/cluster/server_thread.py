@@ -1,0 +1,37 @@
+"""The gRPC server on its own event loop thread, as ``kvserve serve`` runs it, for in-process tests."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from kvserve.cluster.config import ServerConfig
+from kvserve.cluster.launcher import ClusterHandle
+from kvserve.cluster.server import GenerationServer, start_server
+
+CALL_TIMEOUT_S = 60.0
+
+
+class ServerThread:
+    """The gRPC server on its own event loop thread, as ``kvserve serve`` runs it."""
+
+    def __init__(self, handle: ClusterHandle, config: ServerConfig) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="grpc-server", daemon=True)
+        self._thread.start()
+        self.server: GenerationServer = self._run(start_server(handle.scheduler, handle.model_info, config))
+
+    def _run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout=CALL_TIMEOUT_S)
+
+    def pause_front_end(self) -> None:
+        """Stop fetching outputs from the scheduler, as a front end that hangs would."""
+        self._run(self.server.frontend.stop())
+
+    def resume_front_end(self) -> None:
+        self._loop.call_soon_threadsafe(self.server.frontend.start)
+
+    def stop(self) -> None:
+        self._run(self.server.stop(grace_s=1.0))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

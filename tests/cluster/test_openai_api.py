@@ -1,0 +1,539 @@
+"""The OpenAI-compatible HTTP API against a real server, through the official ``openai`` package and ``httpx``.
+
+One replica of the tiny model on the test Ray cluster, its gRPC server and its
+HTTP server on one event loop, as ``kvserve serve`` runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.client import Client
+from kvserve.cluster.config import ClusterConfig, ServerConfig
+from kvserve.cluster.http_server import HttpServer, bind_socket, start_http_server
+from kvserve.cluster.launcher import start_cluster
+from kvserve.cluster.metrics import FrontendMetrics
+from kvserve.worker.tiny_model import create_tiny_model
+from kvserve.worker.tokenizer import load_tokenizer
+from tests.cluster.server_thread import ServerThread
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 256
+MAX_CONCURRENT_REQUESTS = 3
+MAX_BODY_BYTES = 64 * 1024
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+# Several seconds of decoding (~3 ms a token here): still running long after a test leaves it.
+LONG = {"max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
+ABORT_TIMEOUT_S = 1.5
+TIMEOUT_S = 60.0
+# The tiny model's tokenizer ships no chat template: the server is given this one.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@dataclass
+class Served:
+    base_url: str
+    grpc_target: str
+    model: str
+    server: ServerThread
+    tokenizer: object
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    model_dir = create_tiny_model(tmp_path_factory.mktemp("openai-model") / "tiny-llama", "llama", seed=0)
+    handle = start_cluster(ClusterConfig(model_dir=str(model_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
+    server = http = None
+    try:
+        config = ServerConfig(
+            port=0, http_port=0, stream_interval_s=0.0, max_concurrent_requests=MAX_CONCURRENT_REQUESTS,
+            max_message_bytes=MAX_BODY_BYTES,
+        )
+        server = ServerThread(handle, config)
+        http: HttpServer = server._run(start_http_server(server.server.frontend, config, chat_template=CHAT_TEMPLATE))
+        yield Served(
+            f"http://127.0.0.1:{http.port}", f"127.0.0.1:{server.server.port}", "tiny-llama", server,
+            load_tokenizer(model_dir),
+        )
+    finally:
+        if http is not None:
+            server._run(http.stop(grace_s=1.0))
+        if server is not None:
+            server.stop()
+        handle.shutdown()
+
+
+@pytest.fixture
+def sdk(served: Served) -> Iterator[openai.OpenAI]:
+    # No retries: a 429 or a 503 must reach the test as it was answered.
+    with openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT_S) as sdk:
+        yield sdk
+
+
+@pytest.fixture
+def grpc_client(served: Served) -> Iterator[Client]:
+    with Client(served.grpc_target) as client:
+        yield client
+
+
+def wait_until_idle(client: Client, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.get_stats()
+        if not any(s.num_running or s.num_waiting or s.kv_cache_usage for s in stats):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the replica is still busy after {timeout_s} s: {stats}")
+        time.sleep(0.05)
+
+
+# -- endpoints -------------------------------------------------------------------
+
+
+def test_models_lists_the_served_model(served: Served, sdk: openai.OpenAI):
+    models = sdk.models.list()
+
+    assert [m.id for m in models.data] == [served.model]
+    assert models.data[0].owned_by == "kvserve"
+
+
+def test_health_is_ok_while_the_replica_serves(served: Served):
+    assert httpx.get(f"{served.base_url}/health").status_code == 200
+
+
+def test_a_completion_is_what_the_grpc_api_generates(served: Served, sdk: openai.OpenAI, grpc_client: Client):
+    expected = grpc_client.generate("hello world", max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    completion = sdk.completions.create(model=served.model, prompt="hello world", max_tokens=8, **GREEDY)
+
+    assert completion.object == "text_completion"
+    assert completion.model == served.model
+    assert completion.id.startswith("cmpl-")
+    assert len(completion.choices) == 1
+    assert completion.choices[0].text == expected.text
+    assert completion.choices[0].finish_reason == "length"
+    assert completion.usage.prompt_tokens == expected.usage.prompt_tokens
+    assert completion.usage.completion_tokens == 8
+    assert completion.usage.total_tokens == expected.usage.prompt_tokens + 8
+
+
+def test_a_token_id_prompt_is_accepted(served: Served, sdk: openai.OpenAI):
+    completion = sdk.completions.create(model=served.model, prompt=[5, 6, 7, 8], max_tokens=3, **GREEDY)
+
+    assert completion.usage.prompt_tokens == 4
+    assert completion.usage.completion_tokens == 3
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens(served: Served, sdk: openai.OpenAI):
+    prompt = list(range(300, 300 + 3 * BLOCK_SIZE + 2))
+    first = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=2, **GREEDY)
+    second = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=2, **GREEDY)
+
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK_SIZE
+
+
+def test_a_streamed_completion_adds_up_to_the_whole_one(served: Served, sdk: openai.OpenAI):
+    whole = sdk.completions.create(model=served.model, prompt="stream me", max_tokens=12, **GREEDY)
+
+    chunks = list(sdk.completions.create(model=served.model, prompt="stream me", max_tokens=12, stream=True, **GREEDY))
+
+    assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+    assert len(chunks) > 1
+    assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert len({c.id for c in chunks}) == 1
+    assert all(c.usage is None for c in chunks)
+
+
+def test_include_usage_adds_a_last_chunk_with_the_usage_and_no_choices(served: Served, sdk: openai.OpenAI):
+    chunks = list(
+        sdk.completions.create(
+            model=served.model, prompt=[5, 6, 7], max_tokens=4, stream=True, stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.prompt_tokens == 3
+    assert chunks[-1].usage.completion_tokens == 4
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_the_sse_stream_ends_with_done(served: Served):
+    body = {"model": served.model, "prompt": "raw", "max_tokens": 3, "stream": True, "temperature": 0}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in response.iter_lines() if line]
+
+    assert events[-1] == "data: [DONE]"
+    assert all(event.startswith("data: ") for event in events)
+    assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] is not None
+
+
+def test_kvserve_extras_are_accepted_as_extra_body_fields(served: Served, sdk: openai.OpenAI):
+    prompt = list(range(400, 400 + 2 * BLOCK_SIZE + 1))
+    sdk.completions.create(model=served.model, prompt=prompt, max_tokens=1, **GREEDY)
+
+    completion = sdk.completions.create(
+        model=served.model, prompt=prompt, max_tokens=3,
+        extra_body={"top_k": 5, "ignore_eos": True, "cache_salt": "tenant-b"},
+    )
+
+    assert completion.usage.completion_tokens == 3
+    # Another tenant's salt: nothing of the first request's cached prompt is shared.
+    assert completion.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_a_stop_token_id_ends_the_completion_with_reason_stop(served: Served, grpc_client: Client):
+    tokens = grpc_client.generate([5, 6, 7], max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
+    body = {"model": served.model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0,
+            "stop_token_ids": [tokens[2]]}
+
+    response = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=TIMEOUT_S).json()
+
+    assert response["choices"][0]["finish_reason"] == "stop"
+    assert response["usage"]["completion_tokens"] == tokens.index(tokens[2]) + 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_ends_the_completion_and_is_not_sent(served: Served, sdk: openai.OpenAI, stream):
+    whole = sdk.completions.create(model=served.model, prompt="stop here", max_tokens=24, **GREEDY).choices[0].text
+    stop = whole[len(whole) // 2 :][:3]
+
+    answer = sdk.completions.create(
+        model=served.model, prompt="stop here", max_tokens=24, stop=[stop, "\u2603 never"], stream=stream, **GREEDY
+    )
+
+    chunks = list(answer) if stream else [answer]
+    assert "".join(c.choices[0].text for c in chunks) == whole[: whole.index(stop)]
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_stop_string_ends_a_chat_answer_too(served: Served, sdk: openai.OpenAI):
+    whole = sdk.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24, **GREEDY)
+    text = whole.choices[0].message.content
+    stop = text[len(text) // 2 :][:3]
+
+    chat = sdk.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=24, stop=stop, **GREEDY)
+
+    assert chat.choices[0].message.content == text[: text.index(stop)]
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.completion_tokens < 24
+
+
+# -- chat ------------------------------------------------------------------------
+
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+
+
+def rendered(served: Served, messages: list[dict]) -> list[int]:
+    """The prompt the chat template makes of ``messages``, as the server must tokenize it."""
+    text = served.tokenizer.apply_chat_template(
+        messages, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
+    )
+    assert text == "<s><|system|>be brief\n<|user|>hello there\n<|assistant|>"
+    return served.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_chat_completion_answers_the_rendered_conversation(served: Served, sdk: openai.OpenAI, grpc_client: Client):
+    expected = grpc_client.generate(rendered(served, MESSAGES), max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    chat = sdk.chat.completions.create(model=served.model, messages=MESSAGES, max_completion_tokens=6, **GREEDY)
+
+    assert chat.object == "chat.completion"
+    assert chat.id.startswith("chatcmpl-")
+    assert chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content == expected.text
+    assert chat.choices[0].finish_reason == "length"
+    # One BOS: the template's, not another from the tokenizer.
+    assert chat.usage.prompt_tokens == expected.usage.prompt_tokens == len(rendered(served, MESSAGES))
+
+
+def test_a_streamed_chat_says_the_role_first_and_adds_up_to_the_whole_answer(served: Served, sdk: openai.OpenAI):
+    whole = sdk.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=8, **GREEDY)
+
+    chunks = list(
+        sdk.chat.completions.create(
+            model=served.model, messages=MESSAGES, max_tokens=8, stream=True, stream_options={"include_usage": True},
+            **GREEDY,
+        )
+    )
+
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks[:-1]) == whole.choices[0].message.content
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_text_parts_are_joined_into_the_message(served: Served, sdk: openai.OpenAI):
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]
+    messages = [MESSAGES[0], {"role": "user", "content": parts}]
+
+    chat = sdk.chat.completions.create(model=served.model, messages=messages, max_tokens=1, **GREEDY)
+
+    assert chat.usage.prompt_tokens == len(rendered(served, MESSAGES))
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"messages": []}, "messages: List should have at least 1 item"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role: "),
+        ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens: differs from max_tokens"),
+        ({"logprobs": True}, "logprobs: not supported by kvserve yet"),
+    ],
+)
+def test_a_bad_chat_request_is_a_400_naming_the_field(served: Served, fields, message):
+    body = {"model": served.model, "messages": MESSAGES, **fields}
+
+    response = httpx.post(f"{served.base_url}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+
+    assert response.status_code == 400, response.text
+    assert message in response.json()["error"]["message"]
+
+
+def test_chat_without_a_template_is_a_400_that_says_how_to_give_one(served: Served):
+    http = served.server._run(start_http_server(served.server.server.frontend, ServerConfig(port=0, http_port=0)))
+    try:
+        body = {"model": served.model, "messages": MESSAGES}
+        response = httpx.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    finally:
+        served.server._run(http.stop(grace_s=1.0))
+
+    assert response.status_code == 400
+    assert "this model has no chat template; start the server with --chat-template FILE" in response.text
+
+
+# -- metrics -----------------------------------------------------------------------
+
+
+def scrape(served: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of ``/metrics``, read with prometheus_client's own text parser."""
+    response = httpx.get(f"{served.base_url}/metrics", timeout=TIMEOUT_S)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(response.text)
+        for sample in family.samples
+    }
+
+
+def moved(before: dict, after: dict, name: str, **labels: str) -> float:
+    key = (name, tuple(sorted(labels.items())))
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def test_metrics_count_exactly_the_requests_sent_and_their_tokens(served: Served, sdk: openai.OpenAI):
+    before = scrape(served)
+    served_ones = [
+        sdk.completions.create(model=served.model, prompt=[5, 6, 7], max_tokens=4, **GREEDY),
+        sdk.completions.create(model=served.model, prompt="metrics", max_tokens=3, **GREEDY),
+    ]
+    list(sdk.completions.create(model=served.model, prompt=[8, 9], max_tokens=5, stream=True, **GREEDY))
+    with pytest.raises(openai.BadRequestError):
+        sdk.completions.create(model=served.model, prompt="bad", top_p=5.0)
+
+    after = scrape(served)
+
+    assert moved(before, after, "kvserve_requests_total", code="200") == 3
+    assert moved(before, after, "kvserve_requests_total", code="400") == 1
+    prompt_tokens = sum(c.usage.prompt_tokens for c in served_ones) + 2
+    assert moved(before, after, "kvserve_prompt_tokens_total") == prompt_tokens
+    assert moved(before, after, "kvserve_generation_tokens_total") == 4 + 3 + 5
+    assert moved(before, after, "kvserve_time_to_first_token_seconds_count") == 3
+    assert moved(before, after, "kvserve_e2e_request_latency_seconds_count") == 3
+    # Every token after the first of each request: its time per output token.
+    assert moved(before, after, "kvserve_inter_token_latency_seconds_count") == 3 + 2 + 4
+    assert moved(before, after, "kvserve_e2e_request_latency_seconds_sum") > 0
+
+
+def test_metrics_report_each_replicas_state(served: Served):
+    samples = scrape(served)
+
+    assert samples[("kvserve_replica_healthy", (("replica", "0"),))] == 1
+    assert samples[("kvserve_num_requests_running", (("replica", "0"),))] == 0
+    assert samples[("kvserve_num_requests_waiting", (("replica", "0"),))] == 0
+    assert samples[("kvserve_kv_cache_usage_ratio", (("replica", "0"),))] == 0
+
+
+# -- errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"top_p": 2.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1.0}, "temperature"),
+        ({"n": 2}, "n"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"logprobs": 1}, "logprobs"),
+        ({"max_tokens": 5000}, "max_tokens"),
+    ],
+)
+def test_invalid_input_is_a_400_naming_the_field(served: Served, sdk: openai.OpenAI, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=served.model, prompt="hello", **fields)
+
+    assert info.value.status_code == 400
+    error = info.value.body
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
+    assert error["message"].startswith(param)
+    assert "sampling_params" not in error["message"]  # the gRPC API's name of the fields
+
+
+def test_a_prompt_too_long_is_a_400_naming_the_prompt(served: Served, sdk: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=served.model, prompt=[5] * 3000, max_tokens=1)
+
+    assert info.value.body["param"] == "prompt"
+    assert info.value.body["message"].startswith("prompt: the prompt has 3000 tokens")
+
+
+def test_a_streamed_request_with_invalid_input_is_a_400_too(served: Served, sdk: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        sdk.completions.create(model=served.model, prompt="hello", top_p=0.0, stream=True)
+
+
+def test_an_unknown_model_is_a_404(sdk: openai.OpenAI):
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk.completions.create(model="gpt-4", prompt="hello")
+
+    assert info.value.body["code"] == "model_not_found"
+    assert "gpt-4" in info.value.body["message"]
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"model": "tiny-llama", "prompt": "x", "max_tokns": 3}', "max_tokns: Extra inputs are not permitted"),
+        (b'{"model": "tiny-llama"}', "prompt: Field required"),
+        (b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}', "max_tokens: "),
+        (b"{not json", "the request body is not valid JSON"),
+    ],
+)
+def test_a_malformed_body_is_a_400_in_openais_error_shape(served: Served, content, message):
+    response = httpx.post(
+        f"{served.base_url}/v1/completions", content=content, headers={"content-type": "application/json"}
+    )
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"]
+    assert error["type"] == "invalid_request_error"
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_a_body_over_the_limit_is_a_413(served: Served):
+    body = {"model": served.model, "prompt": "x" * MAX_BODY_BYTES}
+
+    response = httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=TIMEOUT_S)
+
+    assert response.status_code == 413
+    assert response.json()["error"]["message"] == (
+        f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes"
+    )
+
+
+def test_a_streamed_body_over_the_limit_is_a_413_too(served: Served):
+    # No content-length: the body arrives in chunks and is counted as it comes.
+    def chunks():
+        yield b'{"model": "tiny-llama", "prompt": "'
+        for _ in range(MAX_BODY_BYTES // 1024 + 1):
+            yield b"x" * 1024
+        yield b'"}'
+
+    response = httpx.post(
+        f"{served.base_url}/v1/completions", content=chunks(), headers={"content-type": "application/json"},
+        timeout=TIMEOUT_S,
+    )
+
+    assert response.status_code == 413
+    assert "larger than the server's limit" in response.json()["error"]["message"]
+
+
+def test_an_unknown_path_is_a_404_in_openais_error_shape(served: Served):
+    response = httpx.get(f"{served.base_url}/v1/nothing")
+
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == "Not Found"
+
+
+def test_past_the_limit_of_concurrent_requests_is_a_429(served: Served, sdk: openai.OpenAI, grpc_client: Client):
+    # The gRPC and HTTP front doors share one limit.
+    streams = [grpc_client.stream(f"busy {i}", **LONG) for i in range(MAX_CONCURRENT_REQUESTS)]
+    try:
+        for stream in streams:
+            next(stream)
+        with pytest.raises(openai.RateLimitError) as info:
+            sdk.completions.create(model=served.model, prompt="one too many", max_tokens=1)
+        assert info.value.status_code == 429
+        assert f"limit of {MAX_CONCURRENT_REQUESTS} concurrent requests" in info.value.body["message"]
+    finally:
+        for stream in streams:
+            stream.close()
+    wait_until_idle(grpc_client, ABORT_TIMEOUT_S)
+
+
+# -- disconnects -------------------------------------------------------------------
+
+
+def test_leaving_a_stream_aborts_its_request_and_frees_its_blocks(served: Served, grpc_client: Client):
+    body = {"model": served.model, "prompt": "leave me", "stream": True, **LONG}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        # NOTE: the iterator is kept: dropped, it closes the response, which leaves the stream at once.
+        lines = response.iter_lines()
+        next(lines)
+        assert grpc_client.get_stats()[0].num_running == 1
+
+    wait_until_idle(grpc_client, ABORT_TIMEOUT_S)
+
+
+def test_a_client_that_leaves_before_its_completion_aborts_its_request(served: Served, grpc_client: Client):
+    body = {"model": served.model, "prompt": "too slow", **LONG}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{served.base_url}/v1/completions", json=body, timeout=0.5)
+
+    wait_until_idle(grpc_client, ABORT_TIMEOUT_S)
+
+
+def test_a_taken_port_is_refused_with_a_clear_error(served: Served):
+    port = int(served.base_url.rsplit(":", 1)[1])
+    with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port} for HTTP: Address already in use"):
+        bind_socket("127.0.0.1", port)
+
+
+def test_the_grafana_dashboard_charts_only_metrics_the_server_exports():
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana-dashboard.json").read_text())
+    charted = {
+        name
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"kvserve_[a-z0-9_]+", target["expr"])
+    }
+    exported = {
+        sample_name
+        for family in FrontendMetrics().registry.collect()
+        for sample_name in (family.name, f"{family.name}_total", f"{family.name}_bucket")
+    }
+    assert charted
+    assert charted <= exported, charted - exported
