@@ -35,6 +35,7 @@ up to ``MAX_RESTART_TRIES`` tries; it then rejoins routing with an empty cache.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -69,34 +70,28 @@ MAX_RESTART_TRIES = 5
 
 @dataclass(slots=True)
 class _PendingOutput:
-    """What one request produced since the front end last polled."""
+    """What one request produced since the front end last polled: its new tokens, and its end."""
 
     replica: int
     token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
+    # The request's last delta once it ended, without its tokens.
+    end: RequestDelta | None = None
 
     def finish(self, request: Request, *, reason: str | None = None, error: str | None = None) -> None:
-        self.finish_reason = reason
-        self.error = error
-        self.num_prompt_tokens = request.num_prompt_tokens
-        self.num_cached_tokens = request.num_cached_tokens or 0
-        self.num_output_tokens = request.num_output_tokens
-
-    def to_delta(self, req_id: str) -> RequestDelta:
-        return RequestDelta(
-            req_id=req_id,
-            token_ids=self.token_ids,
-            finish_reason=self.finish_reason,
-            error=self.error,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_tokens=self.num_cached_tokens,
-            num_output_tokens=self.num_output_tokens,
+        self.end = RequestDelta(
+            req_id=request.req_id,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_output_tokens=request.num_output_tokens,
             replica=self.replica,
         )
+
+    def to_delta(self, req_id: str) -> RequestDelta:
+        if self.end is None:
+            return RequestDelta(req_id, self.token_ids, replica=self.replica)
+        return dataclasses.replace(self.end, token_ids=self.token_ids)
 
 
 class _Replica:
