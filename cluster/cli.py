@@ -20,14 +20,26 @@ from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.cli_config_file import expand_config_file
 from kvserve.cluster.host_port import split_host_port
+from kvserve.cluster.request_limits import (
+    DEFAULT_MAX_CACHE_SALT_BYTES,
+    DEFAULT_MAX_PROMPT_BYTES,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+    RequestLimits,
+)
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
     from kvserve.cluster.config import ClusterConfig, ServerConfig
     from kvserve.cluster.launcher import ClusterHandle
+    from kvserve.cluster.tls import TlsFiles
     from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 
+logger = logging.getLogger(__name__)
+
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# NOTE: kvserve.cluster.config.DEFAULT_MAX_MESSAGE_BYTES, spelled out for the same reason as
+# the two below (a test keeps them equal).
+_MAX_MESSAGE_BYTES = 4 * 2**20
 # NOTE: kvserve.cluster.worker_actor.WORKER_CPU_RESOURCE, spelled out so that
 # `kvserve serve --help` need not import torch (a test keeps the two equal).
 _WORKER_CPU_RESOURCE = "kvserve_worker_slot"
@@ -266,6 +278,40 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="on GPUs, run every step eagerly instead of replaying the CUDA graphs captured at start-up "
         "for decode steps",
     )
+    security = parser.add_argument_group("authentication and TLS (both front doors)")
+    security.add_argument(
+        "--auth-token-file", type=Path, default=None, metavar="FILE",
+        help="require 'authorization: Bearer <token>' on every call but health: one token per line, optionally "
+        "'token tenant-name'; each tenant gets a prefix cache of its own (default: no authentication; "
+        "binding a non-loopback --host without it logs a warning)",
+    )
+    security.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
+    security.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the PEM private key of --tls-cert")
+    security.add_argument(
+        "--tls-client-ca", type=Path, default=None, metavar="FILE",
+        help="with --tls-cert: require client certificates signed by this PEM CA (mutual TLS)",
+    )
+    limits = parser.add_argument_group("per-request limits (refused with INVALID_ARGUMENT / HTTP 400 naming the limit)")
+    limits.add_argument(
+        "--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS, metavar="N",
+        help="stop token ids per request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-cache-salt-bytes", type=int, default=DEFAULT_MAX_CACHE_SALT_BYTES, metavar="N",
+        help="bytes of a request's cache salt (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, metavar="N",
+        help="bytes of a text prompt (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-prompt-tokens", type=int, default=None, metavar="N",
+        help="tokens of a prompt (default: the model's max_model_len)",
+    )
+    limits.add_argument(
+        "--max-message-bytes", type=int, default=_MAX_MESSAGE_BYTES, metavar="N",
+        help="bytes of a request message or HTTP body (default: %(default)s)",
+    )
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=1024,
         help="streams in flight before RESOURCE_EXHAUSTED (default: %(default)s)",
@@ -369,7 +415,28 @@ def run_serve(args: argparse.Namespace) -> int:
             max_concurrent_requests=args.max_concurrent_requests,
             stream_interval_s=args.stream_interval,
             max_messages_per_s=args.max_messages_per_s or None,
+            max_message_bytes=args.max_message_bytes,
+            limits=RequestLimits(
+                max_stop_token_ids=args.max_stop_token_ids,
+                max_cache_salt_bytes=args.max_cache_salt_bytes,
+                max_prompt_bytes=args.max_prompt_bytes,
+                max_prompt_tokens=args.max_prompt_tokens,
+            ),
+            auth_token_file=None if args.auth_token_file is None else str(args.auth_token_file),
+            tls=_tls_files(args),
         )
+        if server_config.auth_token_file is not None:
+            from kvserve.cluster.auth import TokenTable
+
+            TokenTable.from_file(server_config.auth_token_file)  # a bad file is told before start-up
+        if server_config.tls is not None:
+            server_config.tls.server_credentials()
+        if not server_config.is_loopback and server_config.auth_token_file is None:
+            logger.warning(
+                "SERVING WITHOUT AUTHENTICATION on %s: anyone who can reach this address can generate and see "
+                "the prefix cache of everyone's requests; pass --auth-token-file FILE", args.host,
+            )
+            progress(f"WARNING: --host {args.host} without --auth-token-file: no authentication")
         parallel = ParallelConfig(tensor_parallel_size=args.tp, num_replicas=args.replicas)
         model_dir = args.model
         if model_dir is None:
@@ -442,7 +509,7 @@ def run_serve(args: argparse.Namespace) -> int:
         progress(f"serving model {config.model_dir}, routing {routing}")
         handle = start_cluster(config, progress=progress)
         try:
-            asyncio.run(_serve_until_signalled(handle, server_config, progress, chat_template))
+            status = asyncio.run(_serve_until_signalled(handle, server_config, progress, chat_template))
         finally:
             stop_on_sigterm()  # asyncio left it at the default action, which would kill the shutdown below
     except (ValueError, RuntimeError) as exc:
@@ -469,6 +536,24 @@ def run_serve(args: argparse.Namespace) -> int:
         return 130
     progress("stopped")
     return status
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """``--tls-cert``/``--tls-key``/``--tls-client-ca`` as ``TlsFiles``; ``ValueError`` for a partial set."""
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    from kvserve.cluster.tls import TlsFiles
+
+    try:
+        return TlsFiles(
+            str(args.tls_cert), str(args.tls_key), None if args.tls_client_ca is None else str(args.tls_client_ca)
+        )
+    except ValueError as exc:
+        raise ValueError(f"--{str(exc).replace('_', '-', 1)}") from None
 
 
 def _read_chat_template(path: Path | None) -> str | None:
@@ -573,7 +658,8 @@ def _init_ray(address: str | None, config: ClusterConfig, progress: Callable[[st
 
 async def _serve_until_signalled(
     handle: ClusterHandle, server_config: ServerConfig, progress: Callable[[str], None], chat_template: str | None
-) -> None:
+) -> int:
+    """Serve until SIGINT or SIGTERM (0), or until the scheduler actor dies (1: nothing can serve)."""
     import asyncio
     import signal
 
@@ -592,8 +678,20 @@ async def _serve_until_signalled(
             http_server = await start_http_server(server.frontend, server_config, chat_template=chat_template)
             progress(f"OpenAI-compatible API at http://{_url_host(server_config.host)}:{http_server.port}/v1")
         progress(f"listening on {server_config.host}:{server.port} (Ctrl-C to stop)")
-        await stop.wait()
+        stopped = asyncio.ensure_future(stop.wait())
+        lost = asyncio.ensure_future(server.scheduler_lost.wait())
+        await asyncio.wait((stopped, lost), return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        lost.cancel()
+        if server.scheduler_lost.is_set():
+            print(
+                "kvserve serve: error: the scheduler actor died, and with it every request in flight; "
+                "stopping so that a supervisor can start the server again",
+                file=sys.stderr,
+            )
+            return 1
         progress(f"stopping: finishing the streams in flight (for at most {_SHUTDOWN_GRACE_S:g} s)")
+        return 0
     finally:
         # Both front doors at once: the gRPC server's stop ends every stream left after the grace.
         stopping = [server.stop(grace_s=_SHUTDOWN_GRACE_S)]
@@ -653,10 +751,33 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="share cached prefixes only with requests of the same salt",
     )
     parser.add_argument(
+        "--auth-token-file", type=Path, default=None, metavar="FILE",
+        help="send the first token of FILE as 'authorization: Bearer <token>' (the server's file format)",
+    )
+    parser.add_argument(
+        "--tls-ca", type=Path, default=None, metavar="FILE",
+        help="connect with TLS, trusting the server certificate's PEM CA in FILE",
+    )
+    parser.add_argument(
         "--timeout", type=_positive_seconds, default=60.0, metavar="S",
         help="deadline of the call in seconds (default: %(default)s)",
     )
     parser.set_defaults(handler=run_generate)
+
+
+def _first_token(path: Path | None) -> str | None:
+    """The first token of an auth token file (``ValueError`` when it holds none)."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--auth-token-file: cannot read {path}: {exc}") from None
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        if fields:
+            return fields[0]
+    raise ValueError(f"--auth-token-file: {path} holds no token")
 
 
 def _target(text: str) -> str:
@@ -717,7 +838,12 @@ def _generate(args: argparse.Namespace) -> int:
 
     names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
     sampling = {name: getattr(args, name) for name in names}
-    with Client(args.target) as client:
+    try:
+        token = _first_token(args.auth_token_file)
+    except ValueError as exc:
+        print(f"kvserve generate: error: {exc}", file=sys.stderr)
+        return 2
+    with Client(args.target, token=token, tls_ca=args.tls_ca) as client:
         last = None
         try:
             for delta in client.stream(

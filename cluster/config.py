@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from kvserve.cluster.request_limits import RequestLimits
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
@@ -20,6 +22,7 @@ from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig,
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvserve.cluster.tls import TlsFiles
     from kvserve.worker.worker import WorkerConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
@@ -76,6 +79,11 @@ class ServerConfig:
     max_concurrent_requests: int = 1024
     stream_interval_s: float = 0.02
     max_messages_per_s: int | None = 1000
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Bearer tokens (see ``kvserve.cluster.auth``): None serves everyone, each client with its own cache salt.
+    auth_token_file: str | None = None
+    # TLS on both front doors; None: plaintext.
+    tls: TlsFiles | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -95,6 +103,18 @@ class ServerConfig:
             raise ValueError(f"stream_interval_s must be in [0, 1] seconds, got {interval!r}")
         if self.max_messages_per_s is not None:
             _require_positive_int("max_messages_per_s", self.max_messages_per_s)
+        if not isinstance(self.limits, RequestLimits):
+            raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
+        if self.auth_token_file is not None and not isinstance(self.auth_token_file, str):
+            raise ValueError(f"auth_token_file must be a path string, got {self.auth_token_file!r}")
+
+    @property
+    def is_loopback(self) -> bool:
+        """Whether only this machine can reach the servers."""
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return self.host == "localhost"
 
     @property
     def address(self) -> str:

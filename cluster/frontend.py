@@ -48,11 +48,20 @@ import grpc
 from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
-from kvserve.cluster.frontend_errors import FrontendError, InvalidRequestError, OverloadedError, UnavailableError
+from kvserve.cluster.auth import AuthenticationError, Tenant, TokenTable, tenant_cache_salt
+from kvserve.cluster.frontend_errors import (
+    FrontendError,
+    InvalidRequestError,
+    OverloadedError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from kvserve.cluster.grpc_auth import authorization_header
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
 from kvserve.cluster.ray_errors import remote_error_message
+from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.stop_strings import StopStringMatcher, check_stop_strings
 from kvserve.cluster.tolerant_handlers import abort_if_undecodable
 from kvserve.proto import generate_pb2, generate_pb2_grpc
@@ -74,6 +83,10 @@ _FINISH_REASONS = {
     "length": generate_pb2.FINISH_REASON_LENGTH,
     "abort": generate_pb2.FINISH_REASON_ABORT,
 }
+
+
+# What a client is told once the scheduler actor is gone (the details go to the log).
+SCHEDULER_LOST = "the server lost its scheduler; nothing can be served until it is restarted"
 
 
 class Frontend(generate_pb2_grpc.GenerationServicer):
@@ -98,8 +111,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         max_messages_per_s: int | None = None,
         on_scheduler_lost: Callable[[], Awaitable[None]] | None = None,
         on_serving_changed: Callable[[bool], Awaitable[None]] | None = None,
+        tokens: TokenTable | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self._scheduler = scheduler
+        self.tokens = tokens
+        self.limits = limits or RequestLimits()
+        # The errors the front end itself ends streams with: told to clients as they are.
+        self._own_errors = {SCHEDULER_LOST}
         self._model_info = model_info
         self._tokenizer = tokenizer
         self._max_text_chars = _max_text_chars(tokenizer, model_info.max_model_len)
@@ -141,31 +160,51 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         await abort_if_undecodable(request, context)
         try:
+            tenant = None if self.tokens is None else self.authenticate(
+                authorization_header(context.invocation_metadata())
+            )
             # NOTE: aclosing: a call that ends early (cancelled, expired) ends the
             # pipeline at once, which aborts the request and frees its blocks.
-            async with aclosing(self.responses(request)) as responses:
+            async with aclosing(self.responses(request, tenant=tenant)) as responses:
                 async for response in responses:
                     yield response
         except FrontendError as exc:
             await context.abort(exc.grpc_code, str(exc))
 
-    def responses(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    def authenticate(self, authorization: str | None) -> Tenant | None:
+        """The tenant of a call's ``authorization`` value; ``None`` without an auth token file.
+
+        ``UnauthenticatedError`` when the server has tokens and the value is not one of them.
+        """
+        if self.tokens is None:
+            return None
+        try:
+            return self.tokens.authenticate(authorization)
+        except AuthenticationError as exc:
+            raise UnauthenticatedError(str(exc)) from None
+
+    def responses(
+        self, request: generate_pb2.GenerateRequest, *, tenant: Tenant | None = None
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """``Generate``'s stream of ``request`` without gRPC: every front door's one request pipeline.
 
-        Raises a ``FrontendError`` (``InvalidRequestError``, ``OverloadedError``,
+        ``tenant`` (from ``authenticate``) keys the request's prefix cache.  Raises a
+        ``FrontendError`` (``InvalidRequestError``, ``OverloadedError``,
         ``UnavailableError``), whose type says what to answer.  Leaving the
         iteration before its last message (close it: ``contextlib.aclosing``)
         aborts the request.  Measured in ``metrics``.
         """
-        return self.metrics.track(self._responses(request))
+        return self.metrics.track(self._responses(request, tenant))
 
-    async def _responses(self, request: generate_pb2.GenerateRequest) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def _responses(
+        self, request: generate_pb2.GenerateRequest, tenant: Tenant | None
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         if request.WhichOneof("prompt") == "text" and len(request.text) > _TOKENIZE_IN_THREAD_CHARS:
-            spec = await asyncio.to_thread(self.to_request_spec, request)
+            spec = await asyncio.to_thread(self.to_request_spec, request, tenant)
         else:
-            spec = self.to_request_spec(request)
+            spec = self.to_request_spec(request, tenant)
         if self._scheduler_error is not None:
-            raise UnavailableError(self._scheduler_error)
+            raise UnavailableError(SCHEDULER_LOST)
         req_id = spec.req_id
         drained = self._draining.get(req_id)
         if drained is not None:
@@ -198,7 +237,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError(remote_error_message(exc)) from None
             except (RuntimeError, RayActorError) as exc:
                 finished = True
-                raise UnavailableError(remote_error_message(exc)) from None
+                raise UnavailableError(_public(req_id, "no replica can take it now", remote_error_message(exc))) from None
             detokenizer = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
             stop = tuple(request.sampling_params.stop)
             matcher = StopStringMatcher(stop) if stop and detokenizer is not None else None
@@ -207,7 +246,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 delta = await stream.next_message()
                 if delta.error is not None:
                     finished = True
-                    raise UnavailableError(delta.error)
+                    if delta.error in self._own_errors:  # the front end's own words, already for clients
+                        raise UnavailableError(delta.error)
+                    raise UnavailableError(_public(req_id, "its replica failed and no other could go on with it", delta.error))
                 finished = delta.is_last
                 if matcher is None:
                     yield self.to_response(req_id, delta, detokenizer)
@@ -290,13 +331,28 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     # -- protobuf <-> dataclasses ----------------------------------------------
 
-    def to_request_spec(self, request: generate_pb2.GenerateRequest) -> RequestSpec:
-        """Tokenize and validate ``request``; ``InvalidRequestError`` names the bad field."""
+    def to_request_spec(self, request: generate_pb2.GenerateRequest, tenant: Tenant | None = None) -> RequestSpec:
+        """Tokenize and validate ``request``; ``InvalidRequestError`` names the bad field or limit.
+
+        Every size is checked before the work it would cost (``RequestLimits``).
+        """
         model = self._model_info
+        limits = self.limits
         vocab_size = model.vocab_size
         req_id = request.request_id or uuid.uuid4().hex
         if len(req_id) > MAX_REQUEST_ID_LENGTH:
             raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+        if len(request.cache_salt.encode()) > limits.max_cache_salt_bytes:
+            raise InvalidRequestError(
+                f"cache_salt: {len(request.cache_salt.encode())} bytes, over the limit of "
+                f"{limits.max_cache_salt_bytes} (max_cache_salt_bytes)"
+            )
+        num_stop_token_ids = len(request.sampling_params.stop_token_ids)
+        if num_stop_token_ids > limits.max_stop_token_ids:
+            raise InvalidRequestError(
+                f"sampling_params.stop_token_ids: {num_stop_token_ids} ids, over the limit of "
+                f"{limits.max_stop_token_ids} (max_stop_token_ids)"
+            )
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequestError("prompt is missing: set text or token_ids")
@@ -310,6 +366,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     f"text: {len(request.text)} characters are far more than max_model_len "
                     f"{model.max_model_len} tokens can hold"
                 )
+            num_bytes = len(request.text.encode())
+            if num_bytes > limits.max_prompt_bytes:
+                raise InvalidRequestError(
+                    f"text: {num_bytes} bytes, over the limit of {limits.max_prompt_bytes} (max_prompt_bytes)"
+                )
             prompt_token_ids = list(self._tokenizer(request.text)["input_ids"])
             if not prompt_token_ids:
                 raise InvalidRequestError("text tokenizes to no tokens")
@@ -317,13 +378,28 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             prompt_token_ids = list(request.token_ids.ids)
             if not prompt_token_ids:
                 raise InvalidRequestError("token_ids is empty")
-            for token_id in prompt_token_ids:
-                if not 0 <= token_id < vocab_size:
-                    raise InvalidRequestError(
-                        f"token_ids: {token_id} is outside the vocabulary [0, {vocab_size})"
-                    )
-        sampling_params = self._to_sampling_params(request.sampling_params)
+            # The sizes first: a long list is refused before it is walked.
+            if len(prompt_token_ids) >= model.max_model_len:
+                raise InvalidRequestError(
+                    f"token_ids: the prompt has {len(prompt_token_ids)} tokens; max_model_len is {model.max_model_len}"
+                )
+            if limits.max_prompt_tokens is not None and len(prompt_token_ids) > limits.max_prompt_tokens:
+                raise InvalidRequestError(
+                    f"token_ids: {len(prompt_token_ids)} prompt tokens, over the limit of {limits.max_prompt_tokens} "
+                    "(max_prompt_tokens)"
+                )
+            # NOTE: min/max run in C; the loop only runs to name the offending id.
+            if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
+                bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+                raise InvalidRequestError(f"token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
         num_prompt_tokens = len(prompt_token_ids)
+        if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
+            field = "text" if kind == "text" else "token_ids"
+            raise InvalidRequestError(
+                f"{field}: {num_prompt_tokens} prompt tokens, over the limit of {limits.max_prompt_tokens} "
+                "(max_prompt_tokens)"
+            )
+        sampling_params = self._to_sampling_params(request.sampling_params)
         if num_prompt_tokens + sampling_params.max_tokens > model.max_model_len:
             field = "text" if kind == "text" else "token_ids"
             if num_prompt_tokens >= model.max_model_len:
@@ -339,7 +415,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             req_id=req_id,
             prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
-            cache_salt=request.cache_salt or None,
+            cache_salt=tenant_cache_salt(tenant, request.cache_salt or None),
         )
 
     def _to_sampling_params(self, params: generate_pb2.SamplingParams) -> SamplingParams:
@@ -500,7 +576,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         logger.error("%s", reason)
         self._scheduler_error = reason
         for req_id, stream in self._streams.items():
-            stream.end(RequestDelta(req_id, error=reason))
+            stream.end(RequestDelta(req_id, error=SCHEDULER_LOST))
         for drained in self._draining.values():
             drained.set()  # calls waiting on a drain go on, to fail with the reason
         self._draining.clear()
@@ -508,7 +584,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             await self._on_scheduler_lost()
 
     def end_streams(self, reason: str) -> None:
-        """End every stream in flight with ``UNAVAILABLE: reason`` and abort its request."""
+        """End every stream in flight with ``UNAVAILABLE: reason`` (words for clients) and abort its request."""
+        self._own_errors.add(reason)
         req_ids = [req_id for req_id, stream in self._streams.items() if not stream.ended]
         for req_id in req_ids:
             self._streams[req_id].end(RequestDelta(req_id, error=reason))
@@ -522,6 +599,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._scheduler.abort_requests.remote(req_ids)
         except Exception:  # noqa: BLE001 - the scheduler going away is handled by the dispatcher
             logger.warning("could not abort %d requests", len(req_ids), exc_info=True)
+
+
+def _public(req_id: str, what: str, internals: str) -> str:
+    """The short message a client gets for a failure whose internals (actor ids, addresses,
+    stack details) go to the server log under the request id."""
+    logger.warning("request %s: %s: %s", req_id, what, internals)
+    return f"request {req_id}: {what} (details in the server log under this request id)"
 
 
 def _max_text_chars(tokenizer: Any | None, max_model_len: int) -> int | None:

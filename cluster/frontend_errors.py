@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["FrontendError", "InvalidRequestError", "OverloadedError", "UnavailableError"]
+__all__ = ["FrontendError", "InvalidRequestError", "OverloadedError", "UnauthenticatedError", "UnavailableError"]
 
 
 class FrontendError(Exception):
@@ -37,3 +37,10 @@ class UnavailableError(FrontendError):
 
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503
+
+
+class UnauthenticatedError(FrontendError):
+    """A request without a valid bearer token (the server has an auth token file)."""
+
+    grpc_code = grpc.StatusCode.UNAUTHENTICATED
+    http_status = 401

@@ -89,6 +89,7 @@ async def start_http_server(
         access_log=False,
         # NOTE: longer than uvicorn's 5 s, so that clients' connection pools reuse their connections.
         timeout_keep_alive=30,
+        **(config.tls.uvicorn_options() if config.tls is not None else {}),
     )
     server = _EmbeddedServer(uvicorn_config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="http-server")
@@ -102,5 +103,6 @@ async def start_http_server(
             server.should_exit = True
             raise RuntimeError(f"the HTTP server on {host}:{bound_port} did not start in {_STARTUP_TIMEOUT_S:g} s")
         await asyncio.sleep(0.01)
-    logger.info("serving the OpenAI-compatible API on http://%s:%d", host, bound_port)
+    scheme = "https" if config.tls is not None else "http"
+    logger.info("serving the OpenAI-compatible API on %s://%s:%d", scheme, host, bound_port)
     return HttpServer(server, task, bound_port)

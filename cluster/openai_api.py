@@ -86,6 +86,19 @@ def create_app(frontend: Frontend, *, chat_template: str | None = None, max_body
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
 
+    @app.middleware("http")
+    async def bearer_token(request: Request, call_next):
+        """With an auth token file, every path but /health needs ``Authorization: Bearer <token>``."""
+        request.state.tenant = None
+        if frontend.tokens is not None and request.url.path != "/health":
+            try:
+                request.state.tenant = frontend.authenticate(request.headers.get("authorization"))
+            except FrontendError as exc:
+                refusal = frontend_error_response(exc)
+                refusal.headers["WWW-Authenticate"] = "Bearer"
+                return refusal
+        return await call_next(request)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         return error_response(400, _validation_message(exc), param=_validation_param(exc))
@@ -220,7 +233,7 @@ async def respond(
     request: Request,
 ) -> Response:
     """``generate``'s completion through the front end's pipeline, whole or as server-sent events."""
-    responses = frontend.responses(generate)
+    responses = frontend.responses(generate, tenant=request.state.tenant)
     if stream:
         return await _stream(responses, shape, include_usage)
     return await _complete(responses, shape, request)

@@ -20,8 +20,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserve.cluster.auth import TokenTable
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.frontend import Frontend
+from kvserve.cluster.grpc_auth import BearerTokenInterceptor
 from kvserve.cluster.messages import ModelInfo
 from kvserve.cluster.tolerant_handlers import add_tolerant_service
 from kvserve.proto import generate_pb2
@@ -61,12 +63,19 @@ class GenerationServer:
     """A started gRPC server; ``port`` is the one actually bound."""
 
     def __init__(
-        self, server: grpc.aio.Server, port: int, frontend: Frontend, health_servicer: health.aio.HealthServicer
+        self,
+        server: grpc.aio.Server,
+        port: int,
+        frontend: Frontend,
+        health_servicer: health.aio.HealthServicer,
+        scheduler_lost: asyncio.Event,
     ) -> None:
         self.server = server
         self.port = port
         self.frontend = frontend
         self.health_servicer = health_servicer
+        # Set once the scheduler actor is gone: nothing can be served any more.
+        self.scheduler_lost = scheduler_lost
 
     async def wait_for_termination(self) -> None:
         await self.server.wait_for_termination()
@@ -96,9 +105,14 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
     """Serve the cluster behind ``scheduler`` (the scheduler actor's handle) at ``config``'s address.
 
     Call from the event loop that will run the server.  ``RuntimeError`` when
-    the address cannot be bound.
+    the address cannot be bound; ``ValueError`` for an unreadable token file or TLS file.
+    With ``config.auth_token_file`` every RPC but health needs a bearer token
+    (``UNAUTHENTICATED`` otherwise); with ``config.tls`` the port speaks TLS.
     """
+    tokens = TokenTable.from_file(config.auth_token_file) if config.auth_token_file is not None else None
+    credentials = config.tls.server_credentials() if config.tls is not None else None
     server = grpc.aio.server(
+        interceptors=[BearerTokenInterceptor(tokens)] if tokens is not None else None,
         options=[
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -114,8 +128,11 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         for service in (_OVERALL, GENERATION_SERVICE):
             await health_servicer.set(service, status)
 
+    scheduler_lost = asyncio.Event()
+
     async def on_scheduler_lost() -> None:
         await set_serving(False)  # for good: the front end fetches nothing more
+        scheduler_lost.set()
 
     frontend = Frontend(
         scheduler,
@@ -126,12 +143,17 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         max_messages_per_s=config.max_messages_per_s,
         on_scheduler_lost=on_scheduler_lost,
         on_serving_changed=set_serving,
+        tokens=tokens,
+        limits=config.limits,
     )
     add_tolerant_service(server, frontend, _GENERATION)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
     try:
-        port = server.add_insecure_port(config.address)
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
     except RuntimeError as exc:
         raise RuntimeError(f"cannot listen on {config.address}: {exc}") from None
     if port == 0:
@@ -145,4 +167,4 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
     await server.start()
     await set_serving(True)
     logger.info("serving %s on %s:%d", GENERATION_SERVICE, config.host, port)
-    return GenerationServer(server, port, frontend, health_servicer)
+    return GenerationServer(server, port, frontend, health_servicer, scheduler_lost)

@@ -648,3 +648,29 @@ def test_a_bad_config_file_is_refused_before_starting_anything(capsys, tmp_path,
 def test_a_missing_config_file_is_refused(capsys, tmp_path):
     assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
     assert "none.yaml: No such file or directory" in capsys.readouterr().err
+
+
+def test_serve_help_spells_out_the_default_message_limit_of_the_server_config() -> None:
+    from kvserve.cluster import cli
+    from kvserve.cluster.config import DEFAULT_MAX_MESSAGE_BYTES
+
+    assert cli._MAX_MESSAGE_BYTES == DEFAULT_MAX_MESSAGE_BYTES
+
+
+def test_serve_exits_non_zero_at_once_when_the_scheduler_actor_dies(tmp_path, model_dir):
+    # A supervisor (systemd, Kubernetes) then starts it again; health said SERVING while nothing could serve.
+    process = simulated_serve(tmp_path, model_dir)
+    session_id = process.proc.pid
+    try:
+        process.wait_for("listening on", STARTUP_TIMEOUT_S)
+        scheduler = next(line for line in session_processes(session_id) if "SchedulerActor" in line)
+        start = time.monotonic()
+        os.kill(int(scheduler.split()[1]), signal.SIGKILL)
+        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
+        output = process.output()
+        assert returncode == 1, output
+        assert time.monotonic() - start < 30.0, output
+        assert "the scheduler actor died" in output and "Traceback" not in output
+        assert_nothing_left(session_id)
+    finally:
+        kill_what_is_left(session_id)

@@ -14,6 +14,7 @@ import pytest
 
 from kvserve.cluster.frontend import Frontend, InvalidRequestError
 from kvserve.cluster.messages import ModelInfo, RequestDelta
+from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -177,3 +178,32 @@ def test_a_prompt_too_long_for_the_default_max_tokens_says_it_is_the_default(fro
         frontend.to_request_spec(
             generate_pb2.GenerateRequest(token_ids=ids, sampling_params=generate_pb2.SamplingParams(max_tokens=20))
         )
+
+
+@pytest.mark.parametrize(
+    ("limits", "fields", "message"),
+    [
+        (RequestLimits(max_prompt_tokens=4), dict(token_ids=generate_pb2.TokenIds(ids=[5] * 5)),
+         r"token_ids: 5 prompt tokens, over the limit of 4 \(max_prompt_tokens\)"),
+        (RequestLimits(max_prompt_tokens=2), dict(text="hello world, hello world"),
+         r"text: \d+ prompt tokens, over the limit of 2 \(max_prompt_tokens\)"),
+        (RequestLimits(max_prompt_bytes=8), dict(text="héllo wörld"),
+         r"text: 13 bytes, over the limit of 8 \(max_prompt_bytes\)"),
+        (RequestLimits(max_stop_token_ids=2), dict(
+            token_ids=generate_pb2.TokenIds(ids=[5]),
+            sampling_params=generate_pb2.SamplingParams(stop_token_ids=[1, 2, 3])),
+         r"sampling_params.stop_token_ids: 3 ids, over the limit of 2 \(max_stop_token_ids\)"),
+        (RequestLimits(max_cache_salt_bytes=3), dict(token_ids=generate_pb2.TokenIds(ids=[5]), cache_salt="salt"),
+         r"cache_salt: 4 bytes, over the limit of 3 \(max_cache_salt_bytes\)"),
+    ],
+)
+def test_each_request_limit_is_refused_naming_it(tokenizer, limits, fields, message):
+    info = ModelInfo(model_dir="unused", vocab_size=1000, max_model_len=MAX_MODEL_LEN, eos_token_ids=(1,), num_replicas=1)
+    limited = Frontend(None, info, tokenizer, max_concurrent_requests=1, limits=limits)
+    with pytest.raises(InvalidRequestError, match=message):
+        limited.to_request_spec(generate_pb2.GenerateRequest(**fields))
+
+
+def test_limits_below_one_are_refused():
+    with pytest.raises(ValueError, match="max_prompt_bytes must be a positive integer"):
+        RequestLimits(max_prompt_bytes=0)

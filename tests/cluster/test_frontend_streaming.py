@@ -11,10 +11,12 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 
+import grpc
 import pytest
 
 from kvserve.cluster.frontend import Frontend
 from kvserve.cluster.messages import ModelInfo, OutputBatch, RequestDelta, RequestSpec
+from kvserve.cluster.request_limits import RequestLimits
 from kvserve.proto import generate_pb2
 
 MODEL_INFO = ModelInfo(model_dir="unused", vocab_size=1000, max_model_len=256, eos_token_ids=(1,), num_replicas=1)
@@ -315,7 +317,11 @@ def test_a_long_text_is_tokenized_off_the_event_loop() -> None:
     gaps: list[float] = []
 
     async def scenario() -> None:
-        frontend = Frontend(FakeScheduler(), MODEL_INFO, NoVocabulary(), max_concurrent_requests=4)
+        # A prompt-bytes limit above the text's 1.8 MB (the default, 1 MiB, would refuse it untokenized).
+        frontend = Frontend(
+            FakeScheduler(), MODEL_INFO, NoVocabulary(), max_concurrent_requests=4,
+            limits=RequestLimits(max_prompt_bytes=4 << 20),
+        )
 
         async def tick() -> None:
             last = time.perf_counter()
@@ -334,3 +340,22 @@ def test_a_long_text_is_tokenized_off_the_event_loop() -> None:
     asyncio.run(scenario())
     # On the loop, one gap was the whole tokenization.
     assert max(gaps) < 0.3 * tokenize_s, (max(gaps), tokenize_s)
+
+
+def test_a_failed_replicas_internals_go_to_the_log_and_the_client_gets_its_request_id(caplog) -> None:
+    internals = "replica 1 rank 0 failed at step 68: actor_id 0a538afe57c3 pid 12673 ip 10.0.0.7"
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        call = asyncio.ensure_future(collect(frontend, "r-failed"))
+        await asyncio.sleep(0.05)
+        scheduler.emit(RequestDelta("r-failed", [], error=internals, replica=1))
+        with pytest.raises(Aborted) as info:
+            await call
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        message = str(info.value)
+        assert "request r-failed" in message and "server log" in message
+        assert "actor_id" not in message and "10.0.0.7" not in message and "pid" not in message
+
+    with caplog.at_level("WARNING", logger="kvserve.cluster.frontend"):
+        serve(scenario)
+    assert any("r-failed" in record.getMessage() and internals in record.getMessage() for record in caplog.records)

@@ -433,3 +433,15 @@ def test_the_image_can_build_the_cuda_kernels_just_in_time() -> None:
     (base,) = [arg for op, arg in dockerfile_instructions() if op == "FROM"]
     assert "-devel-" in base, "kernels/csrc is compiled with nvcc on the GPU nodes"
     assert "ninja" in requirement_pins()
+
+
+@pytest.mark.parametrize("name", RAY_UP_FILES + KUBERAY_FILES)
+def test_each_front_end_needs_bearer_tokens_and_speaks_tls_from_mounted_files(name: str) -> None:
+    (serve,) = [argv for script in yaml_scripts(name) for argv in kvserve_argvs(script) if argv[1] == "serve"]
+    flags = dict(zip(serve[2::2], serve[3::2]))
+    paths = [flags["--auth-token-file"], flags["--tls-cert"], flags["--tls-key"]]
+    if name in RAY_UP_FILES:
+        mounted = list(ray_up(name)["file_mounts"])
+    else:
+        mounted = [m["mountPath"] for m in head_container(raycluster(name))["volumeMounts"]]
+    assert all(any(path.startswith(mount + "/") for mount in mounted) for path in paths), (paths, mounted)

@@ -1,0 +1,198 @@
+"""Authentication, TLS, tenant isolation and request limits on a live cluster (real Ray, gRPC, HTTP).
+
+One cluster of a simulated replica (no model runs: steps take the cost model's time)
+behind a server with an auth token file of two tenants and a TLS certificate signed
+by a test CA, on both front doors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.client import Client, RequestError
+from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+from kvserve.cluster.http_server import start_http_server
+from kvserve.cluster.launcher import start_cluster
+from kvserve.cluster.request_limits import RequestLimits
+from kvserve.cluster.tls import TlsFiles
+from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
+from kvserve.worker.tiny_model import create_tiny_model
+from tests.cluster.server_thread import ServerThread
+
+ALICE, ALICE_AGAIN, BOB = "alice-token-00000000000001", "alice-token-00000000000002", "bob-token-0000000000000001"
+PROMPT = list(range(10, 10 + 64))  # four blocks of 16
+
+
+def _certificate(subject: str, issuer_key, public_key, issuer: str, *, ca: bool, ip: str | None = None):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if ip is not None:
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip)), x509.DNSName("localhost")]),
+            critical=False,
+        )
+    return builder.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[TlsFiles, Path]:
+    """A test CA, and a server certificate for 127.0.0.1 signed by it."""
+    directory = tmp_path_factory.mktemp("tls")
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = _certificate("kvserve test CA", ca_key, ca_key.public_key(), "kvserve test CA", ca=True)
+    server = _certificate("127.0.0.1", ca_key, server_key.public_key(), "kvserve test CA", ca=False, ip="127.0.0.1")
+    pem = serialization.Encoding.PEM
+    (directory / "ca.pem").write_bytes(ca.public_bytes(pem))
+    (directory / "server.pem").write_bytes(server.public_bytes(pem))
+    (directory / "server.key").write_bytes(server_key.private_bytes(
+        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    ))
+    return TlsFiles(str(directory / "server.pem"), str(directory / "server.key")), directory / "ca.pem"
+
+
+@pytest.fixture(scope="module")
+def secured(ray_cluster, tmp_path_factory: pytest.TempPathFactory, tls_files) -> Iterator[tuple[ServerThread, Path, int]]:
+    directory = tmp_path_factory.mktemp("secured")
+    model_dir = create_tiny_model(directory / "model", "llama", seed=0)
+    tokens = directory / "tokens"
+    tokens.write_text(f"{ALICE} alice\n{ALICE_AGAIN} alice\n{BOB} bob\n")
+    handle = start_cluster(ClusterConfig(
+        model_dir=str(model_dir), parallel=ParallelConfig(num_replicas=1), block_size=16, num_blocks=256,
+        simulation=SimulationConfig(cost_model=StepCostModel(a=0.002, b=1e-5, c=1e-4, d=0.0), time_scale=1.0),
+    ))
+    tls, ca = tls_files
+    server = http = None
+    try:
+        config = ServerConfig(
+            port=0, http_port=0, auth_token_file=str(tokens), tls=tls,
+            limits=RequestLimits(max_stop_token_ids=8, max_cache_salt_bytes=16),
+        )
+        server = ServerThread(handle, config)
+        http = server._run(start_http_server(server.server.frontend, config))
+        yield server, ca, http.port
+    finally:
+        if http is not None:
+            server._run(http.stop(grace_s=1.0))
+        if server is not None:
+            server.stop()
+        handle.shutdown()
+
+
+def client(secured, token: str | None) -> Client:
+    server, ca, _ = secured
+    return Client(f"127.0.0.1:{server.server.port}", token=token, tls_ca=ca)
+
+
+@pytest.mark.parametrize("token", [None, "not-a-token-of-ours-at-all"])
+def test_a_call_without_a_valid_token_is_unauthenticated(secured, token) -> None:
+    with client(secured, token) as unauthenticated:
+        for call in (lambda: unauthenticated.generate(PROMPT, max_tokens=2), unauthenticated.get_stats):
+            with pytest.raises(RequestError) as info:
+                call()
+            assert info.value.code == "UNAUTHENTICATED"
+
+
+def test_health_answers_without_a_token_over_tls(secured) -> None:
+    server, ca, _ = secured
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
+    with grpc.secure_channel(f"127.0.0.1:{server.server.port}", credentials) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10).status
+    assert status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_a_plaintext_client_gets_nothing_from_the_tls_port(secured) -> None:
+    server, _, _ = secured
+    with grpc.insecure_channel(f"127.0.0.1:{server.server.port}") as channel:
+        with pytest.raises(grpc.RpcError) as info:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_two_tenants_never_share_cached_blocks_and_a_tenant_hits_its_own(secured) -> None:
+    with client(secured, ALICE) as alice, client(secured, BOB) as bob, client(secured, ALICE_AGAIN) as alice_again:
+        assert alice.generate(PROMPT, max_tokens=2).usage.cached_prompt_tokens == 0
+        assert bob.generate(PROMPT, max_tokens=2).usage.cached_prompt_tokens == 0  # alice's blocks: not bob's
+        # Her second token is the same tenant: her blocks (the last token is always recomputed).
+        assert alice_again.generate(PROMPT, max_tokens=2).usage.cached_prompt_tokens == 48
+        # A salt of the client's own splits a tenant's cache further.
+        assert alice.generate(PROMPT, max_tokens=2, cache_salt="mine").usage.cached_prompt_tokens == 0
+
+
+def test_request_limits_are_refused_naming_the_limit(secured) -> None:
+    with client(secured, ALICE) as alice:
+        with pytest.raises(RequestError, match="max_stop_token_ids") as info:
+            alice.generate(PROMPT, max_tokens=2, stop_token_ids=list(range(9)))
+        assert info.value.code == "INVALID_ARGUMENT"
+        with pytest.raises(RequestError, match="max_cache_salt_bytes"):
+            alice.generate(PROMPT, max_tokens=2, cache_salt="x" * 17)
+
+
+def test_http_needs_the_token_except_for_health_and_speaks_tls(secured) -> None:
+    _, ca, http_port = secured
+    base = f"https://127.0.0.1:{http_port}"
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=30) as http:
+        assert http.get(f"{base}/health").status_code == 200
+        refused = http.get(f"{base}/v1/models")
+        assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
+        assert refused.json()["error"]["type"] == "authentication_error"
+        wrong = http.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope-nope-nope-nope"})
+        assert wrong.status_code == 401
+        models = http.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {BOB}"})
+        assert models.status_code == 200
+        body = {"model": models.json()["data"][0]["id"], "prompt": PROMPT, "max_tokens": 2}
+        first = http.post(f"{base}/v1/completions", json=body, headers={"Authorization": f"Bearer {BOB}"})
+        assert first.status_code == 200, first.text
+
+
+def test_kvserve_generate_sends_the_token_of_its_file_over_tls(secured, tmp_path, capsys) -> None:
+    from kvserve.cluster.cli import main
+
+    server, ca, _ = secured
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"# mine\n{BOB} bob\n")
+    target = ["generate", "hello", "--target", f"127.0.0.1:{server.server.port}", "--max-tokens", "2"]
+    assert main([*target, "--auth-token-file", str(token_file), "--tls-ca", str(ca)]) == 0
+    assert "completion 2 tokens" in capsys.readouterr().err
+    assert main([*target, "--tls-ca", str(ca)]) == 1  # TLS without the token: refused
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main([*target, "--auth-token-file", str(token_file)]) == 1  # the token without TLS: no connection
+    assert "UNAVAILABLE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
+        (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
+        (["--auth-token-file", "missing"], "cannot read the auth token file"),
+        (["--max-stop-token-ids", "0"], "max_stop_token_ids must be a positive integer"),
+    ],
+)
+def test_serve_refuses_bad_security_flags_before_starting_anything(flags, message, capsys) -> None:
+    from kvserve.cluster.cli import main
+
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
