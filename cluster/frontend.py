@@ -292,6 +292,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         except RayActorError as exc:
             raise UnavailableError(remote_error_message(exc)) from None
 
+    async def routing_decisions(self) -> tuple[str, dict[str, int]]:
+        """The routing policy and its decisions by outcome; ``UnavailableError`` once the scheduler is gone."""
+        try:
+            return await self._scheduler.routing_decisions.remote()
+        except RayActorError as exc:
+            raise UnavailableError(remote_error_message(exc)) from None
+
     @property
     def is_serving(self) -> bool:
         """Whether requests can be served now: the scheduler is there and some replica is healthy."""

@@ -126,3 +126,8 @@ class ReplicaStatsInfo:
     prefix_cache_hit_rate: float
     num_kv_blocks: int
     healthy: bool
+    # Counters since the cluster started (a restarted replica goes on from its predecessor's):
+    # preempted requests, and prompt tokens looked up in its prefix cache and found there.
+    num_preemptions: int = 0
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0

@@ -6,7 +6,10 @@ pipeline (``track`` wraps ``Frontend.responses``): every request counts once in
 (200, 400, 429, 503; 499 when the client left first), and a served request
 adds its prompt and generated tokens and its latencies (time to first token,
 time per output token after the first, end to end).  The replica gauges are
-the scheduler's own figures, read at each scrape (``GetStats``).
+the scheduler's own figures, read at each scrape (``GetStats``), and so are its
+counters (preemptions, prefix-cache queried and hit tokens per replica; routing
+decisions by policy and outcome: the chosen replica held all of the prompt a
+cache can serve, part of it, or none), exposed as the counters they are.
 
 Each ``FrontendMetrics`` has its own registry, so that two servers in one
 process (tests) do not share counters.
@@ -19,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.cluster.frontend_errors import FrontendError
@@ -71,6 +75,8 @@ class FrontendMetrics:
         self.replica_healthy = Gauge(
             "kvserve_replica_healthy", "1 while a replica serves, 0 once it failed", ["replica"], registry=registry
         )
+        self._scheduler_counters = _SchedulerCounters()
+        registry.register(self._scheduler_counters)
 
     async def track(
         self, responses: AsyncIterator[generate_pb2.GenerateResponse]
@@ -114,7 +120,45 @@ class FrontendMetrics:
             self.num_requests_waiting.labels(replica=replica).set(s.num_waiting)
             self.kv_cache_usage.labels(replica=replica).set(s.kv_cache_usage)
             self.replica_healthy.labels(replica=replica).set(1 if s.healthy else 0)
+        self._scheduler_counters.replica_stats = list(stats)
+
+    def set_routing_decisions(self, policy: str, outcomes: dict[str, int]) -> None:
+        """The scheduler's count of routing decisions by outcome, as of this scrape."""
+        self._scheduler_counters.routing = (policy, dict(outcomes))
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""
         return generate_latest(self.registry)
+
+
+class _SchedulerCounters:
+    """A collector of the scheduler's counters, as last read: they are counted there, not here."""
+
+    def __init__(self) -> None:
+        self.replica_stats: list[ReplicaStatsInfo] = []
+        self.routing: tuple[str, dict[str, int]] | None = None
+
+    def collect(self):
+        families = {
+            "kvserve_preemptions": ("Requests preempted (recomputed later) on a replica", "num_preemptions"),
+            "kvserve_prefix_cache_queries_tokens": (
+                "Prompt tokens looked up in a replica's prefix cache", "prefix_cache_queried_tokens",
+            ),
+            "kvserve_prefix_cache_hits_tokens": (
+                "Prompt tokens found in a replica's prefix cache", "prefix_cache_hit_tokens",
+            ),
+        }
+        for name, (documentation, field) in families.items():
+            family = CounterMetricFamily(name, documentation, labels=["replica"])
+            for s in self.replica_stats:
+                family.add_metric([str(s.replica)], getattr(s, field))
+            yield family
+        routing = CounterMetricFamily(
+            "kvserve_routing_decisions", "Requests routed, by policy and by how much of the prompt the chosen "
+            "replica held (hit: all a cache can serve, partial, miss)", labels=["policy", "outcome"],
+        )
+        if self.routing is not None:
+            policy, outcomes = self.routing
+            for outcome in ("hit", "partial", "miss"):
+                routing.add_metric([policy, outcome], outcomes.get(outcome, 0))
+        yield routing

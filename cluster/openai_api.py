@@ -117,6 +117,7 @@ def create_app(frontend: Frontend, *, chat_template: str | None = None, max_body
     async def metrics() -> Response:
         try:
             frontend.metrics.set_replica_stats(await frontend.replica_stats())
+            frontend.metrics.set_routing_decisions(*await frontend.routing_decisions())
         except FrontendError:
             pass  # the request metrics still tell what happened; /health says the cluster is gone
         return Response(frontend.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

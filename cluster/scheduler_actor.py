@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -148,6 +149,10 @@ class SchedulerActor:
         self._shutting_down = False
         # How many times each request in flight moved off a failed replica.
         self._num_moves: dict[str, int] = {}
+        # Monitoring: the counters of replicas that were replaced (failed, then started again),
+        # and every routing decision by how much of the prompt the chosen replica held.
+        self._retired_counts: dict[int, tuple[int, int, int]] = {}
+        self._routing_outcomes: Counter[str] = Counter()
 
     # -- start-up --------------------------------------------------------------
 
@@ -177,6 +182,11 @@ class SchedulerActor:
 
     def _install_replica(self, replica_id: int, handle: ReplicaHandle, device_kind: str) -> _Replica:
         """Put a launched replica (new, or started again after a failure) into service."""
+        previous = self._replicas.get(replica_id)
+        if previous is not None:  # its counters go on in the replacement's
+            self._retired_counts[replica_id] = tuple(
+                a + b for a, b in zip(self._retired_counts.get(replica_id, (0, 0, 0)), _counts(previous.scheduler))
+            )
         num_kv_blocks = handle.executor.num_kv_blocks
         scheduler = Scheduler(
             self._scheduler_config,
@@ -257,8 +267,21 @@ class SchedulerActor:
             raise ValueError(f"{field}: {exc}") from None
         self._update_load(replica)
         self._requests[request.req_id] = (replica, request)
+        self._routing_outcomes[self._routing_outcome(request, replica.replica_id)] += 1
         replica.wakeup.set()
         return replica.replica_id
+
+    def _routing_outcome(self, request: Request, replica_id: int) -> str:
+        """"hit": the replica held every block of the prompt a cache can serve; "partial": some; "miss": none."""
+        cacheable = (request.num_tokens - 1) // self.config.block_size
+        if cacheable <= 0:
+            return "miss"
+        held = self._router.index.match(request.block_hashes[:cacheable]).get(replica_id, 0)
+        return "hit" if held >= cacheable else "partial" if held else "miss"
+
+    async def routing_decisions(self) -> tuple[str, dict[str, int]]:
+        """The routing policy's name, and how many requests it routed by outcome (hit / partial / miss)."""
+        return self.config.routing, dict(self._routing_outcomes)
 
     async def add_requests(self, specs: Sequence[RequestSpec]) -> list[int | Exception]:
         """``add_request`` for each of ``specs`` in one remote call (a front end batches the
@@ -547,6 +570,9 @@ class SchedulerActor:
 
     def _replica_stats(self, replica: _Replica) -> ReplicaStatsInfo:
         stats = replica.scheduler.get_stats()
+        preemptions, queried, hit = (
+            a + b for a, b in zip(self._retired_counts.get(replica.replica_id, (0, 0, 0)), _counts(replica.scheduler))
+        )
         return ReplicaStatsInfo(
             replica=replica.replica_id,
             num_running=stats.num_running,
@@ -555,9 +581,18 @@ class SchedulerActor:
             prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
             num_kv_blocks=replica.scheduler.cache_config.num_blocks,
             healthy=replica.healthy,
+            num_preemptions=preemptions,
+            prefix_cache_queried_tokens=queried,
+            prefix_cache_hit_tokens=hit,
         )
 
 
 def _started(request: Request) -> bool:
     """Whether a replica began computing ``request`` (it is no longer as it arrived)."""
     return bool(request.num_computed_tokens or request.output_token_ids or request.num_preemptions)
+
+
+def _counts(scheduler: Scheduler) -> tuple[int, int, int]:
+    """A scheduler's monitoring counters: preemptions, prefix-cache queried and hit tokens."""
+    stats = scheduler.kv_cache_manager.prefix_cache_stats
+    return scheduler.num_preemptions, stats.num_queried_tokens, stats.num_hit_tokens

@@ -109,6 +109,8 @@ class Scheduler:
         # Cached prompt tokens of each waiting request, as found when it was queued.
         self._waiting_cached_tokens: dict[str, int] = {}
         self._num_queued_cached_tokens = 0
+        # Requests preempted since the start (a counter, for monitoring).
+        self.num_preemptions = 0
 
     # -- requests --------------------------------------------------------------
 
@@ -450,6 +452,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(request)
         self._note_waiting(request)
         logger.debug("preempted %s after %d output tokens", request.req_id, request.num_output_tokens)

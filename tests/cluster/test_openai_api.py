@@ -537,3 +537,24 @@ def test_the_grafana_dashboard_charts_only_metrics_the_server_exports():
     }
     assert charted
     assert charted <= exported, charted - exported
+
+
+def test_metrics_carry_the_schedulers_prefix_cache_preemption_and_routing_counters(served: Served, sdk: openai.OpenAI):
+    prompt = list(range(100, 100 + 4 * BLOCK_SIZE + 1))  # four whole blocks a cache can serve, and one token
+    before = scrape(served)
+    first = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=2, **GREEDY)
+    second = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=2, **GREEDY)
+    after = scrape(served)
+
+    assert (first.usage.prompt_tokens_details.cached_tokens, second.usage.prompt_tokens_details.cached_tokens) == (
+        0, 4 * BLOCK_SIZE
+    )
+    assert moved(before, after, "kvserve_prefix_cache_queries_tokens_total", replica="0") == 2 * len(prompt)
+    assert moved(before, after, "kvserve_prefix_cache_hits_tokens_total", replica="0") == 4 * BLOCK_SIZE
+    assert moved(before, after, "kvserve_preemptions_total", replica="0") == 0
+    assert ("kvserve_preemptions_total", (("replica", "0"),)) in after
+    from kvserve.scheduler.routing.policies import DEFAULT_POLICY as policy  # the served cluster's
+
+    assert moved(before, after, "kvserve_routing_decisions_total", policy=policy, outcome="miss") == 1
+    assert moved(before, after, "kvserve_routing_decisions_total", policy=policy, outcome="hit") == 1
+    assert moved(before, after, "kvserve_routing_decisions_total", policy=policy, outcome="partial") == 0
