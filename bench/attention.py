@@ -35,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.kernels import AttentionMetadata, build_attention_metadata
 from kvserve.kernels.attention_metadata import attention_metadata_from_arrays
 from kvserve.kernels.backend import TorchReferenceBackend

@@ -30,7 +30,7 @@ import torch
 from kvserve import LLM
 from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
 from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample
 

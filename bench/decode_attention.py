@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.kernels import AttentionMetadata, build_attention_metadata
 from kvserve.kernels.cpu_backend import CpuAttentionBackend
 from kvserve.kernels.reference import paged_attention

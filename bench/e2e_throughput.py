@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 4096

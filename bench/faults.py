@@ -36,7 +36,7 @@ from pathlib import Path
 import grpc
 
 from kvserve.bench.e2e_throughput import ServerLoop
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
 NUM_REPLICAS, TP_SIZE = 2, 2

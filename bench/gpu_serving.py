@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.bench.serving_workloads import Workload, make_workloads, model_cost, workload_floor_s
 
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 
 if TYPE_CHECKING:
     import aiohttp

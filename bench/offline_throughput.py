@@ -30,7 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.worker.tiny_model import create_tiny_model
 
 

@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.kernels import build_attention_metadata
 from kvserve.kernels.flash_prefill import flash_varlen_attention
 

@@ -20,7 +20,7 @@ import argparse
 import random
 import time
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.scheduler.block_hash import BlockHasher
 from kvserve.scheduler.kv_cache_manager import KVCacheManager
 from kvserve.scheduler.request import Request

@@ -18,7 +18,7 @@ import argparse
 import random
 import time
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams

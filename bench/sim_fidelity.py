@@ -31,11 +31,11 @@ from pathlib import Path
 
 from kvserve import LLM
 from kvserve.bench.arg_types import int_at_least
-from kvserve.bench.experiment_report import RunSummary, summarize
-from kvserve.bench.experiment_setup import parse_key_values
+from kvserve.experiments.experiment_report import RunSummary, summarize
+from kvserve.experiments.experiment_setup import parse_key_values
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
-from kvserve.bench.report import format_table
-from kvserve.bench.workloads import WorkloadRequest, make_workload
+from kvserve.experiments.report import format_table
+from kvserve.experiments.workloads import WorkloadRequest, make_workload
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request

@@ -31,8 +31,8 @@ import time
 
 from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.memory_latency import object_read_times
-from kvserve.bench.report import format_table
-from kvserve.bench.workloads import make_workload
+from kvserve.experiments.report import format_table
+from kvserve.experiments.workloads import make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, make_policy
 from kvserve.scheduler.simulation.cost_model import StepCostModel

@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from kvserve.bench.report import format_table
+from kvserve.experiments.report import format_table
 from kvserve.cluster.replica_client import GrpcReplicaExecutor
 from kvserve.cluster.step_codec import decode_plan, encode_plan
 from kvserve.proto import step_pb2

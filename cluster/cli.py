@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_create_tiny_model_parser(subparsers)
     add_serve_parser(subparsers)
     add_generate_parser(subparsers)
-    from kvserve.bench.experiment import add_experiment_parser
+    from kvserve.experiments.experiment import add_experiment_parser
 
     add_experiment_parser(subparsers)
     for subparser in subparsers.choices.values():

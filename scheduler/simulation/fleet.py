@@ -11,7 +11,7 @@ from kvserve.scheduler.simulation.cost_model import StepCostModel
 
 
 class SimulatedRequest(Protocol):
-    """One request of a workload (``kvserve.bench.workloads.WorkloadRequest`` is one).
+    """One request of a workload (``kvserve.experiments.workloads.WorkloadRequest`` is one).
 
     ``output_token_ids``, when given, are the tokens the simulated model
     samples (a multi-turn workload puts them in the next turn's prompt);

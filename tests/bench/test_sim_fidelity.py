@@ -10,7 +10,7 @@ import pytest
 
 from kvserve import LLM
 from kvserve.bench.sim_fidelity import main, replay
-from kvserve.bench.workloads import make_workload
+from kvserve.experiments.workloads import make_workload
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.worker.tiny_model import create_tiny_model
 

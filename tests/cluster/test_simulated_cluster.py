@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import ray
 
-from kvserve.bench.experiment import add_experiment_parser
-from kvserve.bench.experiment_live import live_cluster_config, run_live
-from kvserve.bench.workloads import make_workload
+from kvserve.experiments.experiment import add_experiment_parser
+from kvserve.experiments.experiment_live import live_cluster_config, run_live
+from kvserve.experiments.workloads import make_workload
 from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
 from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.messages import RequestSpec
@@ -256,7 +256,7 @@ def test_kvserve_experiment_live_says_at_once_when_no_ray_cluster_is_at_the_addr
         port = sock.getsockname()[1]  # nobody listens here once the socket closes
     # In a process of its own: this one's driver may be connected to the test cluster.
     command = [
-        sys.executable, "-m", "kvserve.bench.experiment", "--workload", "shared_prefix", "--replicas", "2",
+        sys.executable, "-m", "kvserve.experiments.experiment", "--workload", "shared_prefix", "--replicas", "2",
         "--num-requests", "8", "--kv-blocks-per-replica", "256", "--qps", "1", "--policies", "round_robin", "--live",
         "--model", str(model_dir),
         "--address", f"127.0.0.1:{port}", "--out", str(tmp_path / "out"), "--no-plots",

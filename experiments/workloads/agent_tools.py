@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvserve.bench.workloads.arrivals import zipf_probabilities
-from kvserve.bench.workloads.checks import check_vocab_size
-from kvserve.bench.workloads.request import WorkloadRequest
-from kvserve.bench.workloads.sessions import session_requests
-from kvserve.bench.workloads.tokens import TokenSegments, shared_tokens
+from kvserve.experiments.workloads.arrivals import zipf_probabilities
+from kvserve.experiments.workloads.checks import check_vocab_size
+from kvserve.experiments.workloads.request import WorkloadRequest
+from kvserve.experiments.workloads.sessions import session_requests
+from kvserve.experiments.workloads.tokens import TokenSegments, shared_tokens
 from kvserve.scheduler.checks import check_ints, check_numbers
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.bench.report import count
-from kvserve.bench.workloads.checks import check_vocab_size
-from kvserve.bench.workloads.request import WorkloadRequest
-from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+from kvserve.experiments.report import count
+from kvserve.experiments.workloads.checks import check_vocab_size
+from kvserve.experiments.workloads.request import WorkloadRequest
+from kvserve.experiments.workloads.tokens import TokenSegments, random_tokens
 from kvserve.scheduler.checks import check_ints
 
 MOONCAKE_BLOCK_TOKENS = 512

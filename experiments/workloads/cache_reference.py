@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 
-from kvserve.bench.workloads.request import WorkloadRequest
+from kvserve.experiments.workloads.request import WorkloadRequest
 from kvserve.scheduler.block_hash import BlockHasher
 
 

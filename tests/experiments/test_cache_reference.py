@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvserve.bench.workloads import WorkloadRequest
-from kvserve.bench.workloads.cache_reference import infinite_cache_reference
+from kvserve.experiments.workloads import WorkloadRequest
+from kvserve.experiments.workloads.cache_reference import infinite_cache_reference
 
 
 def test_infinite_cache_hits_every_full_block_seen_before_but_the_last_token() -> None:

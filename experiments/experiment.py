@@ -6,7 +6,7 @@
 
 ``--live`` replays the stream instead on a live cluster of ``--replicas``
 simulated replicas on Ray (workers that run no model and answer after the
-cost model's time; see ``kvserve.bench.experiment_live``), through the gRPC
+cost model's time; see ``kvserve.experiments.experiment_live``), through the gRPC
 front end, one fresh cluster per run; ``--address`` joins a Ray cluster
 instead of starting a local one, ``--time-scale X`` (default 5) slows steps
 and arrivals X times (times are reported / X), ``--model`` names the model directory
@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserve.bench.experiment_report import (
+from kvserve.experiments.experiment_report import (
     PLOTS,
     REQUEST_CSV_FIELDS,
     SUMMARY_HEADERS,
@@ -65,8 +65,8 @@ from kvserve.bench.experiment_report import (
     write_request_rows,
     write_summary_csv,
 )
-from kvserve.bench.experiment_knee import KneeNotFound, find_knee_qps
-from kvserve.bench.experiment_setup import (
+from kvserve.experiments.experiment_knee import KneeNotFound, find_knee_qps
+from kvserve.experiments.experiment_setup import (
     DEFAULT_BASELINE,
     DEFAULT_BURSTINESS,
     DEFAULT_KNEE_FACTOR,
@@ -100,10 +100,10 @@ from kvserve.bench.experiment_setup import (
     sizing_stream,
     stream_spec,
 )
-from kvserve.bench.report import count, format_table
-from kvserve.bench.workloads import WorkloadRequest
-from kvserve.bench.workloads.cache_reference import infinite_cache_reference
-from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
+from kvserve.experiments.report import count, format_table
+from kvserve.experiments.workloads import WorkloadRequest
+from kvserve.experiments.workloads.cache_reference import infinite_cache_reference
+from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, WORKLOADS
 from kvserve.cluster.interrupts import (
     closed_stdout_status,
     ignore_stop_signals,
@@ -115,7 +115,7 @@ from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
 
 if TYPE_CHECKING:
-    from kvserve.bench.experiment_live import LiveResult
+    from kvserve.experiments.experiment_live import LiveResult
 
 # What a run writes besides config.json; an earlier run's are removed at the start.
 # summary.md first: a folder without it holds no finished run, even if removing a later one fails.
@@ -521,7 +521,7 @@ def _run_live_all(
 ) -> list[tuple[Run, LiveResult]]:
     """Each run on a fresh live cluster of simulated replicas, one after the other."""
     # NOTE: imported here: Ray and gRPC are not needed by simulated experiments.
-    from kvserve.bench.experiment_live import live_cluster_config, ray_session, run_live
+    from kvserve.experiments.experiment_live import live_cluster_config, ray_session, run_live
 
     _print_progress(f"{count(len(runs), 'live run')}, {count(fleet.num_replicas, 'simulated replica')} each")
     results = []
@@ -578,7 +578,7 @@ def _simulate_all(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvserve.bench.experiment ...`` (the same as ``kvserve experiment``)."""
+    """``python -m kvserve.experiments.experiment ...`` (the same as ``kvserve experiment``)."""
     parser = argparse.ArgumentParser(prog="kvserve")
     add_experiment_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["experiment", *(sys.argv[1:] if argv is None else argv)])

@@ -39,8 +39,8 @@ from typing import Any
 import grpc
 import ray
 
-from kvserve.bench.experiment_report import progress_line
-from kvserve.bench.workloads import WorkloadRequest
+from kvserve.experiments.experiment_report import progress_line
+from kvserve.experiments.workloads import WorkloadRequest
 from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
 from kvserve.cluster.interrupts import sigterm_cancels_task
 from kvserve.cluster.launcher import ClusterHandle, init_local_ray, join_ray, start_cluster

@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvserve.bench.workloads.agent_tools import agent_tools
-from kvserve.bench.workloads.document_qa import document_qa
-from kvserve.bench.workloads.mooncake import mooncake_trace
-from kvserve.bench.workloads.multi_turn import customer_contexts, multi_turn
-from kvserve.bench.workloads.request import WorkloadRequest
-from kvserve.bench.workloads.shared_prefix import shared_prefix
+from kvserve.experiments.workloads.agent_tools import agent_tools
+from kvserve.experiments.workloads.document_qa import document_qa
+from kvserve.experiments.workloads.mooncake import mooncake_trace
+from kvserve.experiments.workloads.multi_turn import customer_contexts, multi_turn
+from kvserve.experiments.workloads.request import WorkloadRequest
+from kvserve.experiments.workloads.shared_prefix import shared_prefix
 
 WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
     "shared_prefix": shared_prefix,

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvserve.bench.workloads.request import WorkloadRequest
+from kvserve.experiments.workloads.request import WorkloadRequest
 
 
 def check_rate(qps: float, burstiness: float) -> None:

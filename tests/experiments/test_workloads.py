@@ -7,14 +7,14 @@ import json
 import numpy as np
 import pytest
 
-from kvserve.bench.workloads import TokenSegments, WorkloadRequest, make_workload, sessions
-from kvserve.bench.workloads.agent_tools import agent_tools
-from kvserve.bench.workloads.arrivals import arrival_times
-from kvserve.bench.workloads.cache_reference import infinite_cache_reference
-from kvserve.bench.workloads.document_qa import document_qa
-from kvserve.bench.workloads.mooncake import mooncake_trace
-from kvserve.bench.workloads.multi_turn import customer_contexts, multi_turn
-from kvserve.bench.workloads.shared_prefix import shared_prefix
+from kvserve.experiments.workloads import TokenSegments, WorkloadRequest, make_workload, sessions
+from kvserve.experiments.workloads.agent_tools import agent_tools
+from kvserve.experiments.workloads.arrivals import arrival_times
+from kvserve.experiments.workloads.cache_reference import infinite_cache_reference
+from kvserve.experiments.workloads.document_qa import document_qa
+from kvserve.experiments.workloads.mooncake import mooncake_trace
+from kvserve.experiments.workloads.multi_turn import customer_contexts, multi_turn
+from kvserve.experiments.workloads.shared_prefix import shared_prefix
 from kvserve.scheduler.request import Request
 
 

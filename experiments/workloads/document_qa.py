@@ -7,9 +7,9 @@ document dominates, so a miss costs far more than in chat.
 
 from __future__ import annotations
 
-from kvserve.bench.workloads.checks import check_vocab_size
-from kvserve.bench.workloads.request import WorkloadRequest
-from kvserve.bench.workloads.shared_prefix import prefix_groups
+from kvserve.experiments.workloads.checks import check_vocab_size
+from kvserve.experiments.workloads.request import WorkloadRequest
+from kvserve.experiments.workloads.shared_prefix import prefix_groups
 from kvserve.scheduler.checks import check_ints, check_numbers
 
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench import experiment
-from kvserve.bench.experiment import add_experiment_parser, run_experiment
-from kvserve.bench.experiment_report import atomic_open
-from kvserve.bench.experiment_setup import (
+from kvserve.experiments import experiment
+from kvserve.experiments.experiment import add_experiment_parser, run_experiment
+from kvserve.experiments.experiment_report import atomic_open
+from kvserve.experiments.experiment_setup import (
     DEFAULT_TIME_SCALE,
     FLEET_BYTES_PER_BLOCK,
     ExperimentError,
@@ -28,8 +28,8 @@ from kvserve.bench.experiment_setup import (
     default_num_requests,
     qps_label,
 )
-from kvserve.bench.workloads import WorkloadRequest, make_workload, sessions
-from kvserve.bench.workloads.cache_reference import CacheReference, infinite_cache_reference
+from kvserve.experiments.workloads import WorkloadRequest, make_workload, sessions
+from kvserve.experiments.workloads.cache_reference import CacheReference, infinite_cache_reference
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
@@ -712,7 +712,7 @@ def test_the_knees_baseline_gets_a_row_and_the_knee_is_recorded(tmp_path, capsys
 
 def test_a_reader_of_stdout_that_stops_early_loses_no_result_file(tmp_path) -> None:  # noqa: ANN001
     out = tmp_path / "run"
-    command = [sys.executable, "-u", "-m", "kvserve.bench.experiment", *TINY, "--policies", "round_robin,cost_ttft",
+    command = [sys.executable, "-u", "-m", "kvserve.experiments.experiment", *TINY, "--policies", "round_robin,cost_ttft",
                "--qps", "5,20", "--out", str(out)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None and process.stdout.readline()  # as `| head -1` does

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from kvserve.bench.experiment import add_experiment_parser
-from kvserve.bench.experiment_report import SUMMARY_HEADERS, RunSummary, plot_summaries, summary_rows
+from kvserve.experiments.experiment import add_experiment_parser
+from kvserve.experiments.experiment_report import SUMMARY_HEADERS, RunSummary, plot_summaries, summary_rows
 
 
 def summary(policy: str, qps: float, ttft_p99: float) -> RunSummary:
@@ -58,8 +58,8 @@ def test_help_names_the_options_that_do_not_combine(capsys) -> None:
 
 
 def test_the_table_header_says_how_many_requests_were_replayed_and_how_many_measured(tmp_path, capsys) -> None:
-    from kvserve.bench.experiment import run_experiment
-    from tests.bench.test_experiment import parse
+    from kvserve.experiments.experiment import run_experiment
+    from tests.experiments.test_experiment import parse
 
     argv = ["--workload", "multi_turn", "--replicas", "2", "--qps", "5", "--policies", "cost_ttft", "--no-plots",
             "--num-requests", "30", "--out", str(tmp_path / "run")]

@@ -37,9 +37,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvserve.bench.workloads.arrivals import arrival_times, check_rate
-from kvserve.bench.workloads.request import WorkloadRequest
-from kvserve.bench.workloads.tokens import TokenSegments, random_tokens
+from kvserve.experiments.workloads.arrivals import arrival_times, check_rate
+from kvserve.experiments.workloads.request import WorkloadRequest
+from kvserve.experiments.workloads.tokens import TokenSegments, random_tokens
 from kvserve.scheduler.checks import check_numbers
 
 # The most turns a stream may generate, its steady state's included: about two

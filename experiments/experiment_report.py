@@ -30,7 +30,7 @@ from typing import IO, Protocol
 
 import numpy as np
 
-from kvserve.bench.report import count
+from kvserve.experiments.report import count
 from kvserve.scheduler.simulation.simulator import RequestRecord
 
 

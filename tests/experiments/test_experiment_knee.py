@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from kvserve.bench.experiment_knee import KneeNotFound, find_knee_qps
-from kvserve.bench.workloads import make_workload
+from kvserve.experiments.experiment_knee import KneeNotFound, find_knee_qps
+from kvserve.experiments.workloads import make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import make_policy
 from kvserve.scheduler.simulation.cost_model import StepCostModel

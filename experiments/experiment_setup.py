@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvserve.bench.experiment_report import atomic_open
-from kvserve.bench.report import count
-from kvserve.bench.workloads import WorkloadRequest, make_workload
-from kvserve.bench.workloads.cache_reference import CacheReference
-from kvserve.bench.workloads.registry import TRACE_WORKLOAD, WORKLOADS
+from kvserve.experiments.experiment_report import atomic_open
+from kvserve.experiments.report import count
+from kvserve.experiments.workloads import WorkloadRequest, make_workload
+from kvserve.experiments.workloads.cache_reference import CacheReference
+from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, WORKLOADS
 from kvserve.cluster.ray_address import parse_gcs_address
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
