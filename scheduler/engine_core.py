@@ -47,6 +47,7 @@ class EngineCore:
             raise ValueError(f"async_scheduling needs an executor that can launch steps, got {executor!r}")
         self.scheduler = scheduler
         self.executor = executor
+        # NOTE: may be switched between steps while nothing is in flight (a benchmark compares both).
         self.async_scheduling = async_scheduling
         # The step launched and not yet applied (async scheduling).
         self._in_flight: tuple[StepPlan, PendingStep] | None = None
