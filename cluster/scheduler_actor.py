@@ -274,10 +274,13 @@ class SchedulerActor:
     def _routing_outcome(self, request: Request, replica_id: int) -> str:
         """"hit": the replica held every block of the prompt a cache can serve; "partial": some; "miss": none."""
         cacheable = (request.num_tokens - 1) // self.config.block_size
-        if cacheable <= 0:
-            return "miss"
-        held = self._router.index.match(request.block_hashes[:cacheable]).get(replica_id, 0)
-        return "hit" if held >= cacheable else "partial" if held else "miss"
+        held = 0
+        num_copies = self._router.index.num_copies
+        for block_hash in request.block_hashes[:cacheable]:  # the chosen replica's run of held blocks only
+            if not num_copies(replica_id, block_hash):
+                break
+            held += 1
+        return "hit" if cacheable and held == cacheable else "partial" if held else "miss"
 
     async def routing_decisions(self) -> tuple[str, dict[str, int]]:
         """The routing policy's name, and how many requests it routed by outcome (hit / partial / miss)."""

@@ -35,6 +35,8 @@ from kvserve.kernels.flash_prefill import (
     flash_varlen_unsupported,
     plan_prefill,
     prefill_attention,
+    select_rows,
+    write_rows,
 )
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,8 @@ class CudaAttentionBackend:
     """
 
     __slots__ = (
-        "_extension", "_num_sms", "_split_tokens", "_flash_prefill", "_plan_metadata", "_plans",
-        "_prefill_plan", "_warned",
+        "_extension", "_num_sms", "_split_tokens", "_flash_prefill", "_flash_unsupported", "_plan_metadata",
+        "_plans", "_prefill_plan", "_warned",
     )
     name = "cuda"
 
@@ -67,6 +69,8 @@ class CudaAttentionBackend:
         self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._split_tokens = split_tokens
         self._flash_prefill = flash_prefill
+        # Why FlashAttention cannot serve each (dtype, head_dim, device) of query, None where it can.
+        self._flash_unsupported: dict[tuple[torch.dtype, int, torch.device], str | None] = {}
         # The plans depend only on the batch: computed at the first layer of a step, reused by the others.
         self._plan_metadata: AttentionMetadata | None = None
         self._plans: dict[tuple[int, int, int, bool], SplitPlan] = {}
@@ -118,11 +122,11 @@ class CudaAttentionBackend:
             if decode_metadata is not None:  # the decode rows, as a batch of their own
                 plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2],
                                        decode_only=True)
-                decode_query = _select_rows(query, prefill.decode_token_indices)
+                decode_query = select_rows(query, prefill.decode_token_indices)
                 decode_output = torch.empty(decode_query.shape, dtype=query.dtype, device=query.device)
                 self._launch(decode_output, decode_query, key_cache, value_cache, decode_metadata, scale, plan)
-                _write_rows(output, prefill.decode_token_indices, decode_output)
-            _write_rows(output, prefill.token_indices, flash_output)
+                write_rows(output, prefill.decode_token_indices, decode_output)
+            write_rows(output, prefill.token_indices, flash_output)
             return output
         plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2])
         self._launch(output, query, key_cache, value_cache, metadata, scale, plan)
@@ -163,13 +167,14 @@ class CudaAttentionBackend:
         key = (num_kv_heads, group, head_dim, decode_only)
         plan = self._plans.get(key)
         if plan is None:
-            if decode_only:
-                assert self._prefill_plan is not None  # decode_only follows _flash_prefill_plan
-                query_start_loc, seq_lens = self._prefill_plan.decode_query_start_loc, self._prefill_plan.decode_seq_lens
+            if decode_only:  # the decode rows' own batch, which _flash_prefill_plan made
+                assert self._prefill_plan is not None and self._prefill_plan.decode_metadata is not None
+                source = self._prefill_plan.decode_metadata
             else:
-                query_start_loc, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+                source = metadata
             plan = plan_splits(
-                query_start_loc, seq_lens, num_kv_heads, group, self._num_sms, self._split_tokens, head_dim=head_dim
+                source.query_start_loc_cpu, source.seq_lens_cpu, num_kv_heads, group, self._num_sms,
+                self._split_tokens, head_dim=head_dim,
             )
             self._plans[key] = plan
         return plan
@@ -180,7 +185,11 @@ class CudaAttentionBackend:
         """The batch's prefill plan when FlashAttention serves its prefill rows, else ``None``."""
         if not self._flash_prefill or metadata.max_query_len <= 1:
             return None
-        unsupported = flash_varlen_unsupported(query)
+        # NOTE: checked once per kind of query, not at every layer (it asks the device).
+        kind = (query.dtype, query.shape[-1], query.device)
+        if kind not in self._flash_unsupported:
+            self._flash_unsupported[kind] = flash_varlen_unsupported(query)
+        unsupported = self._flash_unsupported[kind]
         if unsupported is not None:
             self._warn_once(f"prefill rows stay on the CUDA-core kernel: {unsupported}")
             return None
@@ -220,17 +229,6 @@ def _unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16:
         return "the KV cache does not start on a 16-byte boundary"
     return None
-
-
-def _select_rows(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
-    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
-
-
-def _write_rows(tensor: torch.Tensor, rows: slice | torch.Tensor, values: torch.Tensor) -> None:
-    if isinstance(rows, slice):
-        tensor[rows] = values
-    else:
-        tensor.index_copy_(0, rows, values)
 
 
 def _kernel_can_write(

@@ -52,14 +52,6 @@ class PrefillPlan:
     decode_metadata: AttentionMetadata | None
     decode_token_indices: slice | torch.Tensor | None
 
-    @property
-    def decode_query_start_loc(self) -> tuple[int, ...]:
-        return self.decode_metadata.query_start_loc_cpu if self.decode_metadata is not None else (0,)
-
-    @property
-    def decode_seq_lens(self) -> tuple[int, ...]:
-        return self.decode_metadata.seq_lens_cpu if self.decode_metadata is not None else ()
-
 
 def plan_prefill(metadata: AttentionMetadata, block_size: int) -> PrefillPlan | None:
     """The prefill plan of ``metadata``'s batch, or ``None`` when it has no prefill request.
@@ -94,21 +86,25 @@ def plan_prefill(metadata: AttentionMetadata, block_size: int) -> PrefillPlan | 
         max_query_len=int(prefill_query_lens.max()),
         max_seq_len=int(prefill_seq_lens.max()),
         kv_slots=block_ids * block_size + positions % block_size,
-        decode_metadata=_decode_metadata(metadata, decodes, seq_lens[decodes]) if decodes.size else None,
+        decode_metadata=_decode_metadata(metadata, decodes, query_start_loc[decodes], seq_lens[decodes])
+        if decodes.size else None,
         decode_token_indices=_rows(query_start_loc[decodes], device) if decodes.size else None,
     )
 
 
-def _decode_metadata(metadata: AttentionMetadata, decodes: np.ndarray, seq_lens: np.ndarray) -> AttentionMetadata:
-    """The decode requests ``decodes`` of ``metadata``'s batch as a batch of their own."""
+def _decode_metadata(
+    metadata: AttentionMetadata, decodes: np.ndarray, tokens: np.ndarray, seq_lens: np.ndarray
+) -> AttentionMetadata:
+    """The decode requests ``decodes`` (whose tokens are batch rows ``tokens``) of ``metadata``'s
+    batch as a batch of their own."""
     device = metadata.block_tables.device
-    rows = to_device(decodes.astype(np.int64), device)
+    requests_and_tokens = to_device(np.stack([decodes, tokens]).astype(np.int64), device)
     num_decodes = int(decodes.size)
     return AttentionMetadata(
         query_start_loc=to_device(np.arange(num_decodes + 1, dtype=np.int32), device),
-        seq_lens=metadata.seq_lens.index_select(0, rows),
-        block_tables=metadata.block_tables.index_select(0, rows),
-        slot_mapping=metadata.slot_mapping.index_select(0, rows),  # unused by attention; kept for the contract
+        seq_lens=metadata.seq_lens.index_select(0, requests_and_tokens[0]),
+        block_tables=metadata.block_tables.index_select(0, requests_and_tokens[0]),
+        slot_mapping=metadata.slot_mapping.index_select(0, requests_and_tokens[1]),
         query_start_loc_cpu=tuple(range(num_decodes + 1)),
         seq_lens_cpu=tuple(seq_lens.tolist()),
         max_query_len=1,
@@ -133,15 +129,25 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Attention of the prefill tokens of ``plan``: ``[num prefill tokens, heads, head_dim]``."""
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    if isinstance(plan.token_indices, slice):
-        q = query[plan.token_indices]
-    else:
-        q = query.index_select(0, plan.token_indices)
+    q = select_rows(query, plan.token_indices)
     k = key_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.kv_slots)
     v = value_cache.view(-1, num_kv_heads, head_dim).index_select(0, plan.kv_slots)
     return attend(
         q.contiguous(), k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_query_len, plan.max_seq_len, scale
     )
+
+
+def select_rows(tensor: torch.Tensor, rows: slice | torch.Tensor) -> torch.Tensor:
+    """``tensor``'s batch rows ``rows`` (a plan's slice or index tensor)."""
+    return tensor[rows] if isinstance(rows, slice) else tensor.index_select(0, rows)
+
+
+def write_rows(tensor: torch.Tensor, rows: slice | torch.Tensor, values: torch.Tensor) -> None:
+    """``tensor[rows] = values``, in place, for a plan's slice or index tensor."""
+    if isinstance(rows, slice):
+        tensor[rows] = values
+    else:
+        tensor.index_copy_(0, rows, values)
 
 
 def flash_varlen_attention(

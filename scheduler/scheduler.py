@@ -394,6 +394,7 @@ class Scheduler:
                 continue
             request.all_token_ids.append(token_id)
             request.output_token_ids.append(token_id)
+            # NOTE: _finish_reason's rule, inlined: a call per token cost this loop 5-10%.
             if token_id in request.stop_token_ids:
                 reason: FinishReason | None = FinishReason.STOP
             elif (
@@ -508,7 +509,7 @@ class Scheduler:
 
 
 def _finish_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
-    """Why ``request`` ends with its newly appended ``token_id``, if it does."""
+    """Why ``request`` ends with its newly appended ``token_id``, if it does (``update`` inlines it)."""
     if token_id in request.stop_token_ids:
         return FinishReason.STOP
     if len(request.output_token_ids) >= request.sampling_params.max_tokens or len(request.all_token_ids) >= max_model_len:

@@ -12,6 +12,7 @@ rather than O(context)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -152,12 +153,7 @@ class InputBatch:
         num_reqs = len(plan.req_ids)
         if num_reqs == 0 or len(plan.token_ids) != num_reqs:
             return None
-        requests = self.requests
-        try:
-            states = [requests[req_id] for req_id in plan.req_ids]
-        except KeyError as exc:
-            raise ValueError(f"step {plan.step_id} schedules unknown request {exc.args[0]!r}") from None
-        rows = np.fromiter((state.row for state in states), dtype=np.int64, count=num_reqs)
+        states, rows = self._states_and_rows(plan)
         positions = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         block_index = positions // self.block_size
         short = np.flatnonzero(block_index >= self.num_blocks[rows])
@@ -168,26 +164,22 @@ class InputBatch:
                 f"{self.num_blocks[rows[r]]} blocks of {self.block_size}"
             )
         block_ids = self.block_table[rows, block_index].astype(np.int64)
-        sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
+        seq_lens = positions + 1
+        sample_rows, sampling_params, output_indices = _sampled_rows(plan, states, seq_lens.tolist())
         return DecodeBatch(
             input_ids=np.asarray(plan.token_ids, dtype=np.int64),
             positions=positions,
             slot_mapping=block_ids * self.block_size + positions % self.block_size,
-            seq_lens=(positions + 1).astype(np.int32),
+            seq_lens=seq_lens.astype(np.int32),
             rows=rows,
             logits_indices=np.asarray(sample_rows, dtype=np.int64),
-            sampling_params=[states[i].sampling_params for i in sample_rows],
-            output_indices=[int(positions[i]) + 1 - states[i].num_prompt_tokens for i in sample_rows],
+            sampling_params=sampling_params,
+            output_indices=output_indices,
         )
 
     def prepare(self, plan: StepPlan) -> ModelInputs:
         """Tensors for ``plan``; call ``apply(plan)`` first."""
-        requests = self.requests
-        try:
-            states = [requests[req_id] for req_id in plan.req_ids]
-        except KeyError as exc:
-            raise ValueError(f"step {plan.step_id} schedules unknown request {exc.args[0]!r}") from None
-        rows = np.fromiter((state.row for state in states), dtype=np.int64, count=len(states))
+        states, rows = self._states_and_rows(plan)
         query_lens = np.asarray(plan.num_scheduled_tokens, dtype=np.int64)
         starts = np.asarray(plan.num_computed_tokens, dtype=np.int64)
         seq_lens = starts + query_lens
@@ -200,7 +192,8 @@ class InputBatch:
         query_start_loc = np.asarray(attn_metadata.query_start_loc_cpu, dtype=np.int64)
         total = int(query_start_loc[-1])
         positions = np.arange(total, dtype=np.int64) + np.repeat(starts - query_start_loc[:-1], query_lens)
-        sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
+        # NOTE: the metadata's tuple of ints, not numpy scalars, for the output indices.
+        sample_rows, sampling_params, output_indices = _sampled_rows(plan, states, attn_metadata.seq_lens_cpu)
         logits_indices = query_start_loc[1:][sample_rows] - 1
         device = self.device
         return ModelInputs(
@@ -208,10 +201,18 @@ class InputBatch:
             positions=to_device(positions, device),
             attn_metadata=attn_metadata,
             logits_indices=to_device(logits_indices, device),
-            sampling_params=[states[i].sampling_params for i in sample_rows],
-            # NOTE: the metadata's tuple of ints, not numpy scalars, per sampled row.
-            output_indices=[attn_metadata.seq_lens_cpu[i] - states[i].num_prompt_tokens for i in sample_rows],
+            sampling_params=sampling_params,
+            output_indices=output_indices,
         )
+
+    def _states_and_rows(self, plan: StepPlan) -> tuple[list[CachedRequestState], np.ndarray]:
+        """The state of each request ``plan`` schedules, and its block-table row."""
+        requests = self.requests
+        try:
+            states = [requests[req_id] for req_id in plan.req_ids]
+        except KeyError as exc:
+            raise ValueError(f"step {plan.step_id} schedules unknown request {exc.args[0]!r}") from None
+        return states, np.fromiter((state.row for state in states), dtype=np.int64, count=len(states))
 
     def _release_row(self, row: int) -> None:
         self.num_blocks[row] = 0
@@ -232,3 +233,16 @@ class InputBatch:
         grown = np.zeros((self.block_table.shape[0], columns), dtype=np.int32)
         grown[:, : self.block_table.shape[1]] = self.block_table
         self.block_table = grown
+
+
+def _sampled_rows(
+    plan: StepPlan, states: list[CachedRequestState], seq_lens: Sequence[int]
+) -> tuple[list[int], list[SamplingParams], list[int]]:
+    """The rows ``plan`` samples, their sampling parameters, and the index of each sampled token
+    within its request's output (``seq_lens``: each row's context after the step)."""
+    sample_rows = [i for i, sample in enumerate(plan.sample) if sample]
+    return (
+        sample_rows,
+        [states[i].sampling_params for i in sample_rows],
+        [seq_lens[i] - states[i].num_prompt_tokens for i in sample_rows],
+    )

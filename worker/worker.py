@@ -154,9 +154,8 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
-        # The last step's samples on the device, and each sampled request's index in them.
-        self._sampled_token_ids: torch.Tensor | None = None
-        self._sampled_rows: dict[str, int] = {}
+        # The last sampling step's plan and its samples, on the device.
+        self._last_sampled: tuple[StepPlan, torch.Tensor] | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -237,10 +236,10 @@ class Worker:
         decode = batch.prepare_decode(plan) if graphs is not None else None
         padded_size = graphs.padded_size(decode) if graphs is not None and decode is not None else None
         if padded_size is not None:
-            rows = np.arange(decode.num_reqs)
-            hidden_states = graphs.run(
-                decode, padded_size, fix_input_ids=lambda input_ids: self._fill_placeholders(plan, input_ids, rows)
-            )
+            fix = None
+            if plan.placeholder_rows:  # a decode step's row r is its token r
+                fix = lambda input_ids: self._fill_placeholders(plan, input_ids, range(decode.num_reqs))  # noqa: E731
+            hidden_states = graphs.run(decode, padded_size, fix_input_ids=fix)
             sampling_params, output_indices = decode.sampling_params, decode.output_indices
             logits_rows = (
                 hidden_states if len(output_indices) == decode.num_reqs
@@ -258,9 +257,8 @@ class Worker:
         if not self.is_driver:
             return LaunchedStep(plan.step_id, False)
         sampled = self.sampler(logits, sampling_params, output_indices)
-        # For the next plan's placeholders: each sampled request's row in this step's samples.
-        self._sampled_token_ids = sampled.token_ids
-        self._sampled_rows = {plan.req_ids[i]: k for k, i in enumerate(i for i, s in enumerate(plan.sample) if s)}
+        # For the next plan's placeholders (overlapped scheduling), if it has any.
+        self._last_sampled = (plan, sampled.token_ids)
         return LaunchedStep.copying(plan.step_id, sampled.token_ids, sampled.logprobs)
 
     def _fill_placeholders(self, plan: StepPlan, input_ids: torch.Tensor, token_index_of_row) -> None:
@@ -270,16 +268,19 @@ class Worker:
         """
         if not plan.placeholder_rows:
             return
-        if self._sampled_token_ids is None:
+        if self._last_sampled is None:
             raise RuntimeError("a plan with placeholders reached a rank that does not sample (overlapped "
                                "scheduling needs tensor-parallel size 1)")
+        last_plan, last_token_ids = self._last_sampled
+        # Each request the last step sampled: its index among that step's samples.
+        sample_index = {last_plan.req_ids[i]: k for k, i in enumerate(i for i, s in enumerate(last_plan.sample) if s)}
         try:
-            sources = [self._sampled_rows[plan.req_ids[row]] for row in plan.placeholder_rows]
+            sources = [sample_index[plan.req_ids[row]] for row in plan.placeholder_rows]
         except KeyError as exc:
             raise ValueError(f"step {plan.step_id}: request {exc.args[0]!r} has a placeholder but was not "
                              "sampled by the previous step") from None
         targets = [int(token_index_of_row[row]) for row in plan.placeholder_rows]
-        input_ids[to_device(np.asarray(targets, dtype=np.int64), self.device)] = self._sampled_token_ids[
+        input_ids[to_device(np.asarray(targets, dtype=np.int64), self.device)] = last_token_ids[
             to_device(np.asarray(sources, dtype=np.int64), self.device)
         ]
 
@@ -294,6 +295,7 @@ class Worker:
             self.decode_graphs = None
         self.kv_caches = []
         self.input_batch = InputBatch(self.config.block_size, torch.device("cpu"))
+        self._last_sampled = None
         self.model = None
         if self.config.tp_size > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

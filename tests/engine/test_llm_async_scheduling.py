@@ -27,7 +27,17 @@ def generate_both(model_dir, prompts, params, **llm_args):
     results = {}
     for overlapped in (False, True):
         with LLM(model_dir, async_scheduling=overlapped, **llm_args) as llm:
+            executor = llm.engine.executor
+            launch, placeholders = executor.launch, []
+
+            def recording_launch(plan):
+                placeholders.append(len(plan.placeholder_rows))
+                return launch(plan)
+
+            executor.launch = recording_launch
             results[overlapped] = llm.generate(prompts, params)
+        # The overlapped run did plan steps ahead of their tokens; the plain one never launched.
+        assert (sum(placeholders) > 0) if overlapped else (placeholders == [])
     return results[False], results[True]
 
 

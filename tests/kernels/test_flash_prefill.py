@@ -58,8 +58,8 @@ def test_plan_names_the_decode_rows_for_the_decode_kernel() -> None:
     batch = make_batch(MIXED_BATCH, block_size=16, group=2)
     plan = plan_prefill(batch.metadata, 16)
     decodes = [(cached + new) for cached, new in MIXED_BATCH if new == 1]
-    assert plan.decode_seq_lens == tuple(decodes)
-    assert plan.decode_query_start_loc == tuple(range(len(decodes) + 1))
+    assert plan.decode_metadata.seq_lens_cpu == tuple(decodes)
+    assert plan.decode_metadata.query_start_loc_cpu == tuple(range(len(decodes) + 1))
     assert plan.max_query_len == max(new for _, new in MIXED_BATCH)
     assert plan.cu_seqlens_k.tolist()[-1] == sum(cached + new for cached, new in MIXED_BATCH if new > 1)
     decode_reqs = [r for r, (_, new) in enumerate(MIXED_BATCH) if new == 1]
@@ -67,6 +67,10 @@ def test_plan_names_the_decode_rows_for_the_decode_kernel() -> None:
     assert plan.decode_metadata.seq_lens.tolist() == decodes
     starts = batch.metadata.query_start_loc_cpu
     assert plan.decode_token_indices.tolist() == [starts[r] for r in decode_reqs]
+    # Each decode's own cache slot, as the whole batch's metadata had it.
+    assert plan.decode_metadata.slot_mapping.tolist() == batch.metadata.slot_mapping[
+        [starts[r] for r in decode_reqs]
+    ].tolist()
 
 
 def test_one_run_of_prefill_tokens_is_taken_as_a_slice() -> None:
