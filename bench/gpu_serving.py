@@ -97,6 +97,56 @@ def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, 
     return rows
 
 
+def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 12) -> str:
+    """Where a decode step's device time goes at ``batch``: the ``top`` kernels by time per
+    step (eager and graphed, through torch's profiler), with the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvserve import SamplingParams
+    from kvserve.scheduler.request import Request
+
+    engine, worker = llm.engine, llm.engine.executor.worker
+    graphs = worker.decode_graphs
+    generator = torch.Generator().manual_seed(2)
+    req_ids = []
+    for i in range(batch):
+        prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
+        request = Request(f"profile-{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True))
+        engine.add_request(request)
+        req_ids.append(request.req_id)
+    started: set[str] = set()
+    while len(started) < batch:
+        started.update(output.req_id for output in engine.step())
+    lines = []
+    for mode in ("eager", "graphed"):
+        if mode == "graphed" and graphs is None:
+            continue
+        worker.decode_graphs = None if mode == "eager" else graphs
+        engine.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall_us = (time.perf_counter() - start) / steps * 1e6
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        device_us = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)  # noqa: E731
+        kernels.sort(key=device_us, reverse=True)
+        total = sum(device_us(e) for e in kernels) / steps
+        launches = sum(e.count for e in kernels) / steps
+        rows = [[e.key[:70], f"{e.count / steps:.0f}", f"{device_us(e) / steps:.0f}",
+                 f"{device_us(e) / steps / total:.1%}" if total else "-"] for e in kernels[:top]]
+        lines.append(f"\n{mode}, batch {batch}: step {wall_us:.0f} us wall, {total:.0f} us of kernels in "
+                     f"{launches:.0f} launches\n")
+        lines.append(format_table(["kernel", "per step", "us / step", "share"], rows))
+    worker.decode_graphs = graphs
+    engine.abort_requests(req_ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return "\n".join(lines)
+
+
 def run_kvserve(llm, workload: Workload, async_scheduling: bool = False) -> float:
     from kvserve import SamplingParams
 
@@ -197,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default: 1,16,64,256)")
     parser.add_argument("--decode-context", type=int, default=1024, help="prompt tokens of each decode request")
     parser.add_argument("--decode-steps", type=int, default=20, help="timed steps per batch and mode")
+    parser.add_argument("--profile-batch", type=int, default=64,
+                        help="after (a), the kernels of a decode step at this batch, on a GPU (0: off)")
     parser.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' counts and lengths")
     parser.add_argument("--hf-prompts", type=int, default=64, help="prompts per workload for transformers")
     parser.add_argument("--hf-batch", type=int, default=64, help="transformers' batch size")
@@ -241,6 +293,8 @@ def main(argv: list[str] | None = None) -> int:
                                     read_rate)
                 print(format_table(["batch", "eager ms", "graphed ms", "graphed + async ms", "floor ms", "best / floor"],
                                    rows), flush=True)
+                if on_gpu and args.profile_batch:
+                    print(kernel_breakdown(llm, args.profile_batch, args.decode_context, config.vocab_size), flush=True)
             if "c" in args.parts:
                 run_kvserve(llm, Workload("warm-up", workloads[0].prompts[:8], [8] * 8, [0] * 8))
                 for workload in workloads:

@@ -86,3 +86,15 @@ def test_an_engine_with_nothing_left_in_flight_after_generate(model_dir) -> None
 def test_async_scheduling_with_tensor_parallelism_is_refused(model_dir) -> None:
     with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size=1"):
         LLM(model_dir, tensor_parallel_size=2, async_scheduling=True)
+
+
+@pytest.mark.gpu
+def test_graphed_steps_with_placeholders_equal_the_plain_engine_on_cuda(tmp_path) -> None:
+    """On a GPU, decode steps replay CUDA graphs whose token ids are the placeholders filled
+    on the device: greedy outputs equal the plain engine's (float32, the CUDA kernels)."""
+    path = create_tiny_model(tmp_path, "llama", seed=3, head_dim=64)
+    prompts = random_prompts(10, seed=11, lo=3, hi=60)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain, overlapped = generate_both(path, prompts, params, device="cuda", dtype="float32", num_blocks=256,
+                                      max_num_seqs=16)
+    assert_same(plain, overlapped)

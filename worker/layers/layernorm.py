@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.kernels.fused_elementwise import add_rms_norm, fused_kernels_apply
 from kvserve.worker.layers.linear import new_parameter
 
 
@@ -14,7 +15,8 @@ class RMSNorm(nn.Module):
 
     ``forward(x)`` returns the normalized ``x``. ``forward(x, residual)`` first adds:
     it returns ``(norm(x + residual), x + residual)``, so a decoder layer carries the
-    residual stream without a separate add.
+    residual stream without a separate add.  Half-precision CUDA tensors take one
+    fused kernel for both (``kernels.fused_elementwise``).
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -37,6 +39,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused_kernels_apply(x) and x.dim() == 2 and self.weight.dtype == x.dtype:
+            out, residual = add_rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kvserve.kernels.fused_elementwise import fused_kernels_apply, rotate_half
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -111,6 +113,8 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [n, heads, head_dim]`` rotated by ``positions [n]``, as a new contiguous tensor."""
         cos, sin = self.cos_sin(positions, x.dtype)
+        if fused_kernels_apply(x):
+            return rotate_half(x, cos, sin)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
