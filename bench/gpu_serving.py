@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -51,23 +52,12 @@ def ceilings() -> tuple[float, float]:
 
 def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, cost, read_rate: float | None):
     """Rows of part (a): per batch, the median eager and graphed step time and its floor."""
-    from kvserve import SamplingParams
-    from kvserve.scheduler.request import Request
-
     engine, worker = llm.engine, llm.engine.executor.worker
     graphs = worker.decode_graphs
-    generator = torch.Generator().manual_seed(1)
     rows = []
     for batch in batches:
-        req_ids = []
-        for i in range(batch):
-            prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
-            request = Request(f"decode-{batch}-{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True))
-            engine.add_request(request)
-            req_ids.append(request.req_id)
-        started: set[str] = set()
-        while len(started) < batch:  # every prompt prefilled: from here on, decode-only steps
-            started.update(output.req_id for output in engine.step())
+        req_ids = _start_decoding(engine, batch, context, vocab, steps, f"decode-{batch}", seed=batch)
+        tokens_before = sum(r.num_tokens for r in engine.scheduler.running)
         times = {}
         for mode in ("eager", "graphed", "overlapped"):
             if mode != "eager" and graphs is None:
@@ -83,13 +73,15 @@ def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, 
                 samples.append(time.perf_counter() - start)
             times[mode] = statistics.median(samples) * 1e3
         worker.decode_graphs = graphs
-        engine.abort_requests(req_ids)
-        while engine.has_unfinished_requests():  # with async scheduling on: the step in flight too
-            engine.step()
+        running = engine.scheduler.running
+        if len(running) != batch:
+            raise RuntimeError(f"{batch - len(running)} of {batch} requests ended while their steps were timed")
+        tokens_after = sum(r.num_tokens for r in running)
+        _abort_all(engine, req_ids)
         engine.async_scheduling = False
         floor_ms = None
-        if read_rate is not None:
-            kv_bytes = batch * (context + 2 * steps) * cost.kv_bytes_per_token
+        if read_rate is not None:  # K/V read by a step: the mean of the tokens held while timed
+            kv_bytes = (tokens_before + tokens_after) / 2 * cost.kv_bytes_per_token
             floor_ms = (cost.weight_bytes + kv_bytes) / read_rate * 1e3
         best = min(times.values())
         rows.append([batch, f"{times['eager']:.2f}", *(f"{times[m]:.2f}" if m in times else "-" for m in ("graphed", "overlapped")),
@@ -97,32 +89,99 @@ def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, 
     return rows
 
 
-def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 12) -> str:
-    """Where a decode step's device time goes at ``batch``: the ``top`` kernels by time per
-    step (eager and graphed, through torch's profiler), with the step's wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
+def _start_decoding(engine, batch: int, context: int, vocab: int, steps: int, tag: str, seed: int) -> list[str]:
+    """``batch`` requests of ``context`` random tokens (none shared with another ``seed``'s),
+    stepped until every one is decoding."""
     from kvserve import SamplingParams
     from kvserve.scheduler.request import Request
 
-    engine, worker = llm.engine, llm.engine.executor.worker
-    graphs = worker.decode_graphs
-    generator = torch.Generator().manual_seed(2)
+    generator = torch.Generator().manual_seed(seed)
     req_ids = []
+    # Enough tokens that no request ends while its batch is timed: the first prompts start
+    # decoding while the last ones are still prefilled.
+    budget = engine.scheduler.scheduler_config.max_num_batched_tokens
+    max_tokens = 4 * steps + 8 + -(-batch * context // budget)
     for i in range(batch):
         prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
-        request = Request(f"profile-{i}", prompt, SamplingParams(max_tokens=4 * steps + 8, ignore_eos=True))
+        request = Request(f"{tag}-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         engine.add_request(request)
         req_ids.append(request.req_id)
     started: set[str] = set()
     while len(started) < batch:
         started.update(output.req_id for output in engine.step())
+    return req_ids
+
+
+def _abort_all(engine, req_ids: list[str]) -> None:
+    engine.abort_requests(req_ids)
+    while engine.has_unfinished_requests():  # with async scheduling on: the step in flight too
+        engine.step()
+
+
+def host_breakdown(engine, worker, steps: int) -> list[str]:
+    """Per step, the host's microseconds in planning, launching, waiting for the samples and
+    updating, and whether any launch synchronised with the device (torch's sync debug mode)."""
+    from kvserve.worker.worker import LaunchedStep
+
+    spent = {"plan": 0.0, "launch": 0.0, "wait": 0.0, "update": 0.0}
+    syncs = []
+
+    def timed(name, function):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - start
+        return call
+
+    launch = worker.launch
+
+    def launch_checked(plan):
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                return launch(plan)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+            syncs.extend(str(w.message).splitlines()[0][:100] for w in caught if "synchroniz" in str(w.message))
+
+    result = LaunchedStep.result
+    engine.begin_step, engine.finish_step = timed("plan", engine.begin_step), timed("update", engine.finish_step)
+    worker.launch = timed("launch", launch_checked)
+    LaunchedStep.result = timed("wait", result)
+    try:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - start
+    finally:
+        del engine.begin_step, engine.finish_step, worker.launch
+        LaunchedStep.result = result
+    parts = ", ".join(f"{name} {seconds / steps * 1e6:.0f}" for name, seconds in spent.items())
+    return [f"host us per step: {parts}; step {wall / steps * 1e6:.0f}",
+            f"synchronising calls in launches: {len(syncs)} in {steps} steps" + (f" ({syncs[0]})" if syncs else "")]
+
+
+def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 12) -> str:
+    """Where a decode step's time goes at ``batch``: the host's parts, and the ``top`` kernels
+    by device time per step (eager and graphed, through torch's profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, worker = llm.engine, llm.engine.executor.worker
+    graphs = worker.decode_graphs
+    req_ids = _start_decoding(engine, batch, context, vocab, 2 * steps + 4, "profile", seed=100_003)
     lines = []
-    for mode in ("eager", "graphed"):
-        if mode == "graphed" and graphs is None:
+    for mode in ("eager", "graphed", "overlapped"):
+        if mode != "eager" and graphs is None:
             continue
         worker.decode_graphs = None if mode == "eager" else graphs
+        engine.async_scheduling = mode == "overlapped"
         engine.step()
+        lines.append(f"\n{mode}, batch {batch}: " + "; ".join(host_breakdown(engine, worker, steps)))
+        if mode == "overlapped":
+            continue
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             start = time.perf_counter()
@@ -137,13 +196,11 @@ def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, 
         launches = sum(e.count for e in kernels) / steps
         rows = [[e.key[:70], f"{e.count / steps:.0f}", f"{device_us(e) / steps:.0f}",
                  f"{device_us(e) / steps / total:.1%}" if total else "-"] for e in kernels[:top]]
-        lines.append(f"\n{mode}, batch {batch}: step {wall_us:.0f} us wall, {total:.0f} us of kernels in "
-                     f"{launches:.0f} launches\n")
+        lines.append(f"profiled: step {wall_us:.0f} us wall, {total:.0f} us of kernels in {launches:.0f} launches\n")
         lines.append(format_table(["kernel", "per step", "us / step", "share"], rows))
     worker.decode_graphs = graphs
-    engine.abort_requests(req_ids)
-    while engine.has_unfinished_requests():
-        engine.step()
+    _abort_all(engine, req_ids)
+    engine.async_scheduling = False
     return "\n".join(lines)
 
 
@@ -151,6 +208,9 @@ def run_kvserve(llm, workload: Workload, async_scheduling: bool = False) -> floa
     from kvserve import SamplingParams
 
     llm.engine.async_scheduling = async_scheduling  # nothing is in flight between generate() calls
+    # Every run starts from a cold prefix cache: the runs share their prompts.
+    if not llm.engine.scheduler.kv_cache_manager.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset: blocks are still in use")
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params)

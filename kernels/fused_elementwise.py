@@ -11,8 +11,9 @@ inside a CUDA graph.  Here each is one kernel:
 * :func:`silu_and_mul`: ``silu(x[:, :d]) * x[:, d:]``.
 
 Each rounds where torch's ops round (every op's result to the tensor's dtype), so
-the fused and the unfused layer agree bit for bit except for the order of the
-norm's sum of squares.  :func:`fused_kernels_apply` says when the layers use them:
+the fused and the unfused layer agree to a unit in the last place (the norm's sum
+of squares is added in another order; the compiler may contract a product into a
+sum; ``exp`` may differ in its last float32 bit).  :func:`fused_kernels_apply` says when the layers use them:
 half-precision CUDA tensors with Triton installed (float32 stays on torch's ops,
 bit for bit Hugging Face's, for the parity tests).  ``TRITON_INTERPRET=1`` runs
 the kernels on CPU tensors, which is how CPU-only CI tests them.

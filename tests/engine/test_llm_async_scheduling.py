@@ -45,7 +45,11 @@ def assert_same(plain, overlapped) -> None:
     assert [o.token_ids for o in overlapped] == [o.token_ids for o in plain]
     assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in plain]
     for a, b in zip(plain, overlapped):
-        assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+        assert (a.logprobs is None) == (b.logprobs is None)
+        if a.logprobs is not None:
+            assert len(b.logprobs) == len(b.token_ids)
+            assert [t.logprob for t in b.logprobs] == pytest.approx([t.logprob for t in a.logprobs], abs=1e-5)
+            assert [t.top_token_ids for t in b.logprobs] == [t.top_token_ids for t in a.logprobs]
 
 
 def test_greedy_outputs_equal_the_plain_engine_with_eos_stops_and_chunks(model_dir) -> None:
@@ -59,7 +63,9 @@ def test_greedy_outputs_equal_the_plain_engine_with_eos_stops_and_chunks(model_d
 
 def test_outputs_equal_under_preemption(model_dir) -> None:
     prompts = random_prompts(8, seed=9, lo=10, hi=30)
-    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    # Half ask for logprobs: one per token, a token on its way when its request is preempted included.
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2 if i % 2 else None)
+              for i in range(len(prompts))]
     plain, overlapped = generate_both(model_dir, prompts, params, block_size=4, num_blocks=40,
                                       max_num_batched_tokens=64)
     assert_same(plain, overlapped)
@@ -94,7 +100,35 @@ def test_graphed_steps_with_placeholders_equal_the_plain_engine_on_cuda(tmp_path
     on the device: greedy outputs equal the plain engine's (float32, the CUDA kernels)."""
     path = create_tiny_model(tmp_path, "llama", seed=3, head_dim=64)
     prompts = random_prompts(10, seed=11, lo=3, hi=60)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3 if i % 2 else None)
+              for i in range(len(prompts))]
     plain, overlapped = generate_both(path, prompts, params, device="cuda", dtype="float32", num_blocks=256,
                                       max_num_seqs=16)
     assert_same(plain, overlapped)
+
+
+@pytest.mark.gpu
+def test_overlapped_launches_do_not_synchronise_with_the_device(tmp_path) -> None:
+    """Planning step N+1 overlaps step N only if launching N+1 never waits for the device:
+    torch's sync debug mode raises on any synchronising call inside a launch."""
+    import torch
+
+    path = create_tiny_model(tmp_path, "llama", seed=3, head_dim=64)
+    with LLM(path, device="cuda", num_blocks=256, max_num_seqs=16, async_scheduling=True) as llm:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up: first calls may allocate
+        worker = llm.engine.executor.worker
+        launch, launches = worker.launch, []
+
+        def strict_launch(plan):
+            launches.append(len(plan.placeholder_rows))
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return launch(plan)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+        worker.launch = strict_launch
+        prompts = random_prompts(12, seed=2, lo=3, hi=40)
+        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert [len(o.token_ids) for o in outputs] == [16] * len(prompts)
+    assert sum(launches) > 0  # decode steps with placeholders were launched

@@ -1,6 +1,7 @@
-"""The fused elementwise kernels against the torch ops they replace: under Triton's
-interpreter on CPU (float16 bit for bit; bfloat16 within the interpreter's rounding,
-which truncates where the GPU rounds to nearest) and, as ``gpu`` tests, on CUDA."""
+"""The fused elementwise kernels against the torch ops they replace, under Triton's
+interpreter on CPU and, as ``gpu`` tests, on CUDA: the residual sum bit for bit (in
+bfloat16 only on the GPU: the interpreter truncates where the GPU rounds to nearest),
+the rest within a unit in the last place."""
 
 from __future__ import annotations
 
@@ -62,7 +63,9 @@ def check_against_torch(device: str, exact_bf16: bool) -> None:
         x1, x2 = qk[..., :16], qk[..., 16:]
         rotated = fused.rotate_half(qk, cos, sin)
         assert rotated.is_contiguous() and rotated.shape == qk.shape
-        _assert_close(rotated, torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1), exact)
+        # within one unit in the last place: on the GPU the compiler may contract a product
+        # into the sum (seen in float16 on an H200)
+        _assert_close(rotated, torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1), exact=False)
 
         # SiLU-and-mul, a width that is not a power of two; exp may differ from torch's
         # in its last float32 bit, so a rounding may go the other way
