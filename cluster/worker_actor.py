@@ -77,13 +77,17 @@ class WorkerActor:
             raise RuntimeError(f"rank {self.rank} of replica {self.replica_id} is already started")
         if config.rank != self.rank:
             raise ValueError(f"actor of rank {self.rank} was given a config for rank {config.rank}")
+        loop = asyncio.get_running_loop()
         if isinstance(config, SimulatedWorkerConfig):
             factory = SimulatedWorker
         else:
+            from kvserve.worker.tiny_model import ensure_default_tiny_model_at
             from kvserve.worker.worker import Worker
 
             factory = Worker
-        loop = asyncio.get_running_loop()
+            # `kvserve serve` without --model passes the default tiny model's path on its
+            # own node; a rank on another node writes its identical copy there first.
+            await loop.run_in_executor(self._thread, ensure_default_tiny_model_at, config.model_dir)
         self._worker = await loop.run_in_executor(self._thread, factory, config)
         self._server, address = await start_step_server(self._worker, self._thread, self._host)
         logger.info("replica %d rank %d serves steps on %s", self.replica_id, self.rank, address)

@@ -223,8 +223,9 @@ def ensure_default_tiny_model_at(model_dir: str | os.PathLike[str]) -> None:
 
     NOTE: ``kvserve serve`` without ``--model`` creates it on its own node and
     passes its path on; a worker on another node (the KubeRay laptop demo's
-    worker pods) found nothing there.  Each node now creates its own copy on
-    first use: creation is deterministic, so the copies are identical.
+    worker pods) found nothing there.  The cluster's worker actor calls this on
+    its node before it builds the Worker (which never writes a model): creation
+    is deterministic, so the copies are identical.
     """
     path = Path(model_dir).expanduser()
     if path == default_tiny_model_path() and not (path / "config.json").is_file():

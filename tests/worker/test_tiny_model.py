@@ -257,21 +257,43 @@ def test_ensure_default_keeps_the_winner_of_a_race(tmp_path: Path) -> None:
     assert marker.exists()
 
 
-def test_a_worker_on_another_node_creates_the_default_model_the_front_end_named(
+def test_a_worker_actor_on_another_node_creates_the_default_model_the_front_end_named(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     # `kvserve serve` without --model creates the model on its own node and
-    # passes the path; a KubeRay worker pod found nothing there and failed.
+    # passes the path; a KubeRay worker pod found nothing there and failed.  The
+    # cluster's worker actor writes the node's copy; a Worker never writes a model.
+    import asyncio
+
+    import ray.util
+
+    from kvserve.cluster.worker_actor import WorkerActor
     from kvserve.worker.worker import Worker, WorkerConfig
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
     path = default_tiny_model_path()
-    worker = Worker(WorkerConfig(str(path), device="cpu", num_blocks=8, attention_backend="torch"))
-
-    assert (path / "config.json").is_file() and worker.hf_config.model_type == "llama"
-    # Any other missing directory is still an error: nothing is created there.
+    config = WorkerConfig(str(path), device="cpu", num_blocks=8, attention_backend="torch")
     with pytest.raises(OSError):
-        Worker(WorkerConfig(str(tmp_path / "models" / "other"), device="cpu", num_blocks=8, attention_backend="torch"))
+        Worker(config)
+    assert not path.exists()
+
+    actor = WorkerActor(replica_id=0, rank=0)
+
+    async def start_and_stop() -> str:
+        address = await actor.start(config)
+        await actor._server.stop(grace=None)  # noqa: SLF001
+        return address
+
+    assert asyncio.run(start_and_stop()).startswith("127.0.0.1:")
+    assert (path / "config.json").is_file() and actor._worker.hf_config.model_type == "llama"  # noqa: SLF001
+    actor._thread.shutdown()  # noqa: SLF001
+    # Any other missing directory is still an error: nothing is created there.
+    other = WorkerActor(replica_id=0, rank=0)
+    with pytest.raises(OSError):
+        asyncio.run(other.start(
+            WorkerConfig(str(tmp_path / "models" / "other"), device="cpu", num_blocks=8, attention_backend="torch")))
+    other._thread.shutdown()  # noqa: SLF001
     assert not (tmp_path / "models" / "other").exists()
 
 
