@@ -132,7 +132,7 @@ class BenchWorker:
                     if count:
                         batch.num_blocks[batch.requests[req_id].row] = BLOCKS_PER_REQ
         num_sampled = plan.num_sampled
-        return StepResult(plan.step_id, [17] * num_sampled, [-0.5] * num_sampled)
+        return StepResult(plan.step_id, [17] * num_sampled)
 
     def shutdown(self) -> None:
         pass

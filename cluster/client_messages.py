@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypedDict
 
 from kvserve.proto import generate_pb2
+from kvserve.scheduler.logprobs import TokenLogprobs
 
 _FINISH_REASONS = {
     generate_pb2.FINISH_REASON_STOP: "stop",
@@ -30,7 +31,9 @@ class SamplingKwargs(TypedDict, total=False):
 
     Unset ones take the server's defaults (``max_tokens`` 16, ``temperature``
     1.0, ``top_p`` 1.0, no ``top_k``).  ``stop``: strings that end the
-    completion once its text contains one (not sent).  ``cache_salt`` isolates a tenant's
+    completion once its text contains one (not sent).  ``logprobs``: 0 for each
+    token's log-probability, k (at most 20) for it and the k most likely tokens
+    at its position (``Completion.logprobs``).  ``cache_salt`` isolates a tenant's
     cached prefixes; ``request_id`` must be unique among the requests in
     flight (the server assigns one when unset).
     """
@@ -43,6 +46,7 @@ class SamplingKwargs(TypedDict, total=False):
     stop_token_ids: Sequence[int]
     stop: str | Sequence[str]
     ignore_eos: bool
+    logprobs: int
     cache_salt: str
     request_id: str
 
@@ -67,6 +71,8 @@ class CompletionDelta:
 
     Only the last delta of a stream has ``finish_reason`` ("stop", "length" or
     "abort") and ``usage``; ``replica`` is the replica serving the request.
+    ``logprobs`` parallels ``token_ids`` when the request asked for them
+    (``logprobs=k``), else it is ``None``.
     """
 
     request_id: str
@@ -75,11 +81,12 @@ class CompletionDelta:
     replica: int
     finish_reason: str | None = None
     usage: Usage | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A whole completion: the concatenation of its stream's deltas."""
+    """A whole completion: the concatenation of its stream's deltas (``logprobs`` as in ``CompletionDelta``)."""
 
     request_id: str
     text: str
@@ -87,6 +94,7 @@ class Completion:
     finish_reason: str
     usage: Usage
     replica: int
+    logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +176,14 @@ def to_delta(response: generate_pb2.GenerateResponse) -> CompletionDelta:
         replica=response.replica,
         finish_reason=finish_reason,
         usage=usage,
+        logprobs=tuple(
+            TokenLogprobs(
+                token.logprob,
+                tuple(top.token_id for top in token.top_logprobs),
+                tuple(top.logprob for top in token.top_logprobs),
+            )
+            for token in response.logprobs
+        ) if response.logprobs else None,
     )
 
 
@@ -192,11 +208,14 @@ class CompletionBuilder:
     def __init__(self) -> None:
         self._texts: list[str] = []
         self._token_ids: list[int] = []
+        self._logprobs: list[TokenLogprobs] | None = None
         self._last: CompletionDelta | None = None
 
     def add(self, delta: CompletionDelta) -> None:
         self._texts.append(delta.text)
         self._token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            self._logprobs = [*(self._logprobs or ()), *delta.logprobs]
         self._last = delta
 
     def build(self) -> Completion:
@@ -210,6 +229,7 @@ class CompletionBuilder:
             finish_reason=last.finish_reason,
             usage=last.usage,
             replica=last.replica,
+            logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
         )
 
 

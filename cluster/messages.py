@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
+from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
 
@@ -31,6 +32,7 @@ class RequestDelta:
     "abort") or ``error`` set (its replica failed: the front end answers
     ``UNAVAILABLE``); only the last one carries the usage counts
     (``num_prompt_tokens``, ``num_cached_tokens``, ``num_output_tokens``).
+    ``logprobs`` parallels ``token_ids`` when the request asked for them, else it is ``None``.
     """
 
     req_id: str
@@ -41,6 +43,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     replica: int = -1
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -61,6 +64,7 @@ class RequestDelta:
                 self.num_cached_tokens,
                 self.num_output_tokens,
                 self.replica,
+                self.logprobs,
             ),
         )
 
@@ -70,7 +74,8 @@ class OutputBatch:
     """What one ``poll_outputs`` returns: a delta per request, as columns.
 
     A request still running has its new tokens at index ``i`` of the parallel
-    lists ``req_ids``, ``token_ids`` and ``replicas``; a request that ended is
+    lists ``req_ids``, ``token_ids`` and ``replicas``, and, if it asked for
+    them, their logprobs in ``logprobs`` under its id; a request that ended is
     one whole ``RequestDelta`` in ``last_deltas`` (its last tokens included).
     Each request appears once.  Iterating yields every delta.
 
@@ -81,6 +86,7 @@ class OutputBatch:
     req_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
     replicas: list[int] = field(default_factory=list)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     last_deltas: list[RequestDelta] = field(default_factory=list)
     # How many replicas were healthy when the batch was taken (None: not reported).
     num_healthy_replicas: int | None = None
@@ -95,14 +101,17 @@ class OutputBatch:
                 batch.req_ids.append(delta.req_id)
                 batch.token_ids.append(delta.token_ids)
                 batch.replicas.append(delta.replica)
+                if delta.logprobs is not None:
+                    batch.logprobs[delta.req_id] = delta.logprobs
         return batch
 
     def __len__(self) -> int:
         return len(self.req_ids) + len(self.last_deltas)
 
     def __iter__(self) -> Iterator[RequestDelta]:
+        logprobs = self.logprobs
         for req_id, token_ids, replica in zip(self.req_ids, self.token_ids, self.replicas, strict=True):
-            yield RequestDelta(req_id, token_ids, replica=replica)
+            yield RequestDelta(req_id, token_ids, replica=replica, logprobs=logprobs.get(req_id))
         yield from self.last_deltas
 
 

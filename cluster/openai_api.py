@@ -23,7 +23,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from pathlib import Path
 from typing import Protocol
@@ -46,6 +46,7 @@ from kvserve.cluster.openai_protocol import (
     error_body,
     finish_reason,
     to_generate_request,
+    token_text_of,
 )
 from kvserve.proto import generate_pb2
 
@@ -81,8 +82,9 @@ def create_app(frontend: Frontend, *, chat_template: str | None = None, max_body
     model_dir = frontend.model_info.model_dir
     model_name = served_model_name(model_dir)
     created = int(time.time())
-    text_completions = TextCompletionShape(model_name)
-    chat_completions = ChatCompletionShape(model_name)
+    token_text = token_text_of(frontend.tokenizer)
+    text_completions = TextCompletionShape(model_name, token_text)
+    chat_completions = ChatCompletionShape(model_name, token_text)
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
 
@@ -141,7 +143,7 @@ def create_app(frontend: Frontend, *, chat_template: str | None = None, max_body
         try:
             # NOTE: a thread: rendering and tokenizing a long conversation would stall every stream.
             prompt = await asyncio.to_thread(render_prompt, frontend.tokenizer, chat_template, body.messages)
-            generate = to_generate_request(body, prompt, body.output_limit)
+            generate = to_generate_request(body, prompt, body.output_limit, body.num_logprobs)
         except InvalidRequestError as exc:
             return frontend_error_response(exc)
         return await respond(
@@ -153,7 +155,7 @@ def create_app(frontend: Frontend, *, chat_template: str | None = None, max_body
         if (refusal := unknown_model(body.model)) is not None:
             return refusal
         try:
-            generate = to_generate_request(body, body.prompt, body.max_tokens)
+            generate = to_generate_request(body, body.prompt, body.max_tokens, body.logprobs)
         except InvalidRequestError as exc:
             return frontend_error_response(exc)
         return await respond(
@@ -214,12 +216,25 @@ def frontend_error_response(error: FrontendError) -> JSONResponse:
     return error_response(error.http_status, message, param=param)
 
 
+class LogprobsEncoder(Protocol):
+    """One completion's logprobs in an endpoint's shape, one message after another."""
+
+    def encode(self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs]) -> BaseModel: ...
+
+
 class ResponseShape(Protocol):
-    """How one endpoint's answers look: the whole completion, a chunk (``None``: send none), the usage chunk."""
+    """How one endpoint's answers look: the whole completion, a chunk (``None``: send none), the usage chunk,
+    and the logprobs (of the requests that ask), encoded by a new ``logprobs_encoder()`` per completion."""
 
-    def whole(self, request_id: str, text: str, last: generate_pb2.GenerateResponse) -> BaseModel: ...
+    def logprobs_encoder(self) -> LogprobsEncoder: ...
 
-    def chunk(self, request_id: str, created: int, text: str, reason: str | None, first: bool) -> BaseModel | None: ...
+    def whole(
+        self, request_id: str, text: str, last: generate_pb2.GenerateResponse, logprobs: BaseModel | None
+    ) -> BaseModel: ...
+
+    def chunk(
+        self, request_id: str, created: int, text: str, reason: str | None, first: bool, logprobs: BaseModel | None
+    ) -> BaseModel | None: ...
 
     def usage_chunk(self, request_id: str, created: int, last: generate_pb2.GenerateResponse) -> BaseModel: ...
 
@@ -253,27 +268,35 @@ async def _complete(
         if not collecting.done():
             collecting.cancel()  # the client left: closing the pipeline aborts the request
     try:
-        texts, last = await collecting
+        texts, token_ids, logprobs, last = await collecting
     except asyncio.CancelledError:
         logger.debug("a client left before its completion: aborted its request")
         return Response(status_code=499)
     except FrontendError as exc:
         return frontend_error_response(exc)
-    return Response(shape.whole(last.request_id, "".join(texts), last).model_dump_json(), media_type="application/json")
+    encoded = shape.logprobs_encoder().encode(token_ids, logprobs) if logprobs else None
+    whole = shape.whole(last.request_id, "".join(texts), last, encoded)
+    return Response(whole.model_dump_json(), media_type="application/json")
 
 
 async def _collect(
     responses: AsyncIterator[generate_pb2.GenerateResponse],
-) -> tuple[list[str], generate_pb2.GenerateResponse]:
+) -> tuple[list[str], list[int], list[generate_pb2.TokenLogprobs], generate_pb2.GenerateResponse]:
+    """The texts of every message, the token ids and logprobs of the messages that carry logprobs, the last one."""
     texts: list[str] = []
+    token_ids: list[int] = []
+    logprobs: list[generate_pb2.TokenLogprobs] = []
     last = None
     async with aclosing(responses):
         async for response in responses:
             texts.append(response.text)
+            if response.logprobs:
+                token_ids.extend(response.token_ids)
+                logprobs.extend(response.logprobs)
             last = response
     if last is None:  # the pipeline always ends with the last message, or raises
         raise RuntimeError("the request ended without a response")
-    return texts, last
+    return texts, token_ids, logprobs, last
 
 
 async def _wait_for_disconnect(request: Request) -> None:
@@ -308,12 +331,14 @@ async def _events(
 ) -> AsyncIterator[str]:
     request_id = first.request_id
     created = int(time.time())
+    encoder = shape.logprobs_encoder()
     async with aclosing(responses):
         response = first
         try:
             while True:
                 reason = finish_reason(response)
-                chunk = shape.chunk(request_id, created, response.text, reason, response is first)
+                logprobs = encoder.encode(response.token_ids, response.logprobs) if response.logprobs else None
+                chunk = shape.chunk(request_id, created, response.text, reason, response is first, logprobs)
                 if chunk is not None:
                     yield f"data: {chunk.model_dump_json()}\n\n"
                 if reason is not None:

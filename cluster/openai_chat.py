@@ -5,18 +5,30 @@ own, or ``--chat-template FILE``) and tokenized without adding special tokens:
 a template writes the ones it wants (``{{ bos_token }}``), and the tokenizer
 adding a BOS of its own would double it.  The token ids then take the same
 pipeline as any completion (``openai_protocol.to_generate_request``).
+
+``logprobs: true`` (and ``top_logprobs: k``) gives each choice
+``logprobs.content``: per token its text, log-probability, UTF-8 bytes and
+the ``k`` most likely tokens in the same shape.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.cluster.frontend import InvalidRequestError
-from kvserve.cluster.openai_protocol import CompletionUsage, SamplingRequest, finish_reason, to_usage
+from kvserve.cluster.openai_protocol import (
+    CompletionUsage,
+    SamplingRequest,
+    TokenText,
+    finish_reason,
+    to_usage,
+)
 from kvserve.proto import generate_pb2
+from kvserve.scheduler.sampling_params import MAX_LOGPROBS
 
 NO_TEMPLATE = (
     "messages: this model has no chat template; start the server with --chat-template FILE, "
@@ -48,9 +60,18 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
 
-    def unsupported_fields(self) -> dict[str, bool]:
-        unsupported = {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs is not None}
-        return {**super().unsupported_fields(), **unsupported}
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many alternatives per token ``logprobs`` and ``top_logprobs`` ask for (``None``: no logprobs)."""
+        if not self.logprobs:
+            if self.top_logprobs is not None:
+                raise InvalidRequestError("top_logprobs: needs logprobs to be true")
+            return None
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(
+                f"top_logprobs: must be an integer in [0, {MAX_LOGPROBS}], got {self.top_logprobs}"
+            )
+        return self.top_logprobs or 0
 
     @property
     def output_limit(self) -> int | None:
@@ -89,10 +110,48 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class ChatLogprobsEncoder:
+    """A chat answer's logprobs, message by message."""
+
+    def __init__(self, token_text: TokenText) -> None:
+        self._token_text = token_text
+
+    def encode(self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs]) -> ChatLogprobs:
+        token_text = self._token_text
+        content = []
+        for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
+            token = token_text(token_id)
+            top = []
+            for alternative in token_logprobs.top_logprobs:
+                text = token_text(alternative.token_id)
+                top.append(TopLogprob(token=text, logprob=alternative.logprob, bytes=list(text.encode())))
+            content.append(
+                TokenLogprob(token=token, logprob=token_logprobs.logprob, bytes=list(token.encode()), top_logprobs=top)
+            )
+        return ChatLogprobs(content=content)
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
 
 
@@ -113,7 +172,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -129,28 +188,32 @@ class ChatCompletionChunk(BaseModel):
 class ChatCompletionShape:
     """The messages of ``/v1/chat/completions``: the whole answer, its chunks (the first says the role)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, token_text: TokenText) -> None:
         self.model = model
+        self._token_text = token_text
 
-    def whole(self, request_id: str, text: str, last: generate_pb2.GenerateResponse) -> ChatCompletion:
-        return ChatCompletion(
-            id=f"chatcmpl-{request_id}",
-            model=self.model,
-            choices=[ChatChoice(message=AssistantMessage(content=text), finish_reason=finish_reason(last))],
-            usage=to_usage(last),
-        )
+    def logprobs_encoder(self) -> ChatLogprobsEncoder:
+        return ChatLogprobsEncoder(self._token_text)
+
+    def whole(
+        self, request_id: str, text: str, last: generate_pb2.GenerateResponse, logprobs: ChatLogprobs | None = None
+    ) -> ChatCompletion:
+        message = AssistantMessage(content=text)
+        choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=finish_reason(last))
+        return ChatCompletion(id=f"chatcmpl-{request_id}", model=self.model, choices=[choice], usage=to_usage(last))
 
     def chunk(
-        self, request_id: str, created: int, text: str, reason: str | None, first: bool
+        self, request_id: str, created: int, text: str, reason: str | None, first: bool,
+        logprobs: ChatLogprobs | None = None,
     ) -> ChatCompletionChunk | None:
-        if not text and reason is None and not first:
+        if not text and reason is None and not first and logprobs is None:
             return None
         delta = ChatDelta(role="assistant" if first else None, content=text)
         return ChatCompletionChunk(
             id=f"chatcmpl-{request_id}",
             created=created,
             model=self.model,
-            choices=[ChatChunkChoice(delta=delta, finish_reason=reason)],
+            choices=[ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=reason)],
         )
 
     def usage_chunk(self, request_id: str, created: int, last: generate_pb2.GenerateResponse) -> ChatCompletionChunk:

@@ -5,6 +5,12 @@ a ``CompletionRequest`` becomes a ``GenerateRequest`` here, is validated and
 served exactly as a gRPC call is, and each ``GenerateResponse`` becomes a
 completion chunk.  This is the only module that knows both shapes.
 
+``logprobs`` come back in OpenAI's shapes: the legacy one for completions
+(``{tokens, token_logprobs, top_logprobs, text_offset}``; ``top_logprobs`` maps
+each alternative's text, and the sampled token's, to its log-probability), and
+the chat one (``openai_chat``).  A token's text is its own decoding, which for
+a token holding part of a UTF-8 character is a replacement character.
+
 Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
 ``cache_salt`` and ``stop_token_ids``.  ``stop`` strings are matched on the
 detokenized text by the shared pipeline and never sent.  OpenAI fields that kvserve does not
@@ -15,7 +21,9 @@ never gets silently different semantics.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -92,7 +100,6 @@ class CompletionRequest(SamplingRequest):
             **super().unsupported_fields(),
             "best_of": self.best_of not in (None, 1),
             "echo": self.echo,
-            "logprobs": self.logprobs is not None,
             "suffix": bool(self.suffix),
         }
 
@@ -108,10 +115,19 @@ class CompletionUsage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions API's logprobs: per token its text, log-probability, alternatives and offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -145,9 +161,15 @@ def error_body(message: str, *, type_: str, code: str | None = None, param: str 
 
 
 def to_generate_request(
-    request: SamplingRequest, prompt: str | list[int] | list[str] | list[list[int]], max_tokens: int | None
+    request: SamplingRequest,
+    prompt: str | list[int] | list[str] | list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None = None,
 ) -> generate_pb2.GenerateRequest:
-    """``request`` as the gRPC API's request; ``InvalidRequestError`` for what kvserve cannot serve."""
+    """``request`` as the gRPC API's request; ``InvalidRequestError`` for what kvserve cannot serve.
+
+    ``logprobs``: how many alternatives per token the endpoint's own fields ask for (``None``: no logprobs).
+    """
     for name, used in request.unsupported_fields().items():
         if used:
             raise InvalidRequestError(f"{name}: not supported by kvserve yet; leave it out or at its default")
@@ -163,7 +185,7 @@ def to_generate_request(
         generate.token_ids.ids.extend(prompt)
     params = generate.sampling_params
     fields = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
-              "top_k": request.top_k, "seed": request.seed}
+              "top_k": request.top_k, "seed": request.seed, "logprobs": logprobs}
     for name, value in fields.items():
         if value is not None:
             try:
@@ -194,28 +216,82 @@ def to_usage(response: generate_pb2.GenerateResponse) -> CompletionUsage:
     )
 
 
+TokenText = Callable[[int], str]
+
+
+def token_text_of(tokenizer: Any | None) -> TokenText:
+    """Each token's own text, as logprobs name tokens (cached); ``token_id:N`` without a tokenizer."""
+    if tokenizer is None:
+        return lambda token_id: f"token_id:{token_id}"
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def token_text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return token_text
+
+
+class CompletionLogprobsEncoder:
+    """One completion's logprobs in the legacy shape, message by message (``text_offset`` runs on)."""
+
+    def __init__(self, token_text: TokenText) -> None:
+        self._token_text = token_text
+        self._text_offset = 0
+
+    def encode(
+        self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs]
+    ) -> CompletionLogprobs:
+        token_text = self._token_text
+        tokens = [token_text(token_id) for token_id in token_ids]
+        text_offset = []
+        for token in tokens:
+            text_offset.append(self._text_offset)
+            self._text_offset += len(token)
+        top_logprobs = []
+        for token, token_logprobs in zip(tokens, logprobs, strict=True):
+            top = {token_text(alternative.token_id): alternative.logprob for alternative in token_logprobs.top_logprobs}
+            top.setdefault(token, token_logprobs.logprob)
+            top_logprobs.append(top)
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[token_logprobs.logprob for token_logprobs in logprobs],
+            top_logprobs=top_logprobs,
+            text_offset=text_offset,
+        )
+
+
 class TextCompletionShape:
     """The messages of ``/v1/completions``: the whole completion, its chunks, its usage chunk."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, token_text: TokenText) -> None:
         self.model = model
+        self._token_text = token_text
 
-    def whole(self, request_id: str, text: str, last: generate_pb2.GenerateResponse) -> Completion:
+    def logprobs_encoder(self) -> CompletionLogprobsEncoder:
+        return CompletionLogprobsEncoder(self._token_text)
+
+    def whole(
+        self, request_id: str, text: str, last: generate_pb2.GenerateResponse,
+        logprobs: CompletionLogprobs | None = None,
+    ) -> Completion:
         return Completion(
             id=f"cmpl-{request_id}",
             model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=finish_reason(last))],
+            choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason(last))],
             usage=to_usage(last),
         )
 
-    def chunk(self, request_id: str, created: int, text: str, reason: str | None, first: bool) -> Completion | None:
-        if not text and reason is None:
+    def chunk(
+        self, request_id: str, created: int, text: str, reason: str | None, first: bool,
+        logprobs: CompletionLogprobs | None = None,
+    ) -> Completion | None:
+        if not text and reason is None and logprobs is None:
             return None
         return Completion(
             id=f"cmpl-{request_id}",
             created=created,
             model=self.model,
-            choices=[CompletionChoice(text=text, finish_reason=reason)],
+            choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)],
         )
 
     def usage_chunk(self, request_id: str, created: int, last: generate_pb2.GenerateResponse) -> Completion:

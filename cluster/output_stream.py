@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 
 from kvserve.cluster.messages import RequestDelta
+from kvserve.scheduler.logprobs import TokenLogprobs
 
 
 class StreamPacing:
@@ -54,22 +55,27 @@ class OutputStream:
     """
 
     __slots__ = (
-        "req_id", "_pacing", "_token_ids", "_replica", "_last", "_last_message_time", "_waiter", "_wake_on_data",
+        "req_id", "_pacing", "_token_ids", "_logprobs", "_replica", "_last", "_last_message_time", "_waiter",
+        "_wake_on_data",
     )
 
     def __init__(self, req_id: str, pacing: StreamPacing) -> None:
         self.req_id = req_id
         self._pacing = pacing
         self._token_ids: list[int] = []
+        # The held-back tokens' logprobs, if the request asked for them.
+        self._logprobs: list[TokenLogprobs] | None = None
         self._replica = -1
         self._last: RequestDelta | None = None
         self._last_message_time: float | None = None  # None until the first message
         self._waiter: asyncio.Future[None] | None = None
         self._wake_on_data = False
 
-    def add(self, token_ids: list[int], replica: int) -> None:
-        """New tokens of the running request."""
+    def add(self, token_ids: list[int], replica: int, logprobs: list[TokenLogprobs] | None = None) -> None:
+        """New tokens of the running request (and their logprobs, if it asked)."""
         self._token_ids += token_ids
+        if logprobs is not None:
+            self._logprobs = logprobs if self._logprobs is None else self._logprobs + logprobs
         self._replica = replica
         if self._wake_on_data and self._waiter is not None:
             resolve_waiter(self._waiter)
@@ -95,13 +101,16 @@ class OutputStream:
         while not self._token_ids and self._last is None:
             await self._wait(loop, None)
         token_ids, self._token_ids = self._token_ids, []
+        logprobs, self._logprobs = self._logprobs, None
         self._last_message_time = loop.time()
         last = self._last
         if last is None:
-            return RequestDelta(self.req_id, token_ids, replica=self._replica)
+            return RequestDelta(self.req_id, token_ids, replica=self._replica, logprobs=logprobs)
         if not token_ids:
             return last
-        return dataclasses.replace(last, token_ids=token_ids + last.token_ids)
+        if logprobs is not None or last.logprobs is not None:
+            logprobs = (logprobs or []) + (last.logprobs or [])
+        return dataclasses.replace(last, token_ids=token_ids + last.token_ids, logprobs=logprobs)
 
     async def _wait(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
         """Until ``deadline`` (``end`` wakes it early), or, for ``None``, until ``add`` or ``end``."""

@@ -50,6 +50,7 @@ from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, R
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
+from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.routing.router import Router
@@ -71,10 +72,12 @@ MAX_RESTART_TRIES = 5
 
 @dataclass(slots=True)
 class _PendingOutput:
-    """What one request produced since the front end last polled: its new tokens, and its end."""
+    """What one request produced since the front end last polled: its new tokens (and their
+    logprobs, if it asked), and its end."""
 
     replica: int
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
     # The request's last delta once it ended, without its tokens.
     end: RequestDelta | None = None
 
@@ -91,8 +94,8 @@ class _PendingOutput:
 
     def to_delta(self, req_id: str) -> RequestDelta:
         if self.end is None:
-            return RequestDelta(req_id, self.token_ids, replica=self.replica)
-        return dataclasses.replace(self.end, token_ids=self.token_ids)
+            return RequestDelta(req_id, self.token_ids, replica=self.replica, logprobs=self.logprobs)
+        return dataclasses.replace(self.end, token_ids=self.token_ids, logprobs=self.logprobs)
 
 
 class _Replica:
@@ -399,6 +402,10 @@ class SchedulerActor:
             if entry is None:
                 entry = pending[req_id] = _PendingOutput(replica.replica_id)
             entry.token_ids.append(output.token_id)
+            if output.logprobs is not None:
+                if entry.logprobs is None:
+                    entry.logprobs = []
+                entry.logprobs.append(output.logprobs)
             if output.finish_reason is not None:
                 _, request = requests.pop(req_id)
                 self._num_moves.pop(req_id, None)

@@ -2,10 +2,11 @@
 
 This is the only module that knows both sides of the scheduler <-> worker
 boundary.  Integer columns travel as little-endian packed arrays (``int32``;
-``sample`` as one ``uint8`` per request, ``logprobs`` as ``float32``), so a
-step of 256 decodes is a handful of ``bytes`` fields instead of thousands of
-varints.  New requests are columns too, their sampling parameters sent once
-per distinct value (a plan of 256 new requests is not 256 sub-messages).
+``sample`` as one ``uint8`` per request, logprobs as ``float32``), so a step
+of 256 decodes is a handful of ``bytes`` fields instead of thousands of
+varints; so are a result's logprobs (``StepLogprobs``' columns).  New
+requests are columns too, their sampling parameters sent once per distinct
+value (a plan of 256 new requests is not 256 sub-messages).
 Decoding validates the message against itself (every column has one
 entry per request, the flattened columns add up) and raises ``ValueError``
 naming the field, so a worker never indexes past the end of a column.
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.proto import step_pb2
+from kvserve.scheduler.logprobs import StepLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.step_plan import NewRequestData, StepPlan
 from kvserve.scheduler.step_result import StepResult
@@ -43,6 +45,8 @@ def encode_sampling_params(params: SamplingParams) -> step_pb2.WireSamplingParam
     )
     if params.seed is not None:
         wire.seed = params.seed
+    if params.logprobs is not None:
+        wire.logprobs = params.logprobs
     return wire
 
 
@@ -54,6 +58,7 @@ def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
         top_p=wire.top_p,
         top_k=wire.top_k or None,
         seed=wire.seed if wire.HasField("seed") else None,
+        logprobs=wire.logprobs if wire.HasField("logprobs") else None,
     )
 
 
@@ -133,7 +138,7 @@ def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.N
     indices = []
     for new in new_requests:
         params = new.sampling_params
-        key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed)
+        key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.logprobs)
         index = index_of.get(key)
         if index is None:
             index = index_of[key] = len(index_of)
@@ -173,12 +178,19 @@ def encode_result(step_id: int, result: StepResult | None) -> step_pb2.StepResul
     """Rank 0's samples, or (``result`` ``None``) the empty answer of the other ranks."""
     if result is None:
         return step_pb2.StepResult(step_id=step_id, has_samples=False)
-    return step_pb2.StepResult(
+    message = step_pb2.StepResult(
         step_id=result.step_id,
         sampled_token_ids=_pack_int32(result.sampled_token_ids),
-        logprobs=_pack_float32(result.logprobs),
         has_samples=True,
     )
+    logprobs = result.logprobs
+    if logprobs is not None:
+        message.logprob_rows = _pack_int32(logprobs.rows)
+        message.token_logprobs = _pack_float32(logprobs.token_logprobs)
+        message.num_top_logprobs = _pack_int32(logprobs.num_top)
+        message.top_token_ids = _pack_int32(logprobs.top_token_ids)
+        message.top_logprobs = _pack_float32(logprobs.top_logprobs)
+    return message
 
 
 def decode_result(message: step_pb2.StepResult) -> StepResult | None:
@@ -186,12 +198,33 @@ def decode_result(message: step_pb2.StepResult) -> StepResult | None:
     if not message.has_samples:
         return None
     token_ids = _unpack(message.sampled_token_ids, "sampled_token_ids", _INT32)
-    logprobs = _unpack(message.logprobs, "logprobs", _FLOAT32)
-    if logprobs.size != token_ids.size:
-        raise ValueError(
-            f"logprobs has {logprobs.size} entries but sampled_token_ids has {token_ids.size}"
-        )
-    return StepResult(message.step_id, token_ids.tolist(), logprobs.tolist())
+    return StepResult(message.step_id, token_ids.tolist(), _decode_logprobs(message, token_ids.size))
+
+
+def _decode_logprobs(message: step_pb2.StepResult, num_sampled: int) -> StepLogprobs | None:
+    rows = _unpack(message.logprob_rows, "logprob_rows", _INT32)
+    token_logprobs = _unpack(message.token_logprobs, "token_logprobs", _FLOAT32)
+    num_top = _unpack(message.num_top_logprobs, "num_top_logprobs", _INT32)
+    top_token_ids = _unpack(message.top_token_ids, "top_token_ids", _INT32)
+    top_logprobs = _unpack(message.top_logprobs, "top_logprobs", _FLOAT32)
+    if not rows.size and not (token_logprobs.size or num_top.size or top_token_ids.size or top_logprobs.size):
+        return None
+    for name, column in (("token_logprobs", token_logprobs), ("num_top_logprobs", num_top)):
+        if column.size != rows.size:
+            raise ValueError(f"{name} has {column.size} entries for {rows.size} logprob_rows")
+    if rows.size and (rows.min() < 0 or rows.max() >= num_sampled or (np.diff(rows) <= 0).any()):
+        raise ValueError(f"logprob_rows must increase within [0, {num_sampled}), got {rows.tolist()}")
+    _check_non_negative("num_top_logprobs", num_top)
+    _check_total("top_token_ids", top_token_ids.size, "num_top_logprobs", num_top)
+    if top_logprobs.size != top_token_ids.size:
+        raise ValueError(f"top_logprobs has {top_logprobs.size} entries but top_token_ids has {top_token_ids.size}")
+    return StepLogprobs(
+        rows=rows.tolist(),
+        token_logprobs=token_logprobs.tolist(),
+        num_top=num_top.tolist(),
+        top_token_ids=top_token_ids.tolist(),
+        top_logprobs=top_logprobs.tolist(),
+    )
 
 
 # -- packing ------------------------------------------------------------------------

@@ -7,12 +7,13 @@ The top-level folders of the repository are installed as subpackages:
 
 from typing import TYPE_CHECKING
 
+from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM, GenerationOutput
 
-__all__ = ["LLM", "GenerationOutput", "SamplingParams"]
+__all__ = ["LLM", "GenerationOutput", "SamplingParams", "TokenLogprobs"]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from kvserve.cluster.client import (
     SamplingKwargs,
     Usage,
 )
+from kvserve.scheduler.logprobs import TokenLogprobs
 
 __all__ = [
     "AsyncClient",
@@ -19,5 +20,6 @@ __all__ = [
     "ReplicaStats",
     "RequestError",
     "SamplingKwargs",
+    "TokenLogprobs",
     "Usage",
 ]

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
@@ -29,6 +30,8 @@ class GenerationOutput:
 
     ``num_cached_tokens`` counts the prompt tokens served from the prefix
     cache; ``text`` is ``None`` when the model directory has no tokenizer.
+    ``logprobs`` has one entry per token of ``token_ids`` when the request
+    asked for them (``SamplingParams.logprobs``), else it is ``None``.
     """
 
     prompt_token_ids: list[int]
@@ -36,7 +39,7 @@ class GenerationOutput:
     text: str | None
     finish_reason: str
     num_cached_tokens: int
-    logprobs: list[float]
+    logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -144,15 +147,17 @@ class LLM:
                 )
                 self.engine.add_request(request)
                 requests[request.req_id] = request
-            logprobs: dict[str, list[float]] = {req_id: [] for req_id in requests}
+            logprobs: dict[str, list[TokenLogprobs]] = {
+                req_id: [] for req_id, request in requests.items() if request.sampling_params.logprobs is not None
+            }
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
-                    if output.logprob is not None and output.req_id in logprobs:
-                        logprobs[output.req_id].append(output.logprob)
+                    if output.logprobs is not None and output.req_id in logprobs:
+                        logprobs[output.req_id].append(output.logprobs)
         except BaseException:
             self.engine.abort_requests(requests)
             raise
-        return [self._result(request, logprobs[request.req_id]) for request in requests.values()]
+        return [self._result(request, logprobs.get(request.req_id)) for request in requests.values()]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -168,7 +173,7 @@ class LLM:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
         return token_ids
 
-    def _result(self, request: Request, logprobs: list[float]) -> GenerationOutput:
+    def _result(self, request: Request, logprobs: list[TokenLogprobs] | None) -> GenerationOutput:
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)

@@ -17,18 +17,20 @@ class NumBlocks(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class WireSamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
     top_k: int
     seed: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class NewRequests(_message.Message):
     __slots__ = ("req_ids", "num_prompt_tokens", "sampling_params_index", "sampling_params")
@@ -69,13 +71,21 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., num_new_block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., new_requests: _Optional[_Union[NewRequests, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "logprobs", "has_samples")
+    __slots__ = ("step_id", "sampled_token_ids", "has_samples", "logprob_rows", "token_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     HAS_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: bytes
-    logprobs: bytes
     has_samples: bool
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ..., has_samples: _Optional[bool] = ...) -> None: ...
+    logprob_rows: bytes
+    token_logprobs: bytes
+    num_top_logprobs: bytes
+    top_token_ids: bytes
+    top_logprobs: bytes
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[bytes] = ..., has_samples: _Optional[bool] = ..., logprob_rows: _Optional[bytes] = ..., token_logprobs: _Optional[bytes] = ..., num_top_logprobs: _Optional[bytes] = ..., top_token_ids: _Optional[bytes] = ..., top_logprobs: _Optional[bytes] = ...) -> None: ...

@@ -71,12 +71,11 @@ class EngineCore:
         return None if plan.is_empty else plan
 
     def finish_step(self, plan: StepPlan, result: StepResult, *, collect_outputs: bool = True) -> list[RequestOutput]:
-        """Apply ``plan``'s sampled tokens; the outputs of the requests that got one.
-
-        ``result.logprobs`` empty means the executor reported none (the simulator).
-        """
-        return self.scheduler.update(plan, result.sampled_token_ids, result.logprobs or None,
-                                     collect_outputs=collect_outputs)
+        """Apply ``plan``'s sampled tokens; the outputs of the requests that got one."""
+        logprobs = None
+        if result.logprobs is not None and collect_outputs:
+            logprobs = result.logprobs.per_sampled_row(len(result.sampled_token_ids))
+        return self.scheduler.update(plan, result.sampled_token_ids, logprobs, collect_outputs=collect_outputs)
 
     def fail_step(self, plan: StepPlan) -> None:
         """``plan`` never ran: abort its requests and uncache the blocks it was to fill.

@@ -6,6 +6,9 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+# The most alternatives a request may ask for at each position (OpenAI's chat API allows 20).
+MAX_LOGPROBS = 20
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -15,6 +18,11 @@ class SamplingParams:
     conventional spellings of "disabled" and normalised to ``None``.
     ``temperature == 0`` means greedy.  A ``seed`` makes the request's samples
     reproducible and independent of the batch it runs in.
+
+    ``logprobs`` asks for log-probabilities: ``None`` for none, ``0`` for the
+    sampled token's only, ``k`` for it and the ``k`` most likely tokens at each
+    position (at most ``MAX_LOGPROBS``).  They are the model's own distribution
+    (``log_softmax`` of the raw logits, before temperature, top-k or top-p).
     """
 
     max_tokens: int = 16
@@ -24,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
@@ -43,6 +52,9 @@ class SamplingParams:
             if top_k in (-1, 0):
                 top_k = None
         seed = None if self.seed is None else _integer("seed", self.seed)
+        logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs)
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {logprobs}")
         if not isinstance(self.ignore_eos, bool):
             # NOTE: any object is truthy or not; ignore_eos="no" ignored EOS.
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
@@ -56,6 +68,7 @@ class SamplingParams:
         # NOTE: numpy integers become ints: the fields travel in messages and hashes.
         object.__setattr__(self, "max_tokens", max_tokens)
         object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "logprobs", logprobs)
         object.__setattr__(self, "temperature", temperature)
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", top_k)

@@ -29,6 +29,7 @@ from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.kv_cache_block import KVCacheBlock
 from kvserve.scheduler.kv_cache_manager import KVCacheManager
+from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.step_plan import NewRequestData, StepPlan
@@ -342,7 +343,7 @@ class Scheduler:
         self,
         plan: StepPlan,
         sampled_token_ids: Sequence[int],
-        logprobs: Sequence[float] | None = None,
+        logprobs: Sequence[TokenLogprobs | None] | None = None,
         *,
         collect_outputs: bool = True,
     ) -> list[RequestOutput]:
@@ -351,7 +352,8 @@ class Scheduler:
         Returns one output per request that received a token; those that
         finished carry their reason and have already freed their blocks.
         Requests aborted while the step was in flight are skipped.
-        ``logprobs``, when given, parallels ``sampled_token_ids``.
+        ``logprobs``, when given, parallels ``sampled_token_ids`` (``None`` for
+        the rows whose requests did not ask for them).
         ``collect_outputs=False`` returns ``[]`` instead (the state changes
         are the same), for callers that follow requests themselves: the
         simulator, where making an output per token took a tenth of the samples
@@ -374,7 +376,7 @@ class Scheduler:
         any_finished = False
         tokens = iter(sampled_token_ids)
         token_logprobs = iter(logprobs) if logprobs is not None else None
-        logprob: float | None = None
+        logprob: TokenLogprobs | None = None
         running_status = RequestStatus.RUNNING
         for req_id, sampled in zip(plan.req_ids, plan.sample):
             if not sampled:

@@ -7,6 +7,11 @@ which makes reproducible seeded sampling simple: a seeded request draws its
 noise from a generator seeded by ``(seed, output_index)`` alone, so its tokens
 do not depend on the batch it shares a step with, its row in that batch, or
 whether it was preempted and recomputed.
+
+Log-probabilities are computed only for the rows whose requests ask
+(``SamplingParams.logprobs``), on the device, and travel back to the host with
+the sampled tokens in one copy (``SamplerOutput.pack``): a step without them
+pays nothing.
 """
 
 from __future__ import annotations
@@ -15,25 +20,83 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Integral
 
+import numpy as np
 import torch
 
+from kvserve.kernels.host_to_device import list_to_device
+from kvserve.scheduler.logprobs import StepLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
-class SamplerOutput:
-    """The sampled token of each request in a step.
+class SampledLogprobs:
+    """Log-probabilities of the rows whose requests asked, on the device.
 
-    ``token_ids`` is int64 ``[num_reqs]``.  ``logprobs`` is float32
-    ``[num_reqs]``: each sampled token's log-probability under the model's raw
-    distribution (``log_softmax`` of the unmodified logits, before temperature,
-    top-k or top-p).
+    ``rows`` (host) are those rows, increasing; ``num_top`` (host) how many
+    alternatives each asked for.  ``token_logprobs`` is float32 ``[len(rows)]``:
+    each sampled token's log-probability under the model's raw distribution
+    (``log_softmax`` of the unmodified logits, before temperature, top-k or
+    top-p).  ``top_logprobs`` (float32) and ``top_token_ids`` (int64) are
+    ``[len(rows), max(num_top)]``, most likely first; a row uses its first
+    ``num_top`` columns.
+    """
+
+    rows: list[int]
+    num_top: list[int]
+    token_logprobs: torch.Tensor
+    top_logprobs: torch.Tensor
+    top_token_ids: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class SamplerOutput:
+    """The sampled token of each request in a step, and the logprobs of those that asked.
+
+    ``token_ids`` is int64 ``[num_reqs]``; ``logprobs`` is ``None`` when no
+    request of the step asked for them.
     """
 
     token_ids: torch.Tensor
-    logprobs: torch.Tensor
+    logprobs: SampledLogprobs | None = None
+
+    def pack(self) -> torch.Tensor:
+        """Everything the host needs as one tensor on the device, so that one copy brings it back.
+
+        Without logprobs, ``token_ids`` itself.  With them, float64: the token
+        ids, then the rows' token logprobs, their top logprobs and their top
+        token ids, flattened (float64 holds int32 ids and float32 values exactly).
+        """
+        logprobs = self.logprobs
+        if logprobs is None:
+            return self.token_ids
+        return torch.cat([
+            self.token_ids.double(),
+            logprobs.token_logprobs.double(),
+            logprobs.top_logprobs.double().flatten(),
+            logprobs.top_token_ids.double().flatten(),
+        ])
+
+    def unpack(self, packed: torch.Tensor) -> tuple[list[int], StepLogprobs | None]:
+        """The sampled token ids and the step's logprobs from ``pack()``'s result, on the host."""
+        logprobs = self.logprobs
+        if logprobs is None:
+            return packed.tolist(), None
+        values = packed.numpy()
+        num_reqs = self.token_ids.shape[0]
+        num_rows, width = logprobs.top_logprobs.shape
+        token_ids, token_logprobs, top_logprobs, top_token_ids = np.split(
+            values, np.cumsum([num_reqs, num_rows, num_rows * width])
+        )
+        keep = np.arange(width)[None, :] < np.asarray(logprobs.num_top, dtype=np.int64)[:, None]
+        return token_ids.astype(np.int64).tolist(), StepLogprobs(
+            rows=list(logprobs.rows),
+            token_logprobs=token_logprobs.tolist(),
+            num_top=list(logprobs.num_top),
+            top_token_ids=top_token_ids.reshape(num_rows, width)[keep].astype(np.int64).tolist(),
+            top_logprobs=top_logprobs.reshape(num_rows, width)[keep].tolist(),
+        )
 
 
 class Sampler:
@@ -72,13 +135,11 @@ class Sampler:
         logits = logits.float()
         # NOTE: max() returns the first maximal index like argmax(), at a third of its cost on CPU.
         max_logits, greedy_ids = logits.max(dim=-1)
-        # log_softmax at one token: its logit minus the row's logsumexp.
-        log_normalizers = torch.logsumexp(logits, dim=-1)
         if all(p.is_greedy for p in params):
-            return SamplerOutput(token_ids=greedy_ids, logprobs=max_logits - log_normalizers)
-        token_ids = self._sample(logits, params, output_indices, max_logits, greedy_ids)
-        logprobs = logits.gather(-1, token_ids[:, None]).squeeze(-1) - log_normalizers
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+            token_ids = greedy_ids
+        else:
+            token_ids = self._sample(logits, params, output_indices, max_logits, greedy_ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, params, token_ids))
 
     def _sample(
         self,
@@ -90,7 +151,9 @@ class Sampler:
     ) -> torch.Tensor:
         device = logits.device
         # Greedy rows are sampled at temperature 1 and then replaced by their argmax.
-        temperatures = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        # NOTE: list_to_device: torch.tensor(..., device="cuda") copies from pageable
+        # memory, which makes the host wait for the step's queued work.
+        temperatures = list_to_device([p.temperature or 1.0 for p in params], torch.float32, device)
         # NOTE: each row's best logit is 0 before the division, so that a tiny
         # temperature sends the others to -inf, never the best to inf: logits
         # of 20 / 1e-39 overflowed, softmax gave nan and every token was 0.
@@ -100,7 +163,7 @@ class Sampler:
         probs = _filtered_probs((logits - max_logits[:, None]) / temperatures[:, None], params)
         noise = self._exponential_noise(probs.shape, params, output_indices, device)
         sampled_ids = (probs / noise).argmax(dim=-1)
-        is_greedy = torch.tensor([p.is_greedy for p in params], device=device)
+        is_greedy = list_to_device([p.is_greedy for p in params], torch.bool, device)
         return torch.where(is_greedy, greedy_ids, sampled_ids)
 
     def _exponential_noise(
@@ -133,6 +196,25 @@ class Sampler:
         return generator
 
 
+def _logprobs(
+    logits: torch.Tensor, params: Sequence[SamplingParams], token_ids: torch.Tensor
+) -> SampledLogprobs | None:
+    """The logprobs of the rows whose requests asked (``None`` when none did), in float32 on the device."""
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return None
+    num_top = [params[row].logprobs for row in rows]
+    if len(rows) < len(params):
+        index = list_to_device(rows, torch.int64, logits.device)
+        logits, token_ids = logits[index], token_ids[index]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token_logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
+    # NOTE: topk's k may not exceed the vocabulary (a tiny test model has fewer than 20 tokens).
+    width = min(max(num_top), logprobs.shape[-1])
+    top_logprobs, top_token_ids = logprobs.topk(width, dim=-1)
+    return SampledLogprobs(rows, [min(k, width) for k in num_top], token_logprobs, top_logprobs, top_token_ids)
+
+
 def _filtered_probs(scaled_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Softmax of each row after its top-k and top-p filters (one sort for the batch)."""
     num_reqs, vocab_size = scaled_logits.shape
@@ -143,12 +225,12 @@ def _filtered_probs(scaled_logits: torch.Tensor, params: Sequence[SamplingParams
     device = scaled_logits.device
     sorted_logits, sorted_ids = scaled_logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab_size, device=device)
-    top_k = torch.tensor(top_ks, device=device)
+    top_k = list_to_device(top_ks, torch.int64, device)
     sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
 
     # NOTE: rows without top-p get an infinite threshold: rounding can bring the
     # cumulative mass to 1.0 before the last token, which would drop the tail.
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else float("inf") for p in params], device=device)
+    top_p = list_to_device([p.top_p if p.top_p < 1.0 else float("inf") for p in params], torch.float32, device)
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # The mass of the tokens ranked above each token; 0 for the best one, which is always kept
     # (a top_p that rounds to 0 in float32, 1e-46, would otherwise drop it too).

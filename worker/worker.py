@@ -35,8 +35,7 @@ from kvserve.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from kvserve.worker.model_loader import load_model
-from kvserve.worker.sampler import Sampler
-from kvserve.worker.tiny_model import ensure_default_tiny_model_at
+from kvserve.worker.sampler import Sampler, SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +135,6 @@ class Worker:
         self.tp: TensorParallelGroup = init_distributed(
             config.rank, config.tp_size, config.distributed_init_method or ""
         )
-        ensure_default_tiny_model_at(config.model_dir)
         self.hf_config = AutoConfig.from_pretrained(config.model_dir)
         backend = get_attention_backend(self.device, config.attention_backend)
         self.model = load_model(
@@ -259,7 +257,7 @@ class Worker:
         sampled = self.sampler(logits, sampling_params, output_indices)
         # For the next plan's placeholders (overlapped scheduling), if it has any.
         self._last_sampled = (plan, sampled.token_ids)
-        return LaunchedStep.copying(plan.step_id, sampled.token_ids, sampled.logprobs)
+        return LaunchedStep.copying(plan.step_id, sampled)
 
     def _fill_placeholders(self, plan: StepPlan, input_ids: torch.Tensor, token_index_of_row) -> None:
         """Put the last step's samples into ``input_ids`` at ``plan``'s placeholder rows.
@@ -307,31 +305,36 @@ class Worker:
 
 @dataclass(frozen=True, slots=True)
 class LaunchedStep:
-    """A step whose work is queued on the device; rank 0's samples are on their way to the host."""
+    """A step whose work is queued on the device; rank 0's samples are on their way to the host.
+
+    The samples (tokens, and logprobs for the requests that asked) travel in one
+    copy (``SamplerOutput.pack``), and ``result()`` is the step's one wait.
+    """
 
     step_id: int
     is_driver: bool
-    token_ids: torch.Tensor | None = None  # host tensors (pinned on CUDA), complete once `ready` passed
-    logprobs: torch.Tensor | None = None
+    sampled: SamplerOutput | None = None
+    packed: torch.Tensor | None = None  # on the host (pinned on CUDA), complete once `ready` passed
     ready: torch.cuda.Event | None = None
 
     @classmethod
-    def copying(cls, step_id: int, token_ids: torch.Tensor, logprobs: torch.Tensor) -> LaunchedStep:
-        """The step whose samples are ``token_ids`` and ``logprobs``, copied to the host without a wait."""
-        if token_ids.device.type != "cuda":
-            return cls(step_id, True, token_ids, logprobs)
-        host_ids = token_ids.to("cpu", non_blocking=True)
-        host_logprobs = logprobs.to("cpu", non_blocking=True)
+    def copying(cls, step_id: int, sampled: SamplerOutput) -> LaunchedStep:
+        """The step whose samples are ``sampled``, copied to the host without a wait."""
+        packed = sampled.pack()
+        if packed.device.type != "cuda":
+            return cls(step_id, True, sampled, packed)
+        host_packed = packed.to("cpu", non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return cls(step_id, True, host_ids, host_logprobs, ready)
+        return cls(step_id, True, sampled, host_packed, ready)
 
     def result(self) -> StepResult | None:
         """The sampled tokens (rank 0) after one wait for the device; ``None`` on other ranks."""
         if not self.is_driver:
             return None
-        if self.token_ids is None:
+        if self.sampled is None or self.packed is None:
             return StepResult(self.step_id)
         if self.ready is not None:
             self.ready.synchronize()
-        return StepResult(self.step_id, self.token_ids.tolist(), self.logprobs.tolist())
+        token_ids, logprobs = self.sampled.unpack(self.packed)
+        return StepResult(self.step_id, token_ids, logprobs)

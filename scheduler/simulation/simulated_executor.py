@@ -68,7 +68,7 @@ def _synthetic_output_tokens(req_id: str, num_prompt_tokens: int, num_outputs: i
 
 
 def synthetic_step_result(plan: StepPlan, vocab_size: int) -> StepResult:
-    """One synthetic token per sampled row of ``plan``, in plan order (log-probability 0)."""
+    """One synthetic token per sampled row of ``plan``, in plan order (no log-probabilities)."""
     tokens = [
         synthetic_token_id(req_id, start + num_tokens, vocab_size)
         for req_id, start, num_tokens, sample in zip(
@@ -76,7 +76,7 @@ def synthetic_step_result(plan: StepPlan, vocab_size: int) -> StepResult:
         )
         if sample
     ]
-    return StepResult(plan.step_id, tokens, [0.0] * len(tokens))
+    return StepResult(plan.step_id, tokens)
 
 
 class _SimulatedSteps:

@@ -163,4 +163,4 @@ class SimulatedWorker:
                 if output_index < len(script):
                     tokens[row] = script[output_index]
             row += 1
-        return StepResult(result.step_id, tokens, list(result.logprobs))
+        return StepResult(result.step_id, tokens, result.logprobs)

@@ -132,6 +132,23 @@ def test_the_deltas_of_a_stream_add_up_to_the_completion(client: Client):
     assert deltas[-1].usage == completion.usage
 
 
+def test_the_deltas_logprobs_add_up_to_the_completions(client: Client):
+    completion = client.generate("stream me", max_tokens=12, logprobs=2, **GREEDY)
+
+    deltas = list(client.stream("stream me", max_tokens=12, logprobs=2, **GREEDY))
+
+    assert len(completion.logprobs) == len(completion.token_ids) == 12
+    assert tuple(t for d in deltas for t in d.logprobs or ()) == completion.logprobs
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas if d.token_ids)
+    # Greedy: each token is the most likely one at its position.
+    assert [t.top_token_ids[0] for t in completion.logprobs] == list(completion.token_ids)
+    assert all(t.logprob == t.top_logprobs[0] and len(t.top_token_ids) == 2 for t in completion.logprobs)
+
+
+def test_a_completion_that_did_not_ask_has_no_logprobs(client: Client):
+    assert client.generate("plain", max_tokens=3, **GREEDY).logprobs is None
+
+
 def test_a_stop_token_ends_the_completion_with_reason_stop(client: Client):
     tokens = client.generate("stop here", max_tokens=6, **GREEDY).token_ids
 
@@ -234,6 +251,14 @@ def test_invalid_values_are_invalid_argument_naming_the_field(client: Client):
 
     assert info.value.code == "INVALID_ARGUMENT"
     assert "top_p" in info.value.message
+
+
+def test_logprobs_past_the_limit_are_invalid_argument_naming_the_field(client: Client):
+    with pytest.raises(RequestError) as info:
+        client.generate("hello", logprobs=21)
+
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert info.value.message.startswith("sampling_params.logprobs must be an integer in [0, 20]")
 
 
 def test_an_async_client_raises_the_same_error(served: Served):

@@ -8,12 +8,15 @@ import pickle
 import ray.cloudpickle
 
 from kvserve.cluster.messages import OutputBatch, RequestDelta
+from kvserve.scheduler.logprobs import TokenLogprobs
+
+LOGPROBS = [TokenLogprobs(-0.5, (4, 9), (-0.5, -1.5)), TokenLogprobs(-2.0)]
 
 
 def test_a_delta_with_every_field_set_round_trips_through_pickle():
     delta = RequestDelta(
         "r1", [4, 5], finish_reason="stop", error="boom", num_prompt_tokens=7, num_cached_tokens=6,
-        num_output_tokens=2, replica=3,
+        num_output_tokens=2, replica=3, logprobs=LOGPROBS,
     )
     # RequestDelta pickles through a hand-written __reduce__: it must name every field.
     assert len(delta.__reduce__()[1]) == len(dataclasses.fields(RequestDelta))
@@ -39,3 +42,12 @@ def test_an_output_batch_round_trips_through_rays_pickling():
         + [RequestDelta("done", [7], finish_reason="length", num_output_tokens=3)]
     )
     assert pickle.loads(ray.cloudpickle.dumps(batch)) == batch
+
+
+def test_an_output_batch_keeps_the_logprobs_of_the_requests_that_asked():
+    asking = RequestDelta("a", [1, 2], replica=0, logprobs=LOGPROBS)
+    plain = RequestDelta("b", [3], replica=0)
+    ended = RequestDelta("c", [4], finish_reason="stop", logprobs=LOGPROBS[:1])
+    batch = OutputBatch.from_deltas([asking, plain, ended])
+    assert batch.logprobs == {"a": LOGPROBS}
+    assert list(pickle.loads(ray.cloudpickle.dumps(batch))) == [asking, plain, ended]

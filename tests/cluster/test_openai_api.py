@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.client import Client
@@ -25,6 +26,7 @@ from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.worker.tiny_model import create_tiny_model
 from kvserve.worker.tokenizer import load_tokenizer
+from tests.engine.hf_reference import hf_log_softmax, load_hf_model
 from tests.cluster.server_thread import ServerThread
 
 BLOCK_SIZE = 8
@@ -50,6 +52,7 @@ class Served:
     model: str
     server: ServerThread
     tokenizer: object
+    model_dir: Path
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +69,7 @@ def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         http: HttpServer = server._run(start_http_server(server.server.frontend, config, chat_template=CHAT_TEMPLATE))
         yield Served(
             f"http://127.0.0.1:{http.port}", f"127.0.0.1:{server.server.port}", "tiny-llama", server,
-            load_tokenizer(model_dir),
+            load_tokenizer(model_dir), model_dir,
         )
     finally:
         if http is not None:
@@ -296,7 +299,8 @@ def test_text_parts_are_joined_into_the_message(served: Served, sdk: openai.Open
         ({"messages": []}, "messages: List should have at least 1 item"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role: "),
         ({"max_tokens": 4, "max_completion_tokens": 5}, "max_completion_tokens: differs from max_tokens"),
-        ({"logprobs": True}, "logprobs: not supported by kvserve yet"),
+        ({"top_logprobs": 2}, "top_logprobs: needs logprobs to be true"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs: must be an integer in [0, 20], got 21"),
     ],
 )
 def test_a_bad_chat_request_is_a_400_naming_the_field(served: Served, fields, message):
@@ -385,7 +389,8 @@ def test_metrics_report_each_replicas_state(served: Served):
         ({"n": 2}, "n"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["x"] * 17}, "stop"),
-        ({"logprobs": 1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),
         ({"max_tokens": 5000}, "max_tokens"),
     ],
 )
@@ -558,3 +563,91 @@ def test_metrics_carry_the_schedulers_prefix_cache_preemption_and_routing_counte
     assert moved(before, after, "kvserve_routing_decisions_total", policy=policy, outcome="miss") == 1
     assert moved(before, after, "kvserve_routing_decisions_total", policy=policy, outcome="hit") == 1
     assert moved(before, after, "kvserve_routing_decisions_total", policy=policy, outcome="partial") == 0
+
+
+# -- logprobs --------------------------------------------------------------------
+
+
+def test_completion_logprobs_are_transformers_log_softmax_in_openais_legacy_shape(
+    served: Served, sdk: openai.OpenAI, grpc_client: Client
+):
+    prompt = [5, 6, 7, 8, 9]
+    token_ids = grpc_client.generate(prompt, max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
+    reference = hf_log_softmax(load_hf_model(served.model_dir), prompt, token_ids)
+
+    completion = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=6, logprobs=3, **GREEDY)
+
+    logprobs = completion.choices[0].logprobs
+    tokens = [served.tokenizer.decode([t]) for t in token_ids]
+    assert logprobs.tokens == tokens
+    expected = reference.gather(-1, torch.tensor(token_ids)[:, None]).squeeze(-1).tolist()
+    assert logprobs.token_logprobs == pytest.approx(expected, abs=1e-4)
+    # Greedy: the sampled token is the most likely one, and among its position's 3 best.
+    for token, logprob, top in zip(tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert 1 <= len(top) <= 3 and top[token] == logprob == max(top.values())
+    assert logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+def test_streamed_completion_logprobs_add_up_to_the_whole_ones(served: Served, sdk: openai.OpenAI):
+    whole = sdk.completions.create(model=served.model, prompt="stream me", max_tokens=10, logprobs=2, **GREEDY)
+
+    chunks = list(
+        sdk.completions.create(model=served.model, prompt="stream me", max_tokens=10, logprobs=2, stream=True, **GREEDY)
+    )
+
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    expected = whole.choices[0].logprobs
+    assert [t for lp in streamed for t in lp.tokens] == expected.tokens
+    assert [v for lp in streamed for v in lp.token_logprobs] == expected.token_logprobs
+    assert [o for lp in streamed for o in lp.text_offset] == expected.text_offset
+    assert [d for lp in streamed for d in lp.top_logprobs] == expected.top_logprobs
+
+
+def test_chat_logprobs_come_in_openais_chat_shape(served: Served, sdk: openai.OpenAI):
+    chat = sdk.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=6, logprobs=True, top_logprobs=2, **GREEDY
+    )
+
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens == 6
+    for entry in content:
+        assert entry.bytes == list(entry.token.encode())
+        assert [top.logprob for top in entry.top_logprobs] == sorted((top.logprob for top in entry.top_logprobs),
+                                                                     reverse=True)
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == entry.logprob <= 0.0
+
+
+def test_streamed_chat_logprobs_add_up_to_the_whole_ones(served: Served, sdk: openai.OpenAI):
+    whole = sdk.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=8, logprobs=True, **GREEDY)
+
+    chunks = list(sdk.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=8, logprobs=True, stream=True, **GREEDY
+    ))
+
+    streamed = [entry for c in chunks if c.choices[0].logprobs is not None for entry in c.choices[0].logprobs.content]
+    assert streamed == whole.choices[0].logprobs.content
+    assert all(entry.top_logprobs == [] for entry in streamed)
+
+
+def test_a_request_without_logprobs_gets_none(served: Served, sdk: openai.OpenAI):
+    completion = sdk.completions.create(model=served.model, prompt="plain", max_tokens=3, **GREEDY)
+    chat = sdk.chat.completions.create(model=served.model, messages=MESSAGES, max_tokens=3, **GREEDY)
+    chunks = list(sdk.completions.create(model=served.model, prompt="plain", max_tokens=3, stream=True, **GREEDY))
+
+    assert completion.choices[0].logprobs is None
+    assert chat.choices[0].logprobs is None
+    assert all(c.choices[0].logprobs is None for c in chunks)
+
+
+def test_the_grpc_client_returns_one_logprob_per_token_up_to_a_stop_string(served: Served, grpc_client: Client):
+    whole = grpc_client.generate("stop here", max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1)
+    stop = whole.text[len(whole.text) // 2 :][:3]
+
+    stopped = grpc_client.generate("stop here", max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=1, stop=stop)
+
+    assert len(whole.logprobs) == len(whole.token_ids) == 16
+    assert all(t.top_token_ids == (token_id,) for t, token_id in zip(whole.logprobs, whole.token_ids, strict=True))
+    assert stopped.finish_reason == "stop"
+    assert stopped.logprobs == whole.logprobs[: len(stopped.token_ids)]
+    assert grpc_client.generate("stop here", max_tokens=2).logprobs is None

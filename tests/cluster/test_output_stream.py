@@ -8,6 +8,7 @@ import pytest
 
 from kvserve.cluster.messages import RequestDelta
 from kvserve.cluster.output_stream import OutputStream, StreamPacing
+from kvserve.scheduler.logprobs import TokenLogprobs
 
 INTERVAL_S = 0.2
 
@@ -81,6 +82,33 @@ def test_the_end_goes_out_at_once_with_the_tokens_held_back(ends: str) -> None:
         assert last.token_ids == [2, 3, 4]
         assert (last.finish_reason, last.num_prompt_tokens, last.num_output_tokens, last.replica) == ("length", 7, 4, 2)
         assert last.is_last
+
+    asyncio.run(scenario())
+
+
+def test_logprobs_travel_with_their_tokens_into_the_last_message() -> None:
+    first, second, third = TokenLogprobs(-0.1), TokenLogprobs(-0.2, (5,), (-0.2,)), TokenLogprobs(-0.3)
+
+    async def scenario() -> None:
+        stream = OutputStream("r", StreamPacing(INTERVAL_S, None))
+        stream.add([1], replica=0, logprobs=[first])
+        assert (await stream.next_message()).logprobs == [first]
+        stream.add([2], replica=0, logprobs=[second])
+        stream.end(RequestDelta("r", [3], finish_reason="length", logprobs=[third]))
+        last = await asyncio.wait_for(stream.next_message(), 0.05)
+        assert (last.token_ids, last.logprobs) == ([2, 3], [second, third])
+
+    asyncio.run(scenario())
+
+
+def test_a_request_that_did_not_ask_gets_no_logprobs() -> None:
+    async def scenario() -> None:
+        stream = OutputStream("r", StreamPacing(0.0, None))
+        stream.add([1, 2], replica=0)
+        assert (await stream.next_message()).logprobs is None
+        stream.add([3], replica=0)
+        stream.end(RequestDelta("r", [4], finish_reason="length"))
+        assert (await stream.next_message()).logprobs is None
 
     asyncio.run(scenario())
 

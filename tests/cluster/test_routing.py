@@ -147,7 +147,7 @@ class FakeExecutor:
         await asyncio.sleep(0)
         if self.failed:
             raise ReplicaFailedError("the worker died")
-        return StepResult(plan.step_id, [7] * plan.num_sampled, [0.0] * plan.num_sampled)
+        return StepResult(plan.step_id, [7] * plan.num_sampled)
 
     async def shutdown(self) -> None:
         pass

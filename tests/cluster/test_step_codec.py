@@ -18,6 +18,7 @@ from kvserve.cluster.step_codec import (
 )
 from kvserve.proto import step_pb2
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.logprobs import StepLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
@@ -53,7 +54,7 @@ def scheduled_plans() -> list[StepPlan]:
     params = [
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=20, seed=1234, stop_token_ids=(3, 4)),
-        SamplingParams(max_tokens=15, temperature=1.3, seed=2**40),
+        SamplingParams(max_tokens=15, temperature=1.3, seed=2**40, logprobs=3),
     ]
     for i in range(10):
         prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(3, 30))]
@@ -92,14 +93,28 @@ def test_sampling_params_keep_what_workers_need() -> None:
         5, 0.5, 0.75, 3, 0,
     )
     unset = decode_sampling_params(encode_sampling_params(SamplingParams()))
-    assert (unset.top_k, unset.seed) == (None, None)
+    assert (unset.top_k, unset.seed, unset.logprobs) == (None, None, None)
 
 
-def test_result_round_trips_with_float32_logprobs() -> None:
-    result = StepResult(3, [5, 999, 0], [-0.5, -1.25, -7.0])
+@pytest.mark.parametrize("logprobs", [0, 5])
+def test_sampling_params_carry_the_logprobs_asked_for(logprobs: int) -> None:
+    assert decode_sampling_params(encode_sampling_params(SamplingParams(logprobs=logprobs))).logprobs == logprobs
+
+
+def test_result_round_trips_with_float32_logprobs_of_the_rows_that_asked() -> None:
+    logprobs = StepLogprobs(
+        rows=[0, 2], token_logprobs=[-0.5, -7.0], num_top=[2, 0], top_token_ids=[5, 6], top_logprobs=[-0.5, -1.25]
+    )
+    result = StepResult(3, [5, 999, 0], logprobs)
     message = step_pb2.StepResult.FromString(encode_result(3, result).SerializeToString())
     assert decode_result(message) == result
-    assert len(message.sampled_token_ids) == 12 and len(message.logprobs) == 12
+    assert len(message.sampled_token_ids) == 12 and len(message.token_logprobs) == 8
+
+
+def test_a_result_without_logprobs_carries_none() -> None:
+    message = encode_result(3, StepResult(3, [5, 6]))
+    assert message.ByteSize() < 20
+    assert decode_result(message) == StepResult(3, [5, 6])
 
 
 def test_result_of_a_non_driver_rank_decodes_to_none() -> None:
@@ -195,11 +210,27 @@ def test_new_requests_send_each_distinct_sampling_params_once() -> None:
     assert over_the_wire(plan) == plan
 
 
-def test_result_with_unpaired_logprobs_is_rejected() -> None:
-    message = encode_result(1, StepResult(1, [4, 5], [-1.0, -2.0]))
-    message.logprobs = message.logprobs[:4]
-    with pytest.raises(ValueError, match="^logprobs has 1 entries but sampled_token_ids has 2"):
-        decode_result(message)
+def result_with_logprobs() -> step_pb2.StepResult:
+    logprobs = StepLogprobs(rows=[0, 1], token_logprobs=[-1.0, -2.0], num_top=[1, 1],
+                            top_token_ids=[4, 7], top_logprobs=[-1.0, -0.5])
+    return encode_result(1, StepResult(1, [4, 5], logprobs))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("token_logprobs", np.array([-1.0], "<f4").tobytes(), "^token_logprobs has 1 entries for 2 logprob_rows"),
+        ("logprob_rows", int32([0, 2]), r"^logprob_rows must increase within \[0, 2\)"),
+        ("logprob_rows", int32([1, 0]), "^logprob_rows must increase"),
+        ("num_top_logprobs", int32([1, 2]), "^top_token_ids has 2 entries but num_top_logprobs adds up to 3"),
+        ("top_logprobs", np.array([-1.0], "<f4").tobytes(), "^top_logprobs has 1 entries but top_token_ids has 2"),
+    ],
+)
+def test_result_with_inconsistent_logprobs_is_rejected(field: str, value: bytes, message: str) -> None:
+    result = result_with_logprobs()
+    setattr(result, field, value)
+    with pytest.raises(ValueError, match=message):
+        decode_result(result)
 
 
 def test_a_plan_with_placeholder_rows_is_refused_rather_than_sent_without_them() -> None:

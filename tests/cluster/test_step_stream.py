@@ -69,7 +69,7 @@ class Rank:
         self.plans.append(plan)
         if not self.sample:
             return None
-        return StepResult(plan.step_id, [plan.token_ids[0]] * plan.num_sampled, [-0.5] * plan.num_sampled)
+        return StepResult(plan.step_id, [plan.token_ids[0]] * plan.num_sampled)
 
     def shutdown(self) -> None:
         self.threads.add(threading.current_thread().name)

@@ -48,3 +48,11 @@ def hf_greedy(
             row = row[: row.index(eos) + 1]
         results.append(row)
     return results
+
+
+def hf_log_softmax(model: torch.nn.Module, prompt: Sequence[int], output: Sequence[int]) -> torch.Tensor:
+    """``[len(output), vocab]``: the float32 ``log_softmax`` of the logits that chose each token of ``output``
+    after ``prompt`` (one forward pass over both)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(output)], device=model.device)).logits[0].float()
+    return torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).cpu()

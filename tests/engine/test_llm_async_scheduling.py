@@ -110,7 +110,8 @@ def test_graphed_steps_with_placeholders_equal_the_plain_engine_on_cuda(tmp_path
 @pytest.mark.gpu
 def test_overlapped_launches_do_not_synchronise_with_the_device(tmp_path) -> None:
     """Planning step N+1 overlaps step N only if launching N+1 never waits for the device:
-    torch's sync debug mode raises on any synchronising call inside a launch."""
+    torch's sync debug mode raises on any synchronising call inside a launch, whatever
+    the sampling (a pageable copy of the temperatures made every sampled step wait)."""
     import torch
 
     path = create_tiny_model(tmp_path, "llama", seed=3, head_dim=64)
@@ -129,6 +130,10 @@ def test_overlapped_launches_do_not_synchronise_with_the_device(tmp_path) -> Non
 
         worker.launch = strict_launch
         prompts = random_prompts(12, seed=2, lo=3, hi=40)
-        outputs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+        # greedy, random, top-k and top-p, seeded
+        kinds = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.7, top_k=20, top_p=0.9),
+                 dict(temperature=1.0, seed=5)]
+        params = [SamplingParams(max_tokens=16, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(len(prompts))]
+        outputs = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in outputs] == [16] * len(prompts)
     assert sum(launches) > 0  # decode steps with placeholders were launched

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from kvserve import LLM, SamplingParams
@@ -36,7 +38,7 @@ def test_a_different_seed_gives_different_tokens(llm: LLM) -> None:
     assert a != b
 
 
-def test_sampled_tokens_come_with_their_logprobs(llm: LLM) -> None:
-    (output,) = llm.generate([[5, 6, 7]], SEEDED)
+def test_sampled_tokens_come_with_their_logprobs_when_asked(llm: LLM) -> None:
+    (output,) = llm.generate([[5, 6, 7]], dataclasses.replace(SEEDED, logprobs=0))
     assert len(output.logprobs) == len(output.token_ids) == 20
-    assert all(lp <= 0.0 for lp in output.logprobs)
+    assert all(t.logprob <= 0.0 and t.top_token_ids == () for t in output.logprobs)

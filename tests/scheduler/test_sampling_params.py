@@ -14,6 +14,12 @@ from kvserve.scheduler.sampling_params import SamplingParams
 def test_defaults_are_valid() -> None:
     params = SamplingParams()
     assert params.max_tokens == 16 and params.top_k is None and not params.is_greedy
+    assert params.logprobs is None
+
+
+@pytest.mark.parametrize("logprobs", [0, 1, 20])
+def test_logprobs_from_0_to_20_are_accepted(logprobs: int) -> None:
+    assert SamplingParams(logprobs=logprobs).logprobs == logprobs
 
 
 @pytest.mark.parametrize(
@@ -35,6 +41,9 @@ def test_defaults_are_valid() -> None:
         ({"top_p": True}, "top_p must be a number"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a sequence of token ids, got 5"),  # a TypeError
         ({"stop_token_ids": (1, True)}, "stop_token_ids must be an integer, got True"),
+        ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\] or None, got -1"),
+        ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\] or None, got 21"),
+        ({"logprobs": True}, "logprobs must be an integer, got True"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:

@@ -81,24 +81,87 @@ def test_greedy_rows_of_a_mixed_batch_take_argmax() -> None:
 def test_logprobs_are_the_raw_log_softmax_at_the_sampled_ids() -> None:
     logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2)) * 3
     params = [
-        GREEDY,
-        SamplingParams(temperature=0.5),
-        SamplingParams(temperature=2.0, top_k=3),
-        SamplingParams(top_p=0.5, seed=1),
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=0.5, logprobs=0),
+        SamplingParams(temperature=2.0, top_k=3, logprobs=0),
+        SamplingParams(top_p=0.5, seed=1, logprobs=0),
     ]
     out = Sampler(seed=0)(logits, params, [0, 1, 2, 3])
     expected = torch.log_softmax(logits, dim=-1).gather(-1, out.token_ids[:, None]).squeeze(-1)
-    assert out.logprobs.dtype == torch.float32
-    torch.testing.assert_close(out.logprobs, expected)
+    assert out.logprobs.rows == [0, 1, 2, 3]
+    assert out.logprobs.token_logprobs.dtype == torch.float32
+    torch.testing.assert_close(out.logprobs.token_logprobs, expected)
 
 
-def test_all_greedy_logprobs_are_the_log_softmax_at_the_argmax() -> None:
-    # The all-greedy fast path computes its logprobs apart from the sampling path.
+def test_a_greedy_tokens_logprob_is_the_largest_of_its_row() -> None:
     logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(5)) * 3
-    out = Sampler(seed=0)(logits, [GREEDY] * 5, [0] * 5)
+    out = Sampler(seed=0)(logits, [SamplingParams(temperature=0.0, logprobs=1)] * 5, [0] * 5)
     expected = torch.log_softmax(logits, dim=-1).max(dim=-1).values
-    assert out.logprobs.dtype == torch.float32 and bool((out.logprobs < 0).all())
-    torch.testing.assert_close(out.logprobs, expected)
+    assert bool((out.logprobs.token_logprobs < 0).all())
+    torch.testing.assert_close(out.logprobs.token_logprobs, expected)
+    torch.testing.assert_close(out.logprobs.top_logprobs[:, 0], expected)
+    assert torch.equal(out.logprobs.top_token_ids[:, 0], out.token_ids)
+
+
+def test_top_logprobs_are_the_k_most_likely_tokens_of_each_row_that_asked() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(7)) * 2
+    params = [GREEDY, SamplingParams(logprobs=3, seed=1), RANDOM, SamplingParams(temperature=0.0, logprobs=5)]
+    out = Sampler(seed=0)(logits, params, [0] * 4)
+    reference = torch.log_softmax(logits, dim=-1)
+    assert out.logprobs.rows == [1, 3] and out.logprobs.num_top == [3, 5]
+    top = reference.topk(5, dim=-1)
+    torch.testing.assert_close(out.logprobs.top_logprobs, top.values[[1, 3]])
+    assert torch.equal(out.logprobs.top_token_ids, top.indices[[1, 3]])
+    token_ids, step = out.unpack(out.pack())
+    assert token_ids == out.token_ids.tolist()
+    assert step.rows == [1, 3] and step.num_top == [3, 5]
+    assert step.top_token_ids == top.indices[1, :3].tolist() + top.indices[3].tolist()
+    assert step.top_logprobs == pytest.approx(top.values[1, :3].tolist() + top.values[3].tolist())
+    assert step.token_logprobs == pytest.approx(reference[[1, 3], token_ids[1::2]].tolist())
+
+
+def test_a_step_without_logprob_requests_computes_none() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(8))
+    out = Sampler(seed=0)(logits, [GREEDY, RANDOM, SamplingParams(top_k=4)], [0] * 3)
+    assert out.logprobs is None
+    assert out.pack() is out.token_ids
+    assert out.unpack(out.pack()) == (out.token_ids.tolist(), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_with_logprobs_on_cuda_waits_for_the_device_only_in_the_result() -> None:
+    """Issue 32: the copy of the samples (and logprobs) is the step's one sync; the values are the CPU's."""
+    from kvserve.worker.worker import LaunchedStep
+
+    logits = torch.randn(8, 3000, generator=torch.Generator().manual_seed(11)) * 3
+    params = [
+        GREEDY, SamplingParams(temperature=0.0, logprobs=4), RANDOM, SamplingParams(top_k=20, seed=3, logprobs=0),
+        SamplingParams(top_p=0.8, logprobs=20), GREEDY, SamplingParams(temperature=0.0, logprobs=1), RANDOM,
+    ]
+    cuda_logits = logits.cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        launched = LaunchedStep.copying(7, Sampler(seed=0)(cuda_logits, params, [0] * 8))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    result = launched.result()
+    assert result.logprobs.rows == [1, 3, 4, 6] and result.logprobs.num_top == [4, 0, 20, 1]
+    reference = torch.log_softmax(logits, dim=-1)
+    assert [result.sampled_token_ids[r] for r in (0, 1, 5, 6)] == reference[[0, 1, 5, 6]].argmax(-1).tolist()
+    expected = reference[result.logprobs.rows, [result.sampled_token_ids[r] for r in result.logprobs.rows]]
+    assert result.logprobs.token_logprobs == pytest.approx(expected.tolist(), abs=1e-4)
+    top_ids, top_logprobs = result.logprobs.top_token_ids[4:24], result.logprobs.top_logprobs[4:24]
+    assert top_logprobs == pytest.approx(reference[4].topk(20).values.tolist(), abs=1e-4)
+    assert reference[4, top_ids].tolist() == pytest.approx(top_logprobs, abs=1e-4)
+
+
+def test_top_logprobs_past_the_vocabulary_are_cut_to_it() -> None:
+    logits = torch.randn(1, 6, generator=torch.Generator().manual_seed(9))
+    out = Sampler(seed=0)(logits, [SamplingParams(temperature=0.0, logprobs=20)], [0])
+    assert out.logprobs.num_top == [6]
+    assert sorted(out.logprobs.top_token_ids[0].tolist()) == list(range(6))
 
 
 def test_output_indices_of_any_integer_type_are_accepted() -> None:
@@ -109,12 +172,14 @@ def test_output_indices_of_any_integer_type_are_accepted() -> None:
 
 def test_half_precision_logits_are_sampled_in_float32() -> None:
     logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    out = Sampler(seed=0)(logits, [GREEDY, RANDOM, SamplingParams(top_k=4)], [0, 0, 0])
+    params = [SamplingParams(temperature=0.0, logprobs=0), SamplingParams(logprobs=0),
+              SamplingParams(top_k=4, logprobs=0)]
+    out = Sampler(seed=0)(logits, params, [0, 0, 0])
     assert out.token_ids.dtype == torch.int64
-    assert out.logprobs.dtype == torch.float32
+    assert out.logprobs.token_logprobs.dtype == torch.float32
     assert out.token_ids[0] == logits[0].float().argmax()
     expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, out.token_ids[:, None]).squeeze(-1)
-    torch.testing.assert_close(out.logprobs, expected)
+    torch.testing.assert_close(out.logprobs.token_logprobs, expected)
 
 
 def test_top_k_of_one_equals_greedy() -> None:
@@ -273,7 +338,7 @@ def test_unseeded_rows_are_reproducible_from_the_sampler_seed() -> None:
 
 def test_empty_batch() -> None:
     out = Sampler()(torch.empty(0, 10), [], [])
-    assert out.token_ids.shape == out.logprobs.shape == (0,)
+    assert out.token_ids.shape == (0,) and out.logprobs is None
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def test_execute_sleeps_the_modelled_step_time_and_samples_synthetic_tokens() ->
 
     assert slept == [pytest.approx(2.0 * (0.01 + 10 * 1e-4))]
     assert result.sampled_token_ids == [synthetic_token_id("a", 10, 500)]
-    assert result.logprobs == [0.0]
+    assert result.logprobs is None
 
 
 def test_synthetic_tokens_are_deterministic_and_in_range() -> None:
