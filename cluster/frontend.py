@@ -1,8 +1,8 @@
 """The front end: the ``kvserve.v1.Generation`` servicer, and the request pipeline of every front door.
 
-This is the only module that converts between ``generate_pb2`` messages and
-the scheduler actor's dataclasses (``RequestSpec``, ``RequestDelta``,
-``ReplicaStatsInfo``).  ``responses`` is the pipeline of one request, a
+With ``request_conversion`` (the messages to and from the scheduler actor's
+dataclasses), this is the only module that speaks both ``generate_pb2`` and the
+actor's ``RequestSpec``, ``RequestDelta`` and ``ReplicaStatsInfo``.  ``responses`` is the pipeline of one request, a
 ``GenerateRequest`` in and its ``GenerateResponse``s out, with no gRPC in it:
 ``Generate`` serves it over gRPC and the OpenAI-compatible HTTP API
 (``openai_api``) over HTTP, each mapping its ``FrontendError``s to its own
@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
@@ -48,7 +47,7 @@ import grpc
 from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
-from kvserve.cluster.auth import AuthenticationError, Tenant, TokenTable, tenant_cache_salt
+from kvserve.cluster.auth import AuthenticationError, Tenant, TokenTable
 from kvserve.cluster.frontend_errors import (
     FrontendError,
     InvalidRequestError,
@@ -60,29 +59,21 @@ from kvserve.cluster.grpc_auth import authorization_header
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
+from kvserve.cluster.request_conversion import RequestConversion, to_response
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.request_limits import RequestLimits
-from kvserve.cluster.stop_strings import StopStringMatcher, check_stop_strings
+from kvserve.cluster.stop_strings import StopStringMatcher
 from kvserve.cluster.tolerant_handlers import abort_if_undecodable
 from kvserve.proto import generate_pb2, generate_pb2_grpc
-from kvserve.scheduler.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_REQUEST_ID_LENGTH = 256
 # How long a call waits for the cancelled request whose id it reuses to drain.
 DRAIN_TIMEOUT_S = 5.0
 # Text prompts longer than this are tokenized in a thread: a megabyte takes the
 # tokenizer about a second, which on the event loop stalled every stream.
 _TOKENIZE_IN_THREAD_CHARS = 1 << 16
-# Room in the quick refusal of text too long to fit (see ``_max_text_chars``).
-_TEXT_BOUND_FACTOR = 4
 _POLL_TIMEOUT_S = 1.0
-_FINISH_REASONS = {
-    "stop": generate_pb2.FINISH_REASON_STOP,
-    "length": generate_pb2.FINISH_REASON_LENGTH,
-    "abort": generate_pb2.FINISH_REASON_ABORT,
-}
 
 
 # What a client is told once the scheduler actor is gone (the details go to the log).
@@ -117,11 +108,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self._scheduler = scheduler
         self.tokens = tokens
         self.limits = limits or RequestLimits()
+        self._conversion = RequestConversion(model_info, tokenizer, self.limits)
         # The errors the front end itself ends streams with: told to clients as they are.
         self._own_errors = {SCHEDULER_LOST}
         self._model_info = model_info
         self._tokenizer = tokenizer
-        self._max_text_chars = _max_text_chars(tokenizer, model_info.max_model_len)
         self._max_concurrent_requests = max_concurrent_requests
         self._pacing = StreamPacing(stream_interval_s, max_messages_per_s)
         self._on_scheduler_lost = on_scheduler_lost
@@ -256,6 +247,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 response = self.to_response(req_id, delta, None)
                 response.text, num_used = matcher.add_tokens(detokenizer, delta.token_ids, is_last=delta.is_last)
                 del response.token_ids[num_used:]
+                del response.logprobs[num_used:]
                 num_output_tokens += num_used
                 if matcher.stopped:
                     last = delta if delta.is_last else await self._stop_request(req_id, stream)
@@ -336,139 +328,17 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             ]
         )
 
-    # -- protobuf <-> dataclasses ----------------------------------------------
+    # -- protobuf <-> dataclasses (``request_conversion``) -------------------------
 
     def to_request_spec(self, request: generate_pb2.GenerateRequest, tenant: Tenant | None = None) -> RequestSpec:
-        """Tokenize and validate ``request``; ``InvalidRequestError`` names the bad field or limit.
-
-        Every size is checked before the work it would cost (``RequestLimits``).
-        """
-        model = self._model_info
-        limits = self.limits
-        vocab_size = model.vocab_size
-        req_id = request.request_id or uuid.uuid4().hex
-        if len(req_id) > MAX_REQUEST_ID_LENGTH:
-            raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
-        if len(request.cache_salt.encode()) > limits.max_cache_salt_bytes:
-            raise InvalidRequestError(
-                f"cache_salt: {len(request.cache_salt.encode())} bytes, over the limit of "
-                f"{limits.max_cache_salt_bytes} (max_cache_salt_bytes)"
-            )
-        num_stop_token_ids = len(request.sampling_params.stop_token_ids)
-        if num_stop_token_ids > limits.max_stop_token_ids:
-            raise InvalidRequestError(
-                f"sampling_params.stop_token_ids: {num_stop_token_ids} ids, over the limit of "
-                f"{limits.max_stop_token_ids} (max_stop_token_ids)"
-            )
-        kind = request.WhichOneof("prompt")
-        if kind is None:
-            raise InvalidRequestError("prompt is missing: set text or token_ids")
-        if kind == "text":
-            if not request.text:
-                raise InvalidRequestError("text is empty")
-            if self._tokenizer is None:
-                raise InvalidRequestError("text prompts need a tokenizer and this model has none: send token_ids")
-            if self._max_text_chars is not None and len(request.text) > self._max_text_chars:
-                raise InvalidRequestError(
-                    f"text: {len(request.text)} characters are far more than max_model_len "
-                    f"{model.max_model_len} tokens can hold"
-                )
-            num_bytes = len(request.text.encode())
-            if num_bytes > limits.max_prompt_bytes:
-                raise InvalidRequestError(
-                    f"text: {num_bytes} bytes, over the limit of {limits.max_prompt_bytes} (max_prompt_bytes)"
-                )
-            prompt_token_ids = list(self._tokenizer(request.text)["input_ids"])
-            if not prompt_token_ids:
-                raise InvalidRequestError("text tokenizes to no tokens")
-        else:
-            prompt_token_ids = list(request.token_ids.ids)
-            if not prompt_token_ids:
-                raise InvalidRequestError("token_ids is empty")
-            # The sizes first: a long list is refused before it is walked.
-            if len(prompt_token_ids) >= model.max_model_len:
-                raise InvalidRequestError(
-                    f"token_ids: the prompt has {len(prompt_token_ids)} tokens; max_model_len is {model.max_model_len}"
-                )
-            if limits.max_prompt_tokens is not None and len(prompt_token_ids) > limits.max_prompt_tokens:
-                raise InvalidRequestError(
-                    f"token_ids: {len(prompt_token_ids)} prompt tokens, over the limit of {limits.max_prompt_tokens} "
-                    "(max_prompt_tokens)"
-                )
-            # NOTE: min/max run in C; the loop only runs to name the offending id.
-            if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-                bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
-                raise InvalidRequestError(f"token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
-        num_prompt_tokens = len(prompt_token_ids)
-        if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:
-            field = "text" if kind == "text" else "token_ids"
-            raise InvalidRequestError(
-                f"{field}: {num_prompt_tokens} prompt tokens, over the limit of {limits.max_prompt_tokens} "
-                "(max_prompt_tokens)"
-            )
-        sampling_params = self._to_sampling_params(request.sampling_params)
-        if num_prompt_tokens + sampling_params.max_tokens > model.max_model_len:
-            field = "text" if kind == "text" else "token_ids"
-            if num_prompt_tokens >= model.max_model_len:
-                raise InvalidRequestError(
-                    f"{field}: the prompt has {num_prompt_tokens} tokens; max_model_len is {model.max_model_len}"
-                )
-            default = "" if request.sampling_params.HasField("max_tokens") else " (the default)"
-            raise InvalidRequestError(
-                f"sampling_params.max_tokens: {num_prompt_tokens} prompt tokens + max_tokens "
-                f"{sampling_params.max_tokens}{default} exceed max_model_len {model.max_model_len}"
-            )
-        return RequestSpec(
-            req_id=req_id,
-            prompt_token_ids=prompt_token_ids,
-            sampling_params=sampling_params,
-            cache_salt=tenant_cache_salt(tenant, request.cache_salt or None),
-        )
-
-    def _to_sampling_params(self, params: generate_pb2.SamplingParams) -> SamplingParams:
-        vocab_size = self._model_info.vocab_size
-        for token_id in params.stop_token_ids:
-            if not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(
-                    f"sampling_params.stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
-        if params.stop:
-            if self._tokenizer is None:
-                raise InvalidRequestError("sampling_params.stop: stop strings need a tokenizer and this model has none")
-            try:
-                check_stop_strings(params.stop)
-            except ValueError as exc:
-                raise InvalidRequestError(f"sampling_params.{exc}") from None
-        kwargs: dict[str, Any] = {
-            "stop_token_ids": tuple(params.stop_token_ids),
-            "ignore_eos": params.ignore_eos,
-        }
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
-            if params.HasField(name):
-                kwargs[name] = getattr(params, name)
-        try:
-            # SamplingParams validates every field and names it in its message.
-            return SamplingParams(**kwargs)
-        except ValueError as exc:
-            raise InvalidRequestError(f"sampling_params.{exc}") from None
+        """Tokenize and validate ``request``; ``InvalidRequestError`` names the bad field or limit."""
+        return self._conversion.to_request_spec(request, tenant)
 
     def to_response(
         self, req_id: str, delta: RequestDelta, detokenizer: IncrementalDetokenizer | None
     ) -> generate_pb2.GenerateResponse:
-        text = ""
-        if detokenizer is not None:
-            text = detokenizer.add(delta.token_ids)
-            if delta.is_last:
-                text += detokenizer.flush()
-        response = generate_pb2.GenerateResponse(
-            request_id=req_id, token_ids=delta.token_ids, text=text, replica=delta.replica
-        )
-        if delta.finish_reason is not None:
-            response.finish_reason = _FINISH_REASONS[delta.finish_reason]
-            response.usage.prompt_tokens = delta.num_prompt_tokens
-            response.usage.cached_prompt_tokens = delta.num_cached_tokens
-            response.usage.completion_tokens = delta.num_output_tokens
-        return response
+        return to_response(req_id, delta, detokenizer)
+
 
     # -- requests and outputs ----------------------------------------------------
 
@@ -526,6 +396,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     def _route(self, batch: OutputBatch) -> None:
         streams = self._streams
+        logprobs = batch.logprobs
         orphans: list[str] = []
         for req_id, token_ids, replica in zip(batch.req_ids, batch.token_ids, batch.replicas):
             stream = streams.get(req_id)
@@ -533,7 +404,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 if req_id not in self._draining:  # those are aborted already
                     orphans.append(req_id)
             else:
-                stream.add(token_ids, replica)
+                stream.add(token_ids, replica, logprobs.get(req_id) if logprobs else None)
         for delta in batch.last_deltas:
             stream = streams.get(delta.req_id)
             if stream is not None:
@@ -613,19 +484,3 @@ def _public(req_id: str, what: str, internals: str) -> str:
     stack details) go to the server log under the request id."""
     logger.warning("request %s: %s: %s", req_id, what, internals)
     return f"request {req_id}: {what} (details in the server log under this request id)"
-
-
-def _max_text_chars(tokenizer: Any | None, max_model_len: int) -> int | None:
-    """A length of text that cannot tokenize to ``max_model_len`` tokens or fewer, refused untokenized.
-
-    No token covers more bytes than the longest vocabulary entry's UTF-8
-    spelling (byte-level and SentencePiece vocabularies spell each byte with
-    at least one byte), and text has at least one byte per character; the
-    factor leaves room for normalizers that compose characters or tidy
-    whitespace.  ``None`` without a tokenizer or a vocabulary to read.
-    """
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return None
-    longest = max((len(token.encode("utf-8")) for token in get_vocab()), default=0)
-    return _TEXT_BOUND_FACTOR * max_model_len * longest if longest else None

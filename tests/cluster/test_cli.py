@@ -357,7 +357,7 @@ def test_sigterm_during_a_live_experiments_replay_stops_it_as_ctrl_c_does(tmp_pa
     )
     session_id = process.proc.pid
     try:
-        process.wait_for(r"round_robin @ 8 qps: +10%", STARTUP_TIMEOUT_S)
+        process.wait_for(r"round_robin @ 8 qps: +\d+% \(", STARTUP_TIMEOUT_S)  # replaying
         os.kill(session_id, signal.SIGTERM)
         returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
         output = process.output()
@@ -531,7 +531,8 @@ def test_serve_stops_cleanly_on_sigterm(server):
 
 
 def test_placement_waits_without_limit_when_joining_a_cluster_unless_told():
-    from kvserve.cluster.cli import _placement_timeout, build_parser
+    from kvserve.cluster.cli import build_parser
+    from kvserve.cluster.cli_serve import _placement_timeout
 
     parse = build_parser().parse_args
     assert _placement_timeout(parse(["serve"])) == 60.0
@@ -650,11 +651,15 @@ def test_a_missing_config_file_is_refused(capsys, tmp_path):
     assert "none.yaml: No such file or directory" in capsys.readouterr().err
 
 
-def test_serve_help_spells_out_the_default_message_limit_of_the_server_config() -> None:
-    from kvserve.cluster import cli
+def test_serve_help_spells_out_the_defaults_of_modules_it_does_not_import() -> None:
+    from kvserve.cluster import cli_serve
     from kvserve.cluster.config import DEFAULT_MAX_MESSAGE_BYTES
+    from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
+    from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES
 
-    assert cli._MAX_MESSAGE_BYTES == DEFAULT_MAX_MESSAGE_BYTES
+    assert cli_serve._MAX_MESSAGE_BYTES == DEFAULT_MAX_MESSAGE_BYTES
+    assert cli_serve._WORKER_CPU_RESOURCE == WORKER_CPU_RESOURCE
+    assert cli_serve._CPU_KV_CACHE_MIB * 2**20 == DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def test_serve_exits_non_zero_at_once_when_the_scheduler_actor_dies(tmp_path, model_dir):

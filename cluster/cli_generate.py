@@ -1,0 +1,176 @@
+"""``kvserve generate``: stream one completion from a running server (``kvserve.client``)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from kvserve.cluster.host_port import split_host_port
+
+# gRPC's name resolvers: a target that starts with one is not HOST:PORT.
+_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
+
+
+def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "generate",
+        help="stream one completion from a running server",
+        description=(
+            "Send PROMPT to a kvserve server and print the completion as it streams in; the "
+            "finish reason and the token usage follow on stderr."
+        ),
+    )
+    parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
+    parser.add_argument(
+        "--target", default="127.0.0.1:50051", type=_target, metavar="HOST:PORT",
+        help="server address, or any gRPC target such as unix:PATH (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-tokens", type=_int32, default=None, metavar="N",
+        help="tokens to generate at most (server default: 16)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=None, metavar="T",
+        help="0 is greedy (server default: 1.0)",
+    )
+    parser.add_argument(
+        "--top-p", type=float, default=None, metavar="P",
+        help="nucleus sampling mass in (0, 1] (server default: 1.0)",
+    )
+    parser.add_argument(
+        "--top-k", type=_int32, default=None, metavar="K",
+        help="sample among the K likeliest tokens; -1 or 0 disables (server default)",
+    )
+    parser.add_argument("--seed", type=_int64, default=None, help="seed for reproducible sampling")
+    parser.add_argument(
+        "--ignore-eos", action="store_true",
+        help="keep generating past the end-of-sequence token",
+    )
+    parser.add_argument(
+        "--stop", action="append", default=None, metavar="TEXT",
+        help="end the completion where its text contains TEXT (not printed); repeatable",
+    )
+    parser.add_argument(
+        "--cache-salt", default="",
+        help="share cached prefixes only with requests of the same salt",
+    )
+    parser.add_argument(
+        "--auth-token-file", type=Path, default=None, metavar="FILE",
+        help="send the first token of FILE as 'authorization: Bearer <token>' (the server's file format)",
+    )
+    parser.add_argument(
+        "--tls-ca", type=Path, default=None, metavar="FILE",
+        help="connect with TLS, trusting the server certificate's PEM CA in FILE",
+    )
+    parser.add_argument(
+        "--timeout", type=_positive_seconds, default=60.0, metavar="S",
+        help="deadline of the call in seconds (default: %(default)s)",
+    )
+    parser.set_defaults(handler=run_generate)
+
+
+def _first_token(path: Path | None) -> str | None:
+    """The first token of an auth token file (``ValueError`` when it holds none)."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--auth-token-file: cannot read {path}: {exc}") from None
+    for line in text.splitlines():
+        fields = line.split("#", 1)[0].split()
+        if fields:
+            return fields[0]
+    raise ValueError(f"--auth-token-file: {path} holds no token")
+
+
+def _target(text: str) -> str:
+    """A gRPC target: ``HOST:PORT`` checked, one with a resolver's scheme passed on as is."""
+    if text.startswith(_GRPC_SCHEMES):
+        return text
+    try:
+        split_host_port(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _positive_seconds(text: str) -> float:
+    """A deadline: 0 or less expired before the call could start (grpc said only DEADLINE_EXCEEDED)."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return seconds
+
+
+def _int32(text: str) -> int:
+    """An integer of an ``int32`` field (``max_tokens``, ``top_k``); protobuf raised past its range."""
+    return _integer_in_range(text, 32)
+
+
+def _int64(text: str) -> int:
+    """An integer of an ``int64`` field (``seed``)."""
+    return _integer_in_range(text, 64)
+
+
+def _integer_in_range(text: str, bits: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+        low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+        raise argparse.ArgumentTypeError(f"must be an integer from {low:,} to {high:,}, got {text}")
+    return value
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    try:
+        return _generate(args)
+    except BrokenPipeError:
+        # The channel is closed by then, which cancelled the call and freed the request on the server.
+        from kvserve.cluster.interrupts import closed_stdout_status
+
+        return closed_stdout_status()
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvserve.cluster.client import Client, RequestError
+
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    sampling = {name: getattr(args, name) for name in names}
+    try:
+        token = _first_token(args.auth_token_file)
+    except ValueError as exc:
+        print(f"kvserve generate: error: {exc}", file=sys.stderr)
+        return 2
+    with Client(args.target, token=token, tls_ca=args.tls_ca) as client:
+        last = None
+        try:
+            for delta in client.stream(
+                args.prompt, timeout=args.timeout, ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, **sampling
+            ):
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+                last = delta
+        except RequestError as exc:
+            print(file=sys.stdout if last is not None else sys.stderr)
+            print(f"kvserve generate: error: {exc.code}: {exc.message}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print()
+            return 130
+    print()
+    if last is not None and last.usage is not None:
+        usage = last.usage
+        print(
+            f"[{last.finish_reason}] prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
+            f"completion {usage.completion_tokens} tokens, replica {last.replica}",
+            file=sys.stderr,
+        )
+    return 0

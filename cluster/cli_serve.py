@@ -1,0 +1,464 @@
+"""``kvserve serve``: its flags, and the run from flags to a serving cluster."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import logging
+import math
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from kvserve.cluster.request_limits import (
+    DEFAULT_MAX_CACHE_SALT_BYTES,
+    DEFAULT_MAX_PROMPT_BYTES,
+    DEFAULT_MAX_STOP_TOKEN_IDS,
+    RequestLimits,
+)
+from kvserve.cluster.serve_runtime import check_local_gpus, init_ray, serve_until_signalled
+from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
+
+if TYPE_CHECKING:
+    from kvserve.cluster.tls import TlsFiles
+    from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
+
+logger = logging.getLogger(__name__)
+# NOTE: kvserve.cluster.config.DEFAULT_MAX_MESSAGE_BYTES, spelled out for the same reason as
+# the two below (a test keeps them equal).
+_MAX_MESSAGE_BYTES = 4 * 2**20
+# NOTE: kvserve.cluster.worker_actor.WORKER_CPU_RESOURCE, spelled out so that
+# `kvserve serve --help` need not import torch (a test keeps the two equal).
+_WORKER_CPU_RESOURCE = "kvserve_worker_slot"
+# NOTE: kvserve.worker.worker.DEFAULT_CPU_KV_CACHE_BYTES in MiB, for the same
+# reason (a test keeps the two equal).
+_CPU_KV_CACHE_MIB = 512
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="start a cluster and serve the kvserve.v1.Generation gRPC API and the OpenAI-compatible HTTP API",
+        description=(
+            "Start the scheduler actor and the model replicas on Ray, then serve "
+            "kvserve.v1.Generation, grpc.health.v1 and server reflection over gRPC, and the "
+            "OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+            "/metrics) on --http-port, until "
+            "interrupted (Ctrl-C or SIGTERM), and shut everything down.  Without --address, "
+            "a local Ray instance bound to 127.0.0.1 is started (and stopped at the end); "
+            "with --address, the cluster runs on an existing Ray cluster (e.g. after "
+            "`ray up`), whose nodes need GPUs, or on CPU the custom resource "
+            f"{{'{_WORKER_CPU_RESOURCE}': N}} for N ranks."
+        ),
+    )
+    parser.add_argument(
+        "--config", metavar="FILE.yaml", type=Path, default=None,
+        help="read flags from a YAML mapping of long flag names (without the dashes) to values; "
+        "flags on the command line override it",
+    )
+    parser.add_argument(
+        "--model", metavar="DIR", type=Path, default=None,
+        help="Hugging Face model directory (default: the embedded tiny model, created on first use)",
+    )
+    parser.add_argument(
+        "--tp", type=int, default=1, metavar="N",
+        help="tensor-parallel ranks per replica (default: 1)",
+    )
+    parser.add_argument(
+        "--replicas", type=int, default=1, metavar="M",
+        help="data-parallel replicas (default: 1)",
+    )
+    parser.add_argument(
+        "--host", default="127.0.0.1",
+        help="address the gRPC server listens on (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=50051, metavar="P",
+        help="port to listen on; 0 picks a free one (default: %(default)s)",
+    )
+    http = parser.add_mutually_exclusive_group()
+    http.add_argument(
+        "--http-port", type=int, default=8000, metavar="P",
+        help="port of the OpenAI-compatible HTTP API on --host; 0 picks a free one (default: %(default)s)",
+    )
+    http.add_argument(
+        "--no-http", action="store_const", const=None, dest="http_port",
+        help="serve gRPC only, no HTTP API",
+    )
+    parser.add_argument(
+        "--chat-template", type=Path, default=None, metavar="FILE",
+        help="Jinja chat template of /v1/chat/completions (default: the one in the model's tokenizer files)",
+    )
+    parser.add_argument(
+        "--address", default=None, metavar="ADDR",
+        help="join an existing Ray cluster: 'auto' or HOST:PORT (default: start a local Ray instance)",
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=None,
+        help="worker device (default: GPUs if the Ray cluster has any now, else CPU; give cuda to join a "
+        "cluster whose GPU nodes an autoscaler starts on demand)",
+    )
+    parser.add_argument(
+        "--block-size", type=int, default=16,
+        help="tokens per KV-cache block (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--num-blocks", type=int, default=None,
+        help="KV-cache blocks per replica, one of them the null block (default: as many as fit in 90%% of a "
+        f"GPU's memory less what is in use, or in {_CPU_KV_CACHE_MIB} MiB on CPU)",
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=256,
+        help="most requests running at once per replica (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048,
+        help="token budget of one step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=None,
+        help="longest prompt + output (default: the model's limit)",
+    )
+    parser.add_argument(
+        "--enforce-eager", action="store_true",
+        help="on GPUs, run every step eagerly instead of replaying the CUDA graphs captured at start-up "
+        "for decode steps",
+    )
+    security = parser.add_argument_group("authentication and TLS (both front doors)")
+    security.add_argument(
+        "--auth-token-file", type=Path, default=None, metavar="FILE",
+        help="require 'authorization: Bearer <token>' on every call but health: one token per line, optionally "
+        "'token tenant-name'; each tenant gets a prefix cache of its own (default: no authentication; "
+        "binding a non-loopback --host without it logs a warning)",
+    )
+    security.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
+    security.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the PEM private key of --tls-cert")
+    security.add_argument(
+        "--tls-client-ca", type=Path, default=None, metavar="FILE",
+        help="with --tls-cert: require client certificates signed by this PEM CA (mutual TLS)",
+    )
+    limits = parser.add_argument_group("per-request limits (refused with INVALID_ARGUMENT / HTTP 400 naming the limit)")
+    limits.add_argument(
+        "--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS, metavar="N",
+        help="stop token ids per request (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-cache-salt-bytes", type=int, default=DEFAULT_MAX_CACHE_SALT_BYTES, metavar="N",
+        help="bytes of a request's cache salt (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES, metavar="N",
+        help="bytes of a text prompt (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-prompt-tokens", type=int, default=None, metavar="N",
+        help="tokens of a prompt (default: the model's max_model_len)",
+    )
+    limits.add_argument(
+        "--max-message-bytes", type=int, default=_MAX_MESSAGE_BYTES, metavar="N",
+        help="bytes of a request message or HTTP body (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-concurrent-requests", type=int, default=1024,
+        help="streams in flight before RESOURCE_EXHAUSTED (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--stream-interval", type=float, default=0.02, metavar="S",
+        help="at most one message per S seconds on each stream (first tokens and the end go out at once), "
+        "so that the tokens of several steps travel together: fewer messages, more latency "
+        "(default: %(default)s; 0: every fetch of outputs)",
+    )
+    parser.add_argument(
+        "--max-messages-per-s", type=int, default=1000, metavar="N",
+        help="the server's budget of stream messages per second: with many streams, each stream's "
+        "interval grows to streams / N (default: %(default)s; 0: no budget)",
+    )
+    parser.add_argument(
+        "--simulated", action="store_true",
+        help="run simulated replicas: no model runs (no torch, no weights), each step sleeps the step cost "
+        "model's time and samples synthetic tokens; needs --num-blocks, takes CPU worker slots, and "
+        "--max-model-len may exceed the model's limit",
+    )
+    parser.add_argument(
+        "--cost-model", type=Path, default=None, metavar="FILE_OR_NAME",
+        help="with --simulated: the step cost model, a JSON file or a measured model's name such as "
+        "llama-3-8b-h100 (default: StepCostModel.default(), an 8B model on an H100)",
+    )
+    parser.add_argument(
+        "--time-scale", type=float, default=None, metavar="X",
+        help="with --simulated: steps last X times the cost model's time (default: 1; 0: no wait at all)",
+    )
+    parser.add_argument(
+        "--placement-timeout", type=float, default=None, metavar="S",
+        help="seconds a replica may wait for its GPUs or worker slots (default: 60 on a local "
+        "cluster; with --address, no limit, since an autoscaler may still be adding nodes)",
+    )
+    parser.add_argument(
+        "--routing", default=DEFAULT_POLICY, choices=sorted(POLICIES),
+        help="the policy that picks each new request's replica (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--routing-arg", action="append", default=[], type=_routing_arg, metavar="KEY=VALUE",
+        dest="routing_args",
+        help="a keyword argument of the routing policy, e.g. cache_threshold=0.5 for cache_aware; "
+        "repeatable.  VALUE is read as a Python literal (a number, True, False, None), else as a "
+        "string.  cost_ttft's max_num_batched_tokens defaults to --max-num-batched-tokens",
+    )
+    parser.set_defaults(handler=run_serve)
+
+
+def _routing_arg(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` as ``(key, value)``, the value read as a Python literal when it is one."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value.strip())
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return key, value
+
+
+def _routing_args(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    routing_args: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in routing_args:
+            raise ValueError(f"--routing-arg {key} is given more than once")
+        routing_args[key] = value
+    return routing_args
+
+
+def _placement_timeout(args: argparse.Namespace) -> float | None:
+    if args.placement_timeout is not None:
+        if not (args.placement_timeout > 0 and math.isfinite(args.placement_timeout)):
+            raise ValueError(f"--placement-timeout must be a positive number of seconds, got {args.placement_timeout}")
+        return args.placement_timeout
+    return None if args.address is not None else 60.0
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+
+    def progress(line: str) -> None:
+        print(f"kvserve serve: {line}", flush=True)
+
+    try:
+        if args.address is not None:
+            from kvserve.cluster.ray_address import parse_gcs_address
+
+            try:
+                parse_gcs_address(args.address)
+            except ValueError as exc:
+                raise ValueError(f"--address: {exc}") from None
+        if args.max_messages_per_s < 0:
+            raise ValueError(f"--max-messages-per-s must be >= 0 (0: no budget), got {args.max_messages_per_s}")
+        server_config = ServerConfig(
+            host=args.host,
+            port=args.port,
+            http_port=args.http_port,
+            max_concurrent_requests=args.max_concurrent_requests,
+            stream_interval_s=args.stream_interval,
+            max_messages_per_s=args.max_messages_per_s or None,
+            max_message_bytes=args.max_message_bytes,
+            limits=RequestLimits(
+                max_stop_token_ids=args.max_stop_token_ids,
+                max_cache_salt_bytes=args.max_cache_salt_bytes,
+                max_prompt_bytes=args.max_prompt_bytes,
+                max_prompt_tokens=args.max_prompt_tokens,
+            ),
+            auth_token_file=None if args.auth_token_file is None else str(args.auth_token_file),
+            tls=_tls_files(args),
+        )
+        if server_config.auth_token_file is not None:
+            from kvserve.cluster.auth import TokenTable
+
+            TokenTable.from_file(server_config.auth_token_file)  # a bad file is told before start-up
+        if server_config.tls is not None:
+            server_config.tls.server_credentials()
+        if not server_config.is_loopback and server_config.auth_token_file is None:
+            logger.warning(
+                "SERVING WITHOUT AUTHENTICATION on %s: anyone who can reach this address can generate and see "
+                "the prefix cache of everyone's requests; pass --auth-token-file FILE", args.host,
+            )
+            progress(f"WARNING: --host {args.host} without --auth-token-file: no authentication")
+        parallel = ParallelConfig(tensor_parallel_size=args.tp, num_replicas=args.replicas)
+        model_dir = args.model
+        if model_dir is None:
+            from kvserve.worker.tiny_model import default_tiny_model_path, ensure_default_tiny_model
+
+            if not (default_tiny_model_path() / "config.json").is_file():
+                progress(f"creating the default tiny model in {default_tiny_model_path()}")
+            model_dir = ensure_default_tiny_model()
+        simulation = _simulation_config(args)
+        chat_template = _read_chat_template(args.chat_template)
+        config = ClusterConfig(
+            model_dir=str(model_dir),
+            parallel=parallel,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_num_seqs=args.max_num_seqs,
+            max_model_len=args.max_model_len,
+            block_size=args.block_size,
+            num_blocks=args.num_blocks,
+            device=args.device,
+            enforce_eager=args.enforce_eager,
+            routing=args.routing,
+            routing_args=_routing_args(args.routing_args),
+            placement_timeout_s=_placement_timeout(args),
+            simulation=simulation,
+        )
+        from kvserve.cluster.launcher import resolve_model_config
+
+        # Fail on a wrong model directory before starting anything.
+        resolve_model_config(config)
+    except ValueError as exc:
+        print(f"kvserve serve: error: {_in_flag_terms(exc)}", file=sys.stderr)
+        return 2
+
+    import ray
+
+    from kvserve.cluster.interrupts import stop_on_sigterm
+    from kvserve.cluster.launcher import local_ray_lost, start_cluster
+    from kvserve.cluster.server import check_address_free
+
+    try:
+        # A taken port or a bad --host, told before the minutes of start-up.
+        check_address_free(server_config)
+        if server_config.http_port is not None:
+            from kvserve.cluster.http_server import bind_socket
+
+            bind_socket(server_config.host, server_config.http_port).close()
+        if args.address is None:
+            check_local_gpus(config)
+    except RuntimeError as exc:
+        print(f"kvserve serve: error: {exc}", file=sys.stderr)
+        return 1
+    # SIGTERM stops it as Ctrl-C does, at every stage (see kvserve.cluster.interrupts).
+    stop_on_sigterm()
+    try:
+        init_ray(args.address, config, progress)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        print(f"kvserve serve: error: cannot start or join Ray: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        # Ctrl-C while Ray started: init_local_ray stopped it (and said so), or a
+        # second Ctrl-C cut ray.init short and whatever it started is stopped here.
+        ray.shutdown()
+        progress("stopped")
+        return 0
+    handle = None
+    status = 0
+    try:
+        stop_on_sigterm()  # ray.init replaced it
+        routing = ", ".join([config.routing, *(f"{k}={v!r}" for k, v in config.routing_args.items())])
+        progress(f"serving model {config.model_dir}, routing {routing}")
+        handle = start_cluster(config, progress=progress)
+        try:
+            status = asyncio.run(serve_until_signalled(handle, server_config, progress, chat_template))
+        finally:
+            stop_on_sigterm()  # asyncio left it at the default action, which would kill the shutdown below
+    except (ValueError, RuntimeError) as exc:
+        print(f"kvserve serve: error: {_in_flag_terms(exc)}", file=sys.stderr)
+        status = 1
+    except KeyboardInterrupt:
+        progress("interrupted")
+    try:
+        if handle is not None:
+            progress("shutting down the replicas")
+            handle.shutdown()
+        if local_ray_lost():
+            # A signal to the whole process group stopped Ray's processes too:
+            # ray.shutdown() and the interpreter's exit would wait 60 s for the
+            # GCS, then end the process with an error.
+            progress("Ray's own processes have stopped (a signal to the whole process group stops them too)")
+            progress("stopped")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+        ray.shutdown()
+    except KeyboardInterrupt:
+        progress("interrupted again: exiting without a clean shutdown")
+        return 130
+    progress("stopped")
+    return status
+
+
+def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """``--tls-cert``/``--tls-key``/``--tls-client-ca`` as ``TlsFiles``; ``ValueError`` for a partial set."""
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    from kvserve.cluster.tls import TlsFiles
+
+    try:
+        return TlsFiles(
+            str(args.tls_cert), str(args.tls_key), None if args.tls_client_ca is None else str(args.tls_client_ca)
+        )
+    except ValueError as exc:
+        raise ValueError(f"--{str(exc).replace('_', '-', 1)}") from None
+
+
+def _read_chat_template(path: Path | None) -> str | None:
+    """``--chat-template``'s text; ``ValueError`` for a file that cannot be read or is empty."""
+    if path is None:
+        return None
+    try:
+        template = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    if not template.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return template
+
+
+def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
+    """``--simulated``'s settings; ``ValueError`` for a bad cost model or a setting without it."""
+    from kvserve.scheduler.simulation.cost_model import StepCostModel
+    from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
+
+    if not args.simulated:
+        if args.cost_model is not None or args.time_scale is not None:
+            raise ValueError("--cost-model and --time-scale need --simulated")
+        return None
+    cost_model = StepCostModel.default()
+    if args.cost_model is not None:
+        try:
+            cost_model = StepCostModel.load(args.cost_model)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"--cost-model {args.cost_model}: {getattr(exc, 'strerror', None) or exc}") from None
+    time_scale = 1.0 if args.time_scale is None else args.time_scale
+    return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
+
+
+# The settings' own checks name their fields; serve's errors name the flags that set them.
+_FLAG_OF_FIELD = {
+    "tensor_parallel_size": "--tp",
+    "num_replicas": "--replicas",
+    "port": "--port",
+    "http_port": "--http-port",
+    "block_size": "--block-size",
+    "num_blocks": "--num-blocks",
+    "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_model_len": "--max-model-len",
+    "max_concurrent_requests": "--max-concurrent-requests",
+    "stream_interval_s": "--stream-interval",
+    "placement_timeout_s": "--placement-timeout",
+    "time_scale": "--time-scale",
+}
+
+
+def _in_flag_terms(error: Exception) -> str:
+    """``error``'s message with a leading settings field replaced by its flag."""
+    message = str(error)
+    field, space, rest = message.partition(" ")
+    flag = _FLAG_OF_FIELD.get(field)
+    return f"{flag}{space}{rest}" if flag else message
+
+
