@@ -70,7 +70,8 @@ class CompletionDelta:
     """What one streamed message adds: new tokens and their text.
 
     Only the last delta of a stream has ``finish_reason`` ("stop", "length" or
-    "abort") and ``usage``; ``replica`` is the replica serving the request.
+    "abort") and ``usage``; ``replica`` is the replica serving the request (``None``
+    when none did: the server lost its scheduler).
     ``logprobs`` parallels ``token_ids`` when the request asked for them
     (``logprobs=k``), else it is ``None``.
     """
@@ -78,7 +79,7 @@ class CompletionDelta:
     request_id: str
     text: str
     token_ids: tuple[int, ...]
-    replica: int
+    replica: int | None
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
@@ -93,7 +94,7 @@ class Completion:
     token_ids: tuple[int, ...]
     finish_reason: str
     usage: Usage
-    replica: int
+    replica: int | None
     logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
@@ -173,7 +174,7 @@ def to_delta(response: generate_pb2.GenerateResponse) -> CompletionDelta:
         request_id=response.request_id,
         text=response.text,
         token_ids=tuple(response.token_ids),
-        replica=response.replica,
+        replica=response.replica if response.HasField("replica") else None,
         finish_reason=finish_reason,
         usage=usage,
         logprobs=tuple(

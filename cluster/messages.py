@@ -42,7 +42,8 @@ class RequestDelta:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
-    replica: int = -1
+    # The replica that served the request; None when none did (the server lost its scheduler).
+    replica: int | None = None
     logprobs: list[TokenLogprobs] | None = None
 
     @property
@@ -85,7 +86,7 @@ class OutputBatch:
 
     req_ids: list[str] = field(default_factory=list)
     token_ids: list[list[int]] = field(default_factory=list)
-    replicas: list[int] = field(default_factory=list)
+    replicas: list[int | None] = field(default_factory=list)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     last_deltas: list[RequestDelta] = field(default_factory=list)
     # How many replicas were healthy when the batch was taken (None: not reported).

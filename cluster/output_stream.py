@@ -65,7 +65,7 @@ class OutputStream:
         self._token_ids: list[int] = []
         # The held-back tokens' logprobs, if the request asked for them.
         self._logprobs: list[TokenLogprobs] | None = None
-        self._replica = -1
+        self._replica: int | None = None
         self._last: RequestDelta | None = None
         self._last_message_time: float | None = None  # None until the first message
         self._waiter: asyncio.Future[None] | None = None
