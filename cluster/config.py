@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.cluster.request_limits import RequestLimits
+from kvserve.scheduler.checks import check_block_size, check_num_blocks, check_positive_ints
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
@@ -29,11 +30,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-def _require_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """How many copies of the model (replicas) and how many ranks each (tensor parallel)."""
@@ -42,8 +38,8 @@ class ParallelConfig:
     num_replicas: int = 1
 
     def __post_init__(self) -> None:
-        _require_positive_int("tensor_parallel_size", self.tensor_parallel_size)
-        _require_positive_int("num_replicas", self.num_replicas)
+        check_positive_ints(tensor_parallel_size=self.tensor_parallel_size)
+        check_positive_ints(num_replicas=self.num_replicas)
 
     @property
     def num_workers(self) -> int:
@@ -96,13 +92,13 @@ class ServerConfig:
                 raise ValueError(f"http_port must be in [0, 65535] or None (no HTTP server), got {http_port!r}")
             if http_port != 0 and http_port == self.port:
                 raise ValueError(f"http_port must differ from port, both are {http_port}")
-        _require_positive_int("max_message_bytes", self.max_message_bytes)
-        _require_positive_int("max_concurrent_requests", self.max_concurrent_requests)
+        check_positive_ints(max_message_bytes=self.max_message_bytes)
+        check_positive_ints(max_concurrent_requests=self.max_concurrent_requests)
         interval = self.stream_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1:
             raise ValueError(f"stream_interval_s must be in [0, 1] seconds, got {interval!r}")
         if self.max_messages_per_s is not None:
-            _require_positive_int("max_messages_per_s", self.max_messages_per_s)
+            check_positive_ints(max_messages_per_s=self.max_messages_per_s)
         if not isinstance(self.limits, RequestLimits):
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         if self.auth_token_file is not None and not isinstance(self.auth_token_file, str):
@@ -176,27 +172,25 @@ class ClusterConfig:
             raise ValueError(f"model_dir must be a non-empty path string, got {self.model_dir!r}")
         if not isinstance(self.parallel, ParallelConfig):
             raise ValueError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}")
-        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
+        check_positive_ints(max_num_batched_tokens=self.max_num_batched_tokens)
+        check_positive_ints(max_num_seqs=self.max_num_seqs)
         if self.max_model_len is not None:
-            _require_positive_int("max_model_len", self.max_model_len)
+            check_positive_ints(max_model_len=self.max_model_len)
         if self.long_prefill_token_threshold is not None:
-            _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
-        _require_positive_int("block_size", self.block_size)
+            check_positive_ints(long_prefill_token_threshold=self.long_prefill_token_threshold)
+        check_block_size(self.block_size)
         if self.num_blocks is not None:
-            _require_positive_int("num_blocks", self.num_blocks)
-            if self.num_blocks < 2:
-                raise ValueError(f"num_blocks must be at least 2 (block 0 is the null block), got {self.num_blocks}")
+            check_num_blocks(self.num_blocks)
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
         if self.device is not None and self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
         if self.cpu_kv_cache_bytes is not None:
-            _require_positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+            check_positive_ints(cpu_kv_cache_bytes=self.cpu_kv_cache_bytes)
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.cpu_threads is not None:
-            _require_positive_int("cpu_threads", self.cpu_threads)
+            check_positive_ints(cpu_threads=self.cpu_threads)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if not isinstance(self.routing, str) or self.routing not in POLICIES:

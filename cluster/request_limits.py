@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvserve.scheduler.checks import check_positive_ints
+
 DEFAULT_MAX_STOP_TOKEN_IDS = 256
 DEFAULT_MAX_CACHE_SALT_BYTES = 256
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
@@ -27,5 +29,4 @@ class RequestLimits:
             value = getattr(self, name)
             if value is None and name == "max_prompt_tokens":
                 continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            check_positive_ints(**{name: value})

@@ -31,6 +31,7 @@ import grpc
 
 from kvserve.cluster.step_codec import decode_plan, encode_result
 from kvserve.proto import step_pb2, step_pb2_grpc
+from kvserve.scheduler.checks import check_num_blocks
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 
@@ -77,8 +78,10 @@ class StepWorkerServicer(step_pb2_grpc.StepWorkerServicer):
         return step_pb2.NumBlocks(num_blocks=self._run(context, self._runner.determine_num_blocks))
 
     def InitializeCache(self, request: step_pb2.NumBlocks, context: grpc.ServicerContext) -> step_pb2.Empty:
-        if request.num_blocks < 2:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"num_blocks must be >= 2, got {request.num_blocks}")
+        try:
+            check_num_blocks(request.num_blocks)
+        except ValueError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._run(context, self._runner.initialize_cache, request.num_blocks)
         return step_pb2.Empty()
 

@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from kvserve.scheduler.checks import check_block_size
+
 BlockHash = bytes
 """A 16-byte xxh3_128 digest identifying a full block and its whole prefix."""
 
@@ -65,8 +67,7 @@ class BlockHasher:
     __slots__ = ("block_size", "model_id", "_model_key", "_block_bytes")
 
     def __init__(self, block_size: int, model_id: str = "") -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        check_block_size(block_size)
         self.block_size = block_size
         self.model_id = model_id
         self._model_key = encode_extra_key(model_id)

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvserve.scheduler.block_hash import BlockHash
+from kvserve.scheduler.checks import check_num_blocks
 from kvserve.scheduler.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 
 logger = logging.getLogger(__name__)
@@ -116,10 +117,7 @@ class BlockPool:
         enable_caching: bool = True,
         observer: KVCacheEventObserver | None = None,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 2:
-            raise ValueError(
-                f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}"
-            )
+        check_num_blocks(num_blocks)
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.observer = observer

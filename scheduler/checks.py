@@ -24,6 +24,25 @@ def check_ints(minimum: int, **values: object) -> None:
             raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def check_positive_ints(**values: object) -> None:
+    """``ValueError`` unless every value is an integer (not a bool) >= 1: "NAME must be a positive integer"."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, Integral) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def check_block_size(block_size: object) -> None:
+    """``ValueError`` unless ``block_size`` (tokens per KV block) is an integer >= 1."""
+    check_ints(1, block_size=block_size)
+
+
+def check_num_blocks(num_blocks: object) -> None:
+    """``ValueError`` unless ``num_blocks`` (KV blocks of one pool, the null block included)
+    is an integer >= 2."""
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, Integral) or num_blocks < 2:
+        raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
+
+
 def check_numbers(
     minimum: float, *, above: bool = False, maximum: float = math.inf, **values: object
 ) -> None:

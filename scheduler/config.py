@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
-def _require_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+from kvserve.scheduler.checks import check_block_size, check_num_blocks, check_positive_ints
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +27,8 @@ class CacheConfig:
     model_id: str = ""
 
     def __post_init__(self) -> None:
-        _require_positive_int("block_size", self.block_size)
-        _require_positive_int("num_blocks", self.num_blocks)
-        if self.num_blocks < 2:
-            raise ValueError(
-                f"num_blocks must be at least 2 (block 0 is the null block), got {self.num_blocks}"
-            )
+        check_block_size(self.block_size)
+        check_num_blocks(self.num_blocks)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -60,11 +53,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None
 
     def __post_init__(self) -> None:
-        _require_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _require_positive_int("max_num_seqs", self.max_num_seqs)
-        _require_positive_int("max_model_len", self.max_model_len)
+        check_positive_ints(max_num_batched_tokens=self.max_num_batched_tokens)
+        check_positive_ints(max_num_seqs=self.max_num_seqs)
+        check_positive_ints(max_model_len=self.max_model_len)
         if self.long_prefill_token_threshold is not None:
-            _require_positive_int("long_prefill_token_threshold", self.long_prefill_token_threshold)
+            check_positive_ints(long_prefill_token_threshold=self.long_prefill_token_threshold)
             if not self.enable_chunked_prefill:
                 raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:

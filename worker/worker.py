@@ -23,6 +23,7 @@ from transformers import AutoConfig
 
 from kvserve.kernels import get_attention_backend
 from kvserve.kernels.host_to_device import to_device
+from kvserve.scheduler.checks import check_block_size, check_num_blocks
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 from kvserve.worker.cuda_graphs import DEFAULT_MAX_SEQ_LEN_TO_CAPTURE, DecodeGraphs, graph_batch_sizes
@@ -81,10 +82,9 @@ class WorkerConfig:
             raise ValueError(f"rank must be in [0, {self.tp_size}), got {self.rank}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2, got {self.num_blocks}")
+        check_block_size(self.block_size)
+        if self.num_blocks is not None:
+            check_num_blocks(self.num_blocks)
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -185,8 +185,7 @@ class Worker:
         return num_blocks_for_budget(spec, budget)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2, got {num_blocks}")
+        check_num_blocks(num_blocks)
         self.kv_caches = allocate_kv_cache(self.kv_cache_spec(), num_blocks, self.device)
         self.num_blocks = num_blocks
         if self.use_cuda_graphs:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvserve.scheduler.checks import check_num_blocks
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulated_executor import FIRST_SYNTHETIC_TOKEN_ID, SimulatedExecutor
 from kvserve.scheduler.step_plan import StepPlan
@@ -79,8 +80,7 @@ class SimulatedWorkerConfig:
     def __post_init__(self) -> None:
         if self.simulation.vocab_size is None:
             raise ValueError("a simulated worker needs simulation.vocab_size (the model's vocabulary)")
-        if isinstance(self.num_blocks, bool) or not isinstance(self.num_blocks, int) or self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be an integer >= 2, got {self.num_blocks!r}")
+        check_num_blocks(self.num_blocks)
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         if not 0 <= self.rank < self.tp_size:
