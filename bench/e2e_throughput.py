@@ -128,8 +128,8 @@ def local_cluster(model_dir: Path, threads: int) -> Iterator[object]:
     init_local_ray(num_worker_slots=1)
     try:
         handle = start_cluster(
-            ClusterConfig(
-                model_dir=str(model_dir),
+            ClusterConfig.from_kwargs(
+                str(model_dir),
                 block_size=BLOCK_SIZE,
                 num_blocks=NUM_BLOCKS,
                 max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,

@@ -19,6 +19,7 @@ from kvserve.cluster.request_limits import (
     RequestLimits,
 )
 from kvserve.cluster.serve_runtime import check_local_gpus, init_ray, serve_until_signalled
+from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
@@ -63,12 +64,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Hugging Face model directory (default: the embedded tiny model, created on first use)",
     )
     parser.add_argument(
-        "--tp", type=int, default=1, metavar="N",
-        help="tensor-parallel ranks per replica (default: 1)",
+        "--tp", type=int, default=None, metavar="N", dest="tensor_parallel_size",
+        help=f"tensor-parallel ranks per replica (default: {_engine_default('tensor_parallel_size')})",
     )
     parser.add_argument(
-        "--replicas", type=int, default=1, metavar="M",
-        help="data-parallel replicas (default: 1)",
+        "--replicas", type=int, default=None, metavar="M", dest="num_replicas",
+        help=f"data-parallel replicas (default: {_engine_default('num_replicas')})",
     )
     parser.add_argument(
         "--host", default="127.0.0.1",
@@ -101,21 +102,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "cluster whose GPU nodes an autoscaler starts on demand)",
     )
     parser.add_argument(
-        "--block-size", type=int, default=16,
-        help="tokens per KV-cache block (default: %(default)s)",
+        "--block-size", type=int, default=None,
+        help=f"tokens per KV-cache block (default: {_engine_default('block_size')})",
     )
     parser.add_argument(
         "--num-blocks", type=int, default=None,
-        help="KV-cache blocks per replica, one of them the null block (default: as many as fit in 90%% of a "
+        help="KV-cache blocks per replica, one of them the null block (default: as many as fit in "
+        f"{_engine_default('gpu_memory_utilization') * 100:.0f}%% of a "
         f"GPU's memory less what is in use, or in {_CPU_KV_CACHE_MIB} MiB on CPU)",
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, default=256,
-        help="most requests running at once per replica (default: %(default)s)",
+        "--max-num-seqs", type=int, default=None,
+        help=f"most requests running at once per replica (default: {_engine_default('max_num_seqs')})",
     )
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048,
-        help="token budget of one step (default: %(default)s)",
+        "--max-num-batched-tokens", type=int, default=None,
+        help=f"token budget of one step (default: {_engine_default('max_num_batched_tokens')})",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None,
@@ -165,7 +167,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="streams in flight before RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     parser.add_argument(
-        "--stream-interval", type=float, default=0.02, metavar="S",
+        "--stream-interval", type=float, default=0.02, metavar="S", dest="stream_interval_s",
         help="at most one message per S seconds on each stream (first tokens and the end go out at once), "
         "so that the tokens of several steps travel together: fewer messages, more latency "
         "(default: %(default)s; 0: every fetch of outputs)",
@@ -191,7 +193,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="with --simulated: steps last X times the cost model's time (default: 1; 0: no wait at all)",
     )
     parser.add_argument(
-        "--placement-timeout", type=float, default=None, metavar="S",
+        "--placement-timeout", type=float, default=None, metavar="S", dest="placement_timeout_s",
         help="seconds a replica may wait for its GPUs or worker slots (default: 60 on a local "
         "cluster; with --address, no limit, since an autoscaler may still be adding nodes)",
     )
@@ -206,7 +208,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "repeatable.  VALUE is read as a Python literal (a number, True, False, None), else as a "
         "string.  cost_ttft's max_num_batched_tokens defaults to --max-num-batched-tokens",
     )
-    parser.set_defaults(handler=run_serve)
+    # The settings' own checks name their fields; serve's errors name the flags that set them.
+    parser.set_defaults(handler=run_serve, flags_of_settings=_flags_of_settings(parser))
 
 
 def _routing_arg(text: str) -> tuple[str, Any]:
@@ -231,17 +234,17 @@ def _routing_args(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _placement_timeout(args: argparse.Namespace) -> float | None:
-    if args.placement_timeout is not None:
-        if not (args.placement_timeout > 0 and math.isfinite(args.placement_timeout)):
-            raise ValueError(f"--placement-timeout must be a positive number of seconds, got {args.placement_timeout}")
-        return args.placement_timeout
+    if args.placement_timeout_s is not None:
+        if not (args.placement_timeout_s > 0 and math.isfinite(args.placement_timeout_s)):
+            raise ValueError(f"--placement-timeout must be a positive number of seconds, got {args.placement_timeout_s}")
+        return args.placement_timeout_s
     return None if args.address is not None else 60.0
 
 
 def run_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+    from kvserve.cluster.config import ClusterConfig, ServerConfig
 
     def progress(line: str) -> None:
         print(f"kvserve serve: {line}", flush=True)
@@ -261,7 +264,7 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             http_port=args.http_port,
             max_concurrent_requests=args.max_concurrent_requests,
-            stream_interval_s=args.stream_interval,
+            stream_interval_s=args.stream_interval_s,
             max_messages_per_s=args.max_messages_per_s or None,
             max_message_bytes=args.max_message_bytes,
             limits=RequestLimits(
@@ -285,7 +288,6 @@ def run_serve(args: argparse.Namespace) -> int:
                 "the prefix cache of everyone's requests; pass --auth-token-file FILE", args.host,
             )
             progress(f"WARNING: --host {args.host} without --auth-token-file: no authentication")
-        parallel = ParallelConfig(tensor_parallel_size=args.tp, num_replicas=args.replicas)
         model_dir = args.model
         if model_dir is None:
             from kvserve.worker.tiny_model import default_tiny_model_path, ensure_default_tiny_model
@@ -295,16 +297,10 @@ def run_serve(args: argparse.Namespace) -> int:
             model_dir = ensure_default_tiny_model()
         simulation = _simulation_config(args)
         chat_template = _read_chat_template(args.chat_template)
+        # The engine's settings that have a flag, by name; the others keep their defaults.
+        settings = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
         config = ClusterConfig(
-            model_dir=str(model_dir),
-            parallel=parallel,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_num_seqs=args.max_num_seqs,
-            max_model_len=args.max_model_len,
-            block_size=args.block_size,
-            num_blocks=args.num_blocks,
-            device=args.device,
-            enforce_eager=args.enforce_eager,
+            EngineConfig.from_kwargs(str(model_dir), **{k: v for k, v in settings.items() if v is not None}),
             routing=args.routing,
             routing_args=_routing_args(args.routing_args),
             placement_timeout_s=_placement_timeout(args),
@@ -315,7 +311,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Fail on a wrong model directory before starting anything.
         resolve_model_config(config)
     except ValueError as exc:
-        print(f"kvserve serve: error: {_in_flag_terms(exc)}", file=sys.stderr)
+        print(f"kvserve serve: error: {_in_flag_terms(exc, args.flags_of_settings)}", file=sys.stderr)
         return 2
 
     import ray
@@ -354,14 +350,14 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         stop_on_sigterm()  # ray.init replaced it
         routing = ", ".join([config.routing, *(f"{k}={v!r}" for k, v in config.routing_args.items())])
-        progress(f"serving model {config.model_dir}, routing {routing}")
+        progress(f"serving model {config.engine.model}, routing {routing}")
         handle = start_cluster(config, progress=progress)
         try:
             status = asyncio.run(serve_until_signalled(handle, server_config, progress, chat_template))
         finally:
             stop_on_sigterm()  # asyncio left it at the default action, which would kill the shutdown below
     except (ValueError, RuntimeError) as exc:
-        print(f"kvserve serve: error: {_in_flag_terms(exc)}", file=sys.stderr)
+        print(f"kvserve serve: error: {_in_flag_terms(exc, args.flags_of_settings)}", file=sys.stderr)
         status = 1
     except KeyboardInterrupt:
         progress("interrupted")
@@ -436,29 +432,26 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
 
 
-# The settings' own checks name their fields; serve's errors name the flags that set them.
-_FLAG_OF_FIELD = {
-    "tensor_parallel_size": "--tp",
-    "num_replicas": "--replicas",
-    "port": "--port",
-    "http_port": "--http-port",
-    "block_size": "--block-size",
-    "num_blocks": "--num-blocks",
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "max_model_len": "--max-model-len",
-    "max_concurrent_requests": "--max-concurrent-requests",
-    "stream_interval_s": "--stream-interval",
-    "placement_timeout_s": "--placement-timeout",
-    "time_scale": "--time-scale",
-}
+def _engine_default(name: str) -> object:
+    """The default of the engine's setting ``name`` (``EngineConfig``), for --help."""
+    return EngineConfig.default(name)
 
 
-def _in_flag_terms(error: Exception) -> str:
-    """``error``'s message with a leading settings field replaced by its flag."""
+def _flags_of_settings(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Each setting a flag of ``parser`` sets (its ``dest``: a field name) -> the flag."""
+    flags: dict[str, str] = {}
+    for action in parser._actions:  # noqa: SLF001
+        if action.option_strings and action.dest not in flags:
+            flags[action.dest] = max(action.option_strings, key=len)
+    return flags
+
+
+def _in_flag_terms(error: Exception, flags: dict[str, str]) -> str:
+    """``error``'s message with a leading settings field replaced by the flag that sets it."""
     message = str(error)
     field, space, rest = message.partition(" ")
-    flag = _FLAG_OF_FIELD.get(field)
+    flag = flags.get(field)
     return f"{flag}{space}{rest}" if flag else message
+
 
 

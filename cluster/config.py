@@ -1,4 +1,5 @@
-"""Configuration of a running cluster: parallelism, the gRPC server, and the whole.
+"""Configuration of a running cluster: the gRPC server, and the whole (the engine's
+settings, ``EngineConfig``, with the cluster's routing and timeouts).
 
 Each dataclass is frozen and validated once, at construction; an invalid value
 raises ``ValueError`` naming the field.  Values that depend on the model
@@ -15,8 +16,9 @@ import math
 from dataclasses import dataclass, field
 
 from kvserve.cluster.request_limits import RequestLimits
-from kvserve.scheduler.checks import check_block_size, check_num_blocks, check_positive_ints
+from kvserve.scheduler.checks import check_positive_ints
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.engine_config import EngineConfig, ParallelConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES, make_policy
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig, SimulationConfig
@@ -27,23 +29,6 @@ if TYPE_CHECKING:
     from kvserve.worker.worker import WorkerConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
-_DTYPES = ("auto", "float32", "float16", "bfloat16")
-
-
-@dataclass(frozen=True, slots=True)
-class ParallelConfig:
-    """How many copies of the model (replicas) and how many ranks each (tensor parallel)."""
-
-    tensor_parallel_size: int = 1
-    num_replicas: int = 1
-
-    def __post_init__(self) -> None:
-        check_positive_ints(tensor_parallel_size=self.tensor_parallel_size)
-        check_positive_ints(num_replicas=self.num_replicas)
-
-    @property
-    def num_workers(self) -> int:
-        return self.tensor_parallel_size * self.num_replicas
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,44 +107,23 @@ class ServerConfig:
 class ClusterConfig:
     """Everything the scheduler actor needs to start and drive the replicas.
 
-    The scheduler fields mirror ``SchedulerConfig`` (``max_model_len`` ``None``:
-    the model's own limit); the cache fields mirror ``CacheConfig`` and
-    ``WorkerConfig`` (``num_blocks`` ``None``: as many as fit in
-    ``gpu_memory_utilization`` on a GPU or ``cpu_kv_cache_bytes`` on a CPU,
-    ``None``: the worker's default).
-    ``device`` ``None`` uses GPUs when the Ray cluster has any, else CPUs.
-    ``cpu_threads``: torch threads of each CPU rank (``None``: the node's
-    cores divided among a replica's ranks; 1 thread for a single rank under Ray).
+    ``engine`` is what every replica runs (``kvserve.scheduler.engine_config``: the
+    model, its cache, scheduler, runtime and parallel settings).  The rest is the
+    cluster's own:
+    ``routing``: the routing policy, by name (``kvserve.scheduler.routing.policies.POLICIES``);
+    ``routing_args``: keyword arguments of its constructor.
     ``undelivered_output_timeout_s``: when the front end stops fetching outputs
     for this long, the scheduler aborts the requests whose outputs wait.
     ``placement_timeout_s``: how long a replica may wait for its resources
     (``None``: as long as it takes, for clusters whose autoscaler adds nodes).
-    ``routing``: the routing policy, by name (``kvserve.scheduler.routing.policies.POLICIES``);
-    ``routing_args``: keyword arguments of its constructor.
     ``simulation``: run simulated replicas (``SimulatedWorker``: no model, no
-    torch; each step sleeps the cost model's time) with ``num_blocks`` KV
+    torch; each step sleeps the cost model's time) with ``cache.num_blocks`` KV
     blocks each, on CPU worker slots; ``max_model_len`` may then exceed the
-    model's own limit.
+    model's own limit.  Under Ray, a single CPU rank takes 1 torch thread unless
+    ``runtime.cpu_threads`` says otherwise.
     """
 
-    model_dir: str
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int | None = None
-    block_size: int = 16
-    num_blocks: int | None = None
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"
-    device: str | None = None
-    cpu_kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_threads: int | None = None
-    seed: int | None = 0
-    # CUDA: run decode steps eagerly instead of replaying CUDA graphs.
-    enforce_eager: bool = False
+    engine: EngineConfig
     routing: str = DEFAULT_POLICY
     # NOTE: hash=False: a dict is unhashable; equal configs still hash equal.
     routing_args: dict[str, Any] = field(default_factory=dict, hash=False)
@@ -167,32 +131,21 @@ class ClusterConfig:
     placement_timeout_s: float | None = 60.0
     simulation: SimulationConfig | None = None
 
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: Any) -> ClusterConfig:
+        """The cluster's own fields and the engine's settings, by name (``block_size=32``,
+        ``tensor_parallel_size=2``, or a whole group: ``parallel=ParallelConfig(...)``)."""
+        own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
+        cluster_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in own}
+        groups = {name: kwargs.pop(name) for name in list(kwargs) if name in ("cache", "scheduler", "runtime", "parallel")}
+        engine = EngineConfig.from_kwargs(model, **kwargs)
+        if groups:
+            engine = dataclasses.replace(engine, **groups)
+        return cls(engine, **cluster_kwargs)
+
     def __post_init__(self) -> None:
-        if not isinstance(self.model_dir, str) or not self.model_dir:
-            raise ValueError(f"model_dir must be a non-empty path string, got {self.model_dir!r}")
-        if not isinstance(self.parallel, ParallelConfig):
-            raise ValueError(f"parallel must be a ParallelConfig, got {type(self.parallel).__name__}")
-        check_positive_ints(max_num_batched_tokens=self.max_num_batched_tokens)
-        check_positive_ints(max_num_seqs=self.max_num_seqs)
-        if self.max_model_len is not None:
-            check_positive_ints(max_model_len=self.max_model_len)
-        if self.long_prefill_token_threshold is not None:
-            check_positive_ints(long_prefill_token_threshold=self.long_prefill_token_threshold)
-        check_block_size(self.block_size)
-        if self.num_blocks is not None:
-            check_num_blocks(self.num_blocks)
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
-        if self.device is not None and self.device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be None, 'cpu' or 'cuda', got {self.device!r}")
-        if self.cpu_kv_cache_bytes is not None:
-            check_positive_ints(cpu_kv_cache_bytes=self.cpu_kv_cache_bytes)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.cpu_threads is not None:
-            check_positive_ints(cpu_threads=self.cpu_threads)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
         if not isinstance(self.routing, str) or self.routing not in POLICIES:
             raise ValueError(f"routing must be one of {sorted(POLICIES)}, got {self.routing!r}")
         if not isinstance(self.routing_args, dict) or not all(isinstance(k, str) for k in self.routing_args):
@@ -212,20 +165,16 @@ class ClusterConfig:
         if self.simulation is not None:
             if not isinstance(self.simulation, SimulationConfig):
                 raise ValueError(f"simulation must be a SimulationConfig, got {type(self.simulation).__name__}")
-            if self.num_blocks is None:
+            if self.engine.cache.num_blocks is None:
                 raise ValueError("num_blocks is required with simulation: simulated replicas have no memory to size")
-        # Fail now, not in the actor, on combinations SchedulerConfig rejects.
-        self.scheduler_config(self.max_model_len or self.max_num_batched_tokens)
+
+    @property
+    def parallel(self) -> ParallelConfig:
+        return self.engine.parallel
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The step scheduler's limits, given the model's (resolved) ``max_model_len``."""
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-        )
+        return self.engine.scheduler_config(max_model_len)
 
     def routing_policy(self) -> RoutingPolicy:
         """A fresh policy named ``routing``, built with ``routing_args``.
@@ -237,7 +186,7 @@ class ClusterConfig:
         kwargs = dict(self.routing_args)
         factory = POLICIES[self.routing]
         if "max_num_batched_tokens" not in kwargs and "max_num_batched_tokens" in inspect.signature(factory).parameters:
-            kwargs["max_num_batched_tokens"] = self.max_num_batched_tokens
+            kwargs["max_num_batched_tokens"] = self.engine.scheduler.max_num_batched_tokens
         try:
             return make_policy(self.routing, **kwargs)
         except ValueError as exc:
@@ -245,12 +194,7 @@ class ClusterConfig:
 
     def cache_config(self, num_blocks: int, model_id: str) -> CacheConfig:
         """One replica's block pool, once its workers have reported ``num_blocks``."""
-        return CacheConfig(
-            block_size=self.block_size,
-            num_blocks=num_blocks,
-            enable_prefix_caching=self.enable_prefix_caching,
-            model_id=model_id,
-        )
+        return self.engine.cache_config(num_blocks, model_id)
 
     def worker_config(self, max_model_len: int | None = None) -> WorkerConfig | SimulatedWorkerConfig:
         """The rank-0 template of every replica's workers (the launcher sets rank and init method).
@@ -260,27 +204,11 @@ class ClusterConfig:
         if self.simulation is not None:
             return SimulatedWorkerConfig(
                 simulation=self.simulation,
-                num_blocks=self.num_blocks,  # type: ignore[arg-type]  # required with simulation
-                tp_size=self.parallel.tensor_parallel_size,
+                num_blocks=self.engine.cache.num_blocks,  # type: ignore[arg-type]  # required with simulation
+                tp_size=self.engine.parallel.tensor_parallel_size,
             )
         # NOTE: imported here: the worker module pulls in torch, which the
         # front end and `kvserve --help` do not need.
         from kvserve.worker.worker import WorkerConfig
 
-        config = WorkerConfig(
-            model_dir=self.model_dir,
-            tp_size=self.parallel.tensor_parallel_size,
-            device=self.device,
-            dtype=self.dtype,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            gpu_memory_utilization=self.gpu_memory_utilization,
-            cpu_threads=self.cpu_threads,
-            sampler_seed=self.seed,
-            max_model_len=max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            enforce_eager=self.enforce_eager,
-        )
-        if self.cpu_kv_cache_bytes is not None:
-            config = dataclasses.replace(config, cpu_kv_cache_bytes=self.cpu_kv_cache_bytes)
-        return config
+        return WorkerConfig.for_engine(self.engine, max_model_len)

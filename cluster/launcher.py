@@ -210,13 +210,13 @@ def resolve_model_config(config: ClusterConfig) -> ModelConfig:
     model's position limit, and its replicas split nothing.
     """
     if config.simulation is None:
-        model_config = ModelConfig.from_pretrained(config.model_dir, config.max_model_len)
+        model_config = ModelConfig.from_pretrained(config.engine.model, config.engine.scheduler.max_model_len)
         model_config.check_tensor_parallel_size(config.parallel.tensor_parallel_size)
         return model_config
-    model_config = ModelConfig.from_pretrained(config.model_dir)
-    if config.max_model_len is None:
+    model_config = ModelConfig.from_pretrained(config.engine.model)
+    if config.engine.scheduler.max_model_len is None:
         return model_config
-    return dataclasses.replace(model_config, max_model_len=config.max_model_len)
+    return dataclasses.replace(model_config, max_model_len=config.engine.scheduler.max_model_len)
 
 
 def resolve_simulation(config: ClusterConfig, model_config: ModelConfig) -> ClusterConfig:
@@ -241,8 +241,8 @@ def resolve_device_kind(config: ClusterConfig) -> str:
     """
     if config.simulation is not None:
         return "cpu"
-    if config.device is not None:
-        return "gpu" if config.device == "cuda" else "cpu"
+    if config.engine.runtime.device is not None:
+        return "gpu" if config.engine.runtime.device == "cuda" else "cpu"
     return "gpu" if ray.cluster_resources().get("GPU", 0) >= 1 else "cpu"
 
 

@@ -128,14 +128,13 @@ class SchedulerActor:
         self.config = config
         self.model_config = model_config
         self._scheduler_config = config.scheduler_config(model_config.max_model_len)
-        # NOTE: the block size, model id and caching of every replica's
+        # NOTE: the block size and model id of every replica's
         # CacheConfig (``config.cache_config``), so that the router's hashes are the pools'.
         self._router = Router(
             config.parallel.num_replicas,
             config.routing_policy(),
-            config.block_size,
+            config.engine.cache.block_size,
             model_id=model_config.model_id,
-            enable_prefix_caching=config.enable_prefix_caching,
         )
         # A replica is routed to once it runs (start_replica).
         for replica_id in range(config.parallel.num_replicas):
@@ -276,7 +275,7 @@ class SchedulerActor:
 
     def _routing_outcome(self, request: Request, replica_id: int) -> str:
         """"hit": the replica held every block of the prompt a cache can serve; "partial": some; "miss": none."""
-        cacheable = (request.num_tokens - 1) // self.config.block_size
+        cacheable = (request.num_tokens - 1) // self.config.engine.cache.block_size
         held = 0
         num_copies = self._router.index.num_copies
         for block_hash in request.block_hashes[:cacheable]:  # the chosen replica's run of held blocks only

@@ -21,7 +21,7 @@ def check_local_gpus(config: ClusterConfig) -> None:
     NOTE: only for the local cluster serve starts itself: a joined cluster may gain GPU
     nodes as it scales up, so there the replicas wait for their placement (and its timeout).
     """
-    if config.device != "cuda" or config.simulation is not None:
+    if config.engine.runtime.device != "cuda" or config.simulation is not None:
         return
     import torch
 
@@ -47,10 +47,10 @@ def init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str
     num_worker_slots = 0
     if config.simulation is not None:
         num_worker_slots = config.parallel.num_workers
-    elif config.device != "cuda":
+    elif config.engine.runtime.device != "cuda":
         import torch
 
-        if config.device == "cpu" or not torch.cuda.is_available():
+        if config.engine.runtime.device == "cpu" or not torch.cuda.is_available():
             num_worker_slots = config.parallel.num_workers
     progress("starting a local Ray instance")
     init_local_ray(num_worker_slots, report=progress)

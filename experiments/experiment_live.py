@@ -41,7 +41,8 @@ import ray
 
 from kvserve.experiments.experiment_report import progress_line
 from kvserve.experiments.workloads import WorkloadRequest
-from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+from kvserve.cluster.config import ClusterConfig, ServerConfig
+from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.interrupts import sigterm_cancels_task
 from kvserve.cluster.launcher import ClusterHandle, init_local_ray, join_ray, start_cluster
 from kvserve.cluster.server import start_server
@@ -95,8 +96,8 @@ def live_cluster_config(
         for index, item in enumerate(stream)
         if item.output_token_ids is not None
     }
-    return ClusterConfig(
-        model_dir=model_dir,
+    return ClusterConfig.from_kwargs(
+        model_dir,
         parallel=ParallelConfig(num_replicas=fleet.num_replicas),
         max_num_batched_tokens=scheduler.max_num_batched_tokens,
         max_num_seqs=scheduler.max_num_seqs,

@@ -8,16 +8,17 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvserve.scheduler.engine_core import EngineCore
-from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
-from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES, WorkerConfig
+from kvserve.worker.worker import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -43,46 +44,26 @@ class GenerationOutput:
 
 
 class LLM:
-    """One model replica in this process (or, with tensor parallelism, in child processes)."""
+    """One model replica in this process (or, with tensor parallelism, in child processes).
 
-    def __init__(
-        self,
-        model: str | Path,
-        tensor_parallel_size: int = 1,
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int | None = None,
-        dtype: str = "auto",
-        device: str | None = None,
-        kv_cache_memory_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES,
-        gpu_memory_utilization: float = 0.9,
-        attention_backend: str | None = None,
-        seed: int | None = 0,
-        enforce_eager: bool = False,
-        async_scheduling: bool = False,
-    ) -> None:
-        self.model_config = ModelConfig.from_pretrained(model, max_model_len)
+    ``settings`` are the engine's, by name (``kvserve.scheduler.engine_config``):
+    ``block_size``, ``num_blocks``, ``enable_prefix_caching``, ``gpu_memory_utilization``,
+    ``cpu_kv_cache_bytes``; ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
+    ``enable_chunked_prefill``, ``long_prefill_token_threshold``; ``device``, ``dtype``,
+    ``seed``, ``enforce_eager``, ``attention_backend``, ``cpu_threads``;
+    ``tensor_parallel_size``.  ``async_scheduling`` plans each step while the device runs
+    the one before (tensor-parallel size 1 only).
+    """
+
+    def __init__(self, model: str | Path, *, async_scheduling: bool = False, **settings: Any) -> None:
+        config = EngineConfig.from_kwargs(str(model), **settings)
+        if config.parallel.num_replicas != 1:
+            raise ValueError("LLM runs one replica; num_replicas is kvserve serve's")
+        self.config = config
+        tensor_parallel_size = config.parallel.tensor_parallel_size
+        self.model_config = ModelConfig.from_pretrained(model, config.scheduler.max_model_len)
         self.tokenizer = load_tokenizer(model)
-        worker_config = WorkerConfig(
-            model_dir=str(model),
-            tp_size=tensor_parallel_size,
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            num_blocks=num_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            cpu_kv_cache_bytes=kv_cache_memory_bytes,
-            attention_backend=attention_backend,
-            sampler_seed=seed,
-            max_model_len=self.model_config.max_model_len,
-            max_num_seqs=max_num_seqs,
-            enforce_eager=enforce_eager,
-        )
+        worker_config = WorkerConfig.for_engine(config, self.model_config.max_model_len)
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
         if async_scheduling and tensor_parallel_size != 1:
             raise ValueError("async_scheduling needs tensor_parallel_size=1 (the sampling rank feeds the next step)")
@@ -95,19 +76,8 @@ class LLM:
 
             executor = MultiprocExecutor(worker_config)
         scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=self.model_config.max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                long_prefill_token_threshold=long_prefill_token_threshold,
-            ),
-            CacheConfig(
-                block_size=block_size,
-                num_blocks=executor.num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                model_id=self.model_config.model_id,
-            ),
+            config.scheduler_config(self.model_config.max_model_len),
+            config.cache_config(executor.num_kv_blocks, self.model_config.model_id),
         )
         self.engine = EngineCore(scheduler, executor, async_scheduling=async_scheduling)
         self._request_counter = itertools.count()

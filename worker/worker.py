@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,7 @@ from transformers import AutoConfig
 from kvserve.kernels import get_attention_backend
 from kvserve.kernels.host_to_device import to_device
 from kvserve.scheduler.checks import check_block_size, check_num_blocks
+from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 from kvserve.worker.cuda_graphs import DEFAULT_MAX_SEQ_LEN_TO_CAPTURE, DecodeGraphs, graph_batch_sizes
@@ -74,6 +76,30 @@ class WorkerConfig:
     max_num_seqs: int = 256
     # CUDA only: run every step eagerly instead of replaying CUDA graphs for decode steps.
     enforce_eager: bool = False
+
+    @classmethod
+    def for_engine(cls, engine: EngineConfig, max_model_len: int | None = None) -> WorkerConfig:
+        """Rank 0's config for a replica of ``engine`` (a launcher sets the rank and the
+        rendezvous of the others); ``max_model_len`` is the resolved one."""
+        cache, runtime = engine.cache, engine.runtime
+        config = cls(
+            model_dir=engine.model,
+            tp_size=engine.parallel.tensor_parallel_size,
+            device=runtime.device,
+            dtype=runtime.dtype,
+            block_size=cache.block_size,
+            num_blocks=cache.num_blocks,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
+            attention_backend=runtime.attention_backend,
+            sampler_seed=runtime.seed,
+            cpu_threads=runtime.cpu_threads,
+            max_model_len=max_model_len,
+            max_num_seqs=engine.scheduler.max_num_seqs,
+            enforce_eager=runtime.enforce_eager,
+        )
+        if cache.cpu_kv_cache_bytes is not None:
+            config = dataclasses.replace(config, cpu_kv_cache_bytes=cache.cpu_kv_cache_bytes)
+        return config
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

@@ -165,7 +165,7 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
         (["--tp", "0"], "--tp must be a positive integer, got 0"),
         (["--simulated", "--num-blocks", "64", "--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
         (["--replicas", "0"], "--replicas must be a positive integer, got 0"),
-        (["--num-blocks", "1"], "--num-blocks must be at least 2"),
+        (["--num-blocks", "1"], "--num-blocks must be an integer >= 2"),
         (["--stream-interval", "-1"], "--stream-interval must be in [0, 1] seconds"),
         (["--placement-timeout", "-1"], "--placement-timeout must be a positive number of seconds, got -1.0"),
         (["--port", "70000"], "port"),

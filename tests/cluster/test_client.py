@@ -44,7 +44,7 @@ class Served:
 @pytest.fixture(scope="module")
 def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     model_dir = create_tiny_model(tmp_path_factory.mktemp("client-model"), "llama", seed=0)
-    handle = start_cluster(ClusterConfig(model_dir=str(model_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
+    handle = start_cluster(ClusterConfig.from_kwargs(str(model_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
     server = None
     try:
         server = ServerThread(handle, ServerConfig(port=0, stream_interval_s=0.0))

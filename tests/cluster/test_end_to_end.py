@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from kvserve import LLM, SamplingParams
-from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+from kvserve.cluster.config import ClusterConfig, ServerConfig
+from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.launcher import ClusterHandle, start_cluster
 from kvserve.cluster.messages import RequestSpec
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME
@@ -71,8 +72,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def served(ray_cluster, model_dir: Path) -> Iterator[Served]:
-    config = ClusterConfig(
-        model_dir=str(model_dir),
+    config = ClusterConfig.from_kwargs(
+        str(model_dir),
         parallel=ParallelConfig(tensor_parallel_size=TP_SIZE, num_replicas=NUM_REPLICAS),
         block_size=BLOCK_SIZE,
         num_blocks=NUM_BLOCKS,

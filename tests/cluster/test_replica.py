@@ -110,11 +110,12 @@ def test_starting_a_cluster_says_what_replicas_still_wait_for(ray_cluster, model
     # Joining a cluster, placement waits without limit (an autoscaler may be
     # adding nodes): the front end said nothing while a replica that fits no node waited.
     from kvserve.cluster import launcher
-    from kvserve.cluster.config import ClusterConfig, ParallelConfig
+    from kvserve.cluster.config import ClusterConfig
+    from kvserve.scheduler.engine_config import ParallelConfig
 
     monkeypatch.setattr(launcher, "_STILL_WAITING_S", 0.5)
-    config = ClusterConfig(
-        model_dir=str(model_dir), parallel=ParallelConfig(tensor_parallel_size=4, num_replicas=1),
+    config = ClusterConfig.from_kwargs(
+        str(model_dir), parallel=ParallelConfig(tensor_parallel_size=4, num_replicas=1),
         num_blocks=NUM_BLOCKS, device="cpu", placement_timeout_s=2.0,
     )
     lines: list[str] = []

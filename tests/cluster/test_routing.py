@@ -17,7 +17,8 @@ import pytest
 import ray
 
 from kvserve.cluster.cli import build_parser, main
-from kvserve.cluster.config import ClusterConfig, ParallelConfig
+from kvserve.cluster.config import ClusterConfig
+from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.launcher import ClusterHandle, start_cluster
 from kvserve.cluster.messages import RequestDelta, RequestSpec
 from kvserve.cluster.scheduler_actor import SchedulerActor
@@ -38,7 +39,7 @@ TIMEOUT_S = 60.0
 
 
 def test_config_routes_with_the_default_policy_unless_told() -> None:
-    config = ClusterConfig(model_dir="m")
+    config = ClusterConfig.from_kwargs("m")
 
     assert config.routing == DEFAULT_POLICY == "cost_ttft"
     assert config.routing_args == {}
@@ -46,14 +47,14 @@ def test_config_routes_with_the_default_policy_unless_told() -> None:
 
 def test_config_accepts_every_registered_policy_with_its_arguments() -> None:
     for name in POLICIES:
-        assert ClusterConfig(model_dir="m", routing=name).routing_policy().name == name
-    policy = ClusterConfig(model_dir="m", routing="cache_aware", routing_args={"cache_threshold": 0.5}).routing_policy()
+        assert ClusterConfig.from_kwargs("m", routing=name).routing_policy().name == name
+    policy = ClusterConfig.from_kwargs("m", routing="cache_aware", routing_args={"cache_threshold": 0.5}).routing_policy()
     assert policy.cache_threshold == 0.5
 
 
 def test_cost_ttft_prices_steps_with_the_clusters_token_budget_unless_told() -> None:
-    config = ClusterConfig(model_dir="m", max_num_batched_tokens=512)
-    told = ClusterConfig(model_dir="m", max_num_batched_tokens=512, routing_args={"max_num_batched_tokens": 4096})
+    config = ClusterConfig.from_kwargs("m", max_num_batched_tokens=512)
+    told = ClusterConfig.from_kwargs("m", max_num_batched_tokens=512, routing_args={"max_num_batched_tokens": 4096})
 
     assert isinstance(policy := config.routing_policy(), CostTTFTPolicy)
     assert policy.max_num_batched_tokens == 512
@@ -62,7 +63,7 @@ def test_cost_ttft_prices_steps_with_the_clusters_token_budget_unless_told() -> 
 
 def test_config_rejects_an_unknown_routing_policy_naming_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"routing must be one of \['cache_aware', .*'round_robin'\], got 'random'"):
-        ClusterConfig(model_dir="m", routing="random")
+        ClusterConfig.from_kwargs("m", routing="random")
 
 
 @pytest.mark.parametrize(
@@ -76,12 +77,12 @@ def test_config_rejects_an_unknown_routing_policy_naming_the_known_ones() -> Non
 )
 def test_config_rejects_a_bad_routing_argument_at_construction(routing, routing_args, message) -> None:
     with pytest.raises(ValueError, match=message):
-        ClusterConfig(model_dir="m", routing=routing, routing_args=routing_args)
+        ClusterConfig.from_kwargs("m", routing=routing, routing_args=routing_args)
 
 
 def test_config_keeps_its_own_copy_of_the_routing_arguments() -> None:
     routing_args = {"cache_threshold": 0.5}
-    config = ClusterConfig(model_dir="m", routing="cache_aware", routing_args=routing_args)
+    config = ClusterConfig.from_kwargs("m", routing="cache_aware", routing_args=routing_args)
     routing_args["cache_threshold"] = 7.0
 
     assert config.routing_args == {"cache_threshold": 0.5}
@@ -169,8 +170,8 @@ def fake_actor(monkeypatch: pytest.MonkeyPatch, routing: str) -> tuple[Scheduler
         )
 
     monkeypatch.setattr("kvserve.cluster.scheduler_actor.launch_replica", launch_replica)
-    config = ClusterConfig(
-        model_dir="m",
+    config = ClusterConfig.from_kwargs(
+        "m",
         parallel=ParallelConfig(num_replicas=2),
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -424,8 +425,8 @@ def test_a_queued_request_with_no_replica_left_ends_with_an_error_saying_so(monk
 @pytest.fixture(scope="module")
 def cluster(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterHandle]:
     model_dir: Path = create_tiny_model(tmp_path_factory.mktemp("routing-model"), "llama", seed=0)
-    config = ClusterConfig(
-        model_dir=str(model_dir),
+    config = ClusterConfig.from_kwargs(
+        str(model_dir),
         parallel=ParallelConfig(tensor_parallel_size=1, num_replicas=2),
         block_size=BLOCK_SIZE,
         num_blocks=128,

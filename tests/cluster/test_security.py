@@ -23,7 +23,8 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvserve.client import Client, RequestError
-from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+from kvserve.cluster.config import ClusterConfig, ServerConfig
+from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.http_server import start_http_server
 from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.request_limits import RequestLimits
@@ -79,8 +80,8 @@ def secured(ray_cluster, tmp_path_factory: pytest.TempPathFactory, tls_files) ->
     model_dir = create_tiny_model(directory / "model", "llama", seed=0)
     tokens = directory / "tokens"
     tokens.write_text(f"{ALICE} alice\n{ALICE_AGAIN} alice\n{BOB} bob\n")
-    handle = start_cluster(ClusterConfig(
-        model_dir=str(model_dir), parallel=ParallelConfig(num_replicas=1), block_size=16, num_blocks=256,
+    handle = start_cluster(ClusterConfig.from_kwargs(
+        str(model_dir), parallel=ParallelConfig(num_replicas=1), block_size=16, num_blocks=256,
         simulation=SimulationConfig(cost_model=StepCostModel(a=0.002, b=1e-5, c=1e-4, d=0.0), time_scale=1.0),
     ))
     tls, ca = tls_files
@@ -188,7 +189,7 @@ def test_kvserve_generate_sends_the_token_of_its_file_over_tls(secured, tmp_path
         (["--tls-cert", "cert.pem"], "--tls-cert and --tls-key go together"),
         (["--tls-client-ca", "ca.pem"], "--tls-client-ca needs --tls-cert and --tls-key"),
         (["--auth-token-file", "missing"], "cannot read the auth token file"),
-        (["--max-stop-token-ids", "0"], "max_stop_token_ids must be a positive integer"),
+        (["--max-stop-token-ids", "0"], "--max-stop-token-ids must be a positive integer"),
     ],
 )
 def test_serve_refuses_bad_security_flags_before_starting_anything(flags, message, capsys) -> None:

@@ -24,7 +24,8 @@ import ray
 from kvserve.experiments.experiment import add_experiment_parser
 from kvserve.experiments.experiment_live import live_cluster_config, run_live
 from kvserve.experiments.workloads import make_workload
-from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
+from kvserve.cluster.config import ClusterConfig, ServerConfig
+from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.messages import RequestSpec
 from kvserve.cluster.server import start_server
@@ -107,8 +108,8 @@ def test_the_live_cluster_agrees_with_the_simulator_on_hit_rate_and_ttft(ray_clu
 
 def test_simulated_ranks_load_no_torch_and_serve_prompts_beyond_the_models_length(ray_cluster, model_dir, vocab_size):
     model_limit = ModelConfig.from_pretrained(model_dir).max_model_len
-    config = ClusterConfig(
-        model_dir=str(model_dir),
+    config = ClusterConfig.from_kwargs(
+        str(model_dir),
         parallel=ParallelConfig(tensor_parallel_size=2, num_replicas=1),
         block_size=16,
         num_blocks=2 * model_limit // 16 + 8,
@@ -149,8 +150,8 @@ def test_simulated_ranks_load_no_torch_and_serve_prompts_beyond_the_models_lengt
 
 def test_a_stream_still_running_when_the_server_stops_is_told_so_and_its_request_aborted(ray_cluster, model_dir):
     # After the grace, grpc cancelled it with "UNAVAILABLE: Cancelling all calls".
-    config = ClusterConfig(
-        model_dir=str(model_dir),
+    config = ClusterConfig.from_kwargs(
+        str(model_dir),
         parallel=ParallelConfig(num_replicas=1),
         num_blocks=128,
         routing="round_robin",
@@ -290,8 +291,8 @@ def test_requests_of_a_replica_whose_worker_dies_finish_on_the_other_and_it_come
     """Real Ray: with one request at a time per replica, killing replica 1's worker moves the
     request it runs (resumed after its tokens so far) and the one queued behind it to replica 0;
     replica 1 is started again and rejoins."""
-    config = ClusterConfig(
-        model_dir=str(model_dir),
+    config = ClusterConfig.from_kwargs(
+        str(model_dir),
         parallel=ParallelConfig(tensor_parallel_size=1, num_replicas=2),
         block_size=16,
         num_blocks=64,

@@ -46,3 +46,16 @@ def test_a_step_that_fails_leaves_no_block_it_never_wrote_in_the_prefix_cache(mo
     computed_blocks = min(failing_step - 1, 4) * 4  # the steps that ran wrote 16 tokens = 4 blocks each
     assert again.num_cached_tokens == min(computed_blocks * 4, len(PROMPT) - 4)
     assert again.token_ids == expected
+
+
+def test_llm_takes_the_engines_settings_by_name_and_refuses_others(tmp_path) -> None:
+    from kvserve.scheduler.engine_config import EngineConfig
+
+    path = create_tiny_model(tmp_path, "llama", seed=0)
+    with LLM(path, num_blocks=32, block_size=8, max_num_seqs=4) as llm:
+        assert llm.config == EngineConfig.from_kwargs(str(path), num_blocks=32, block_size=8, max_num_seqs=4)
+        assert llm.engine.scheduler.kv_cache_manager.block_size == 8
+    with pytest.raises(TypeError, match="unexpected setting 'kv_cache_memory'"):
+        LLM(path, kv_cache_memory=1)
+    with pytest.raises(ValueError, match="LLM runs one replica"):
+        LLM(path, num_replicas=2)
