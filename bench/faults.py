@@ -1,6 +1,7 @@
 """Faults on a local cluster: what clients see, what is left behind, how soon it serves again.
 
-    python -m kvserve.bench.faults [--streams 100] [--max-tokens 48]
+    python -m kvserve.bench.faults [--scenarios abcde] [--streams 100] [--max-tokens 48]
+                                   [--fuzz-requests 1000] [--good-streams 20]
 
 A local Ray cluster of 2 replicas x tensor-parallel 2 on CPU serving a tiny Llama,
 behind the gRPC server as ``kvserve serve`` runs it.  Every scenario first runs its
@@ -9,16 +10,28 @@ p99 latency of a stream), then with it:
 
 a. kill: one worker rank of replica 1 is killed (``ray.kill``, as SIGKILL) once a third
    of the streams have their first tokens;
+b. scheduler kill: the scheduler actor is SIGKILLed once a third of ``--streams`` streams
+   have their first tokens; the server must end them, stop saying SERVING and exit
+   non-zero at once, leaving no Ray process behind (``fault_scheduler_kill.py``);
 c. cancels: ``2 x --streams`` streams, a third cancelled after their first message, a
    third with deadlines of 0.2-1 s;
 d. overload: ten times ``max_concurrent_requests`` streams at once, on a server of the same
    cluster admitting 32, started in place of the first (a cluster has one front end: it is the
-   scheduler's only poller); the admitted prompts are then run again (the baseline).
+   scheduler's only poller); the admitted prompts are then run again (the baseline);
+e. fuzz: ``--fuzz-requests`` fuzzed requests (every field, garbage bodies) while
+   ``--good-streams`` good streams of ``FUZZ_MAX_TOKENS`` tokens run; every bad one must be
+   refused with a clear status code (``fault_fuzz.py``).
+
+a, c and d run against a server in this process; b and e against ``kvserve serve`` in a
+process (and a Ray instance) of its own, after the first cluster is stopped: b because the
+server's exit is what it measures, e because a request that crashed the server must show as a
+process gone.  e runs first, as b ends that server.
 
 Printed for each: requests sent, completed with exactly the baseline's tokens, moved to
 another replica mid-stream, the status codes they ended with, KV blocks in use once
 idle (must be 0), seconds until every replica serves again, and the p99 latency of the
-streams that completed against the baseline's.  Loopback only; every loop is bounded.
+streams that completed against the baseline's; under the table, what a row cannot say.
+Loopback only; every loop is bounded.
 """
 
 from __future__ import annotations
@@ -26,113 +39,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import statistics
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
 from kvserve.bench.e2e_throughput import ServerLoop
-from kvserve.experiments.report import format_table
+from kvserve.bench.fault_streams import (
+    RPC_TIMEOUT_S, Scenario, blocks_in_use, divergences, one_stream, p99, table, until_all_healthy,
+)
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
 NUM_REPLICAS, TP_SIZE = 2, 2
 # The overload scenario's server admits this many streams; the others' admit every stream they send.
 OVERLOAD_MAX_CONCURRENT_REQUESTS = 32
-RPC_TIMEOUT_S = 120.0
-
-
-@dataclass
-class StreamResult:
-    token_ids: list[int] = field(default_factory=list)
-    replicas: list[int] = field(default_factory=list)
-    code: str = "OK"
-    seconds: float = 0.0
-
-
-@dataclass
-class Scenario:
-    name: str
-    sent: int
-    correct: int
-    moved: int
-    codes: Counter
-    blocks_in_use: int
-    recovery_s: float | None
-    p99_s: float | None
-    baseline_p99_s: float | None
-    # For each completed stream whose tokens differ from its baseline's: the index of the first difference.
-    divergences: list[int] = field(default_factory=list)
-
-
-async def one_stream(stub, prompt: list[int], max_tokens: int, *, timeout: float = RPC_TIMEOUT_S,
-                     cancel_after: int | None = None, started: asyncio.Event | None = None,
-                     cache_salt: str = "") -> StreamResult:
-    result = StreamResult()
-    start = time.perf_counter()
-    request = generate_pb2.GenerateRequest(
-        token_ids=generate_pb2.TokenIds(ids=prompt),
-        sampling_params=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        cache_salt=cache_salt,
-    )
-    call = stub.Generate(request, timeout=timeout)
-    try:
-        async for message in call:
-            result.token_ids += message.token_ids
-            result.replicas.append(message.replica)
-            if started is not None:
-                started.set()
-            if cancel_after is not None and len(result.replicas) >= cancel_after:
-                call.cancel()
-                result.code = "CANCELLED"
-                break
-    except grpc.aio.AioRpcError as exc:
-        result.code = exc.code().name
-    except asyncio.CancelledError:
-        result.code = "CANCELLED"
-    result.seconds = time.perf_counter() - start
-    return result
-
-
-def divergences(pairs: list[tuple[StreamResult, StreamResult]]) -> list[int]:
-    """Where each completed stream first differs from its baseline (streams that equal it left out)."""
-    found = []
-    for result, baseline in pairs:
-        if result.code == "OK" and result.token_ids != baseline.token_ids:
-            found.append(next((i for i, (a, b) in enumerate(zip(result.token_ids, baseline.token_ids)) if a != b),
-                              min(len(result.token_ids), len(baseline.token_ids))))
-    return found
-
-
-def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
-async def blocks_in_use(stub, timeout_s: float = 10.0) -> int:
-    """KV blocks held on the healthy replicas once they are idle (waits up to ``timeout_s`` for idle)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = (await stub.GetStats(generate_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S)).replicas
-        healthy = [s for s in stats if s.healthy]
-        idle = all(s.num_running == 0 and s.num_waiting == 0 for s in healthy)
-        used = sum(round(s.kv_cache_usage * (s.num_kv_blocks - 1)) for s in healthy)
-        if (idle and used == 0) or time.monotonic() > deadline:
-            return used
-
-
-async def until_all_healthy(stub, since: float, timeout_s: float = 90.0) -> float | None:
-    while time.monotonic() - since < timeout_s:
-        stats = (await stub.GetStats(generate_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S)).replicas
-        if all(s.healthy for s in stats):
-            return time.monotonic() - since
-        await asyncio.sleep(0.2)
-    return None
+# What each good stream of the fuzz scenario asks for: few, so that the fuzz, not decoding, loads the server.
+FUZZ_MAX_TOKENS = 16
+SCENARIOS = "abcde"
 
 
 def kill_worker(replica: int, rank: int) -> None:
@@ -198,104 +123,146 @@ async def scenario_overload(stub, prompts: list[list[int]], max_tokens: int) -> 
     )
 
 
-def table(scenarios: list[Scenario]) -> str:
-    def seconds(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
-    rows = [
-        [s.name, s.sent, s.correct, s.moved, ", ".join(f"{code} {n}" for code, n in sorted(s.codes.items())),
-         s.blocks_in_use, seconds(s.recovery_s), seconds(s.p99_s), seconds(s.baseline_p99_s),
-         "-" if not (s.p99_s and s.baseline_p99_s) else f"{s.p99_s / s.baseline_p99_s:.2f}x"]
-        for s in scenarios
-    ]
-    return format_table(
-        ["scenario", "sent", "completed correctly", "moved", "ended with", "blocks in use after idle",
-         "s to full capacity", "p99 s", "baseline p99 s", "p99 vs baseline"],
-        rows,
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--streams", type=int, default=100, help="streams of the kill scenario (default 100)")
+    parser.add_argument("--streams", type=int, default=100, help="streams of the kill scenarios (default 100)")
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens each stream asks for (default 48)")
-    parser.add_argument("--scenarios", default="acd", help="which scenarios to run (default acd)")
+    parser.add_argument("--scenarios", default=SCENARIOS, help=f"which scenarios to run (default {SCENARIOS})")
+    parser.add_argument("--fuzz-requests", type=int, default=1000, help="fuzzed requests of e (default 1000)")
+    parser.add_argument("--good-streams", type=int, default=20, help="good streams beside the fuzz (default 20)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.streams < 3 or args.max_tokens < 1:
-        parser.error("--streams must be >= 3 and --max-tokens >= 1")
-    import ray
-
-    from kvserve.cluster.config import ClusterConfig, ParallelConfig, ServerConfig
-    from kvserve.cluster.launcher import init_local_ray, start_cluster
-    from kvserve.cluster.server import start_server
+    if args.streams < 3 or args.max_tokens < 1 or args.fuzz_requests < 1 or args.good_streams < 1:
+        parser.error("--streams must be >= 3, --max-tokens, --fuzz-requests and --good-streams >= 1")
+    if not args.scenarios or set(args.scenarios) - set(SCENARIOS):
+        parser.error(f"--scenarios: letters of {SCENARIOS}, got {args.scenarios!r}")
     from kvserve.worker.tiny_model import create_tiny_model
 
     rng = random.Random(args.seed)
-
-    def prompts(n: int) -> list[list[int]]:
-        return [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 64))] for _ in range(n)]
-
+    scenarios = []
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = create_tiny_model(Path(scratch) / "tiny", "llama", seed=0)
-        print("starting a local cluster: 2 replicas x TP 2 on CPU ...", flush=True)
-        init_local_ray(num_worker_slots=NUM_REPLICAS * TP_SIZE)
-        server_loop = ServerLoop()
-        handle = None
-        try:
-            handle = start_cluster(ClusterConfig(
-                model_dir=str(model_dir), parallel=ParallelConfig(tensor_parallel_size=TP_SIZE, num_replicas=NUM_REPLICAS),
-                device="cpu", num_blocks=2048, routing="round_robin",
-            ))
-
-            async def on_server_loop(coro):  # the server runs on its own loop, as `kvserve serve` runs it
-                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, server_loop.loop))
-
-            async def run_all() -> list[Scenario]:
-                done = []
-                server = await on_server_loop(start_server(
-                    handle.scheduler, handle.model_info, ServerConfig(port=0, max_concurrent_requests=max(1024, 2 * args.streams))
-                ))
-                try:
-                    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                        stub = generate_pb2_grpc.GenerationStub(channel)
-                        if "a" in args.scenarios:
-                            done.append(await scenario_kill(stub, prompts(args.streams), args.max_tokens))
-                            print(f"  {done[-1].name}: done", flush=True)
-                        if "c" in args.scenarios:
-                            done.append(await scenario_cancels(stub, prompts(2 * args.streams), args.max_tokens, rng))
-                            print(f"  {done[-1].name}: done", flush=True)
-                finally:
-                    await on_server_loop(server.stop(grace_s=1.0))
-                if "d" in args.scenarios:
-                    server = await on_server_loop(start_server(
-                        handle.scheduler, handle.model_info,
-                        ServerConfig(port=0, max_concurrent_requests=OVERLOAD_MAX_CONCURRENT_REQUESTS),
-                    ))
-                    try:
-                        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-                            stub = generate_pb2_grpc.GenerationStub(channel)
-                            done.append(await scenario_overload(
-                                stub, prompts(10 * OVERLOAD_MAX_CONCURRENT_REQUESTS), args.max_tokens
-                            ))
-                            print(f"  {done[-1].name}: done", flush=True)
-                    finally:
-                        await on_server_loop(server.stop(grace_s=1.0))
-                return done
-
-            scenarios = asyncio.run(run_all())
-        finally:
-            server_loop.close()
-            if handle is not None:
-                handle.shutdown()
-            ray.shutdown()
+        if set(args.scenarios) & set("acd"):
+            scenarios += run_in_process(args, model_dir, rng)
+        if set(args.scenarios) & set("be"):
+            scenarios += run_served(args, model_dir, rng)
+    scenarios.sort(key=lambda s: s.name)
     print()
     print(table(scenarios))
     for s in scenarios:
         if s.divergences:
-            print(f"{s.name}: streams that differ from their baseline first differ at tokens {sorted(s.divergences)} "
-                  f"of {args.max_tokens}")
+            print(f"{s.name}: streams that differ from their baseline first differ at tokens {sorted(s.divergences)}")
+        for note in s.notes:
+            print(note)
     return 0
+
+
+def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
+    return [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 64))] for _ in range(n)]
+
+
+def run_in_process(args: argparse.Namespace, model_dir: Path, rng: random.Random) -> list[Scenario]:
+    """Scenarios a, c and d: a cluster and its server in this process."""
+    import ray
+
+    from kvserve.cluster.config import ClusterConfig, ServerConfig
+
+    from kvserve.scheduler.engine_config import ParallelConfig
+    from kvserve.cluster.launcher import init_local_ray, start_cluster
+    from kvserve.cluster.server import start_server
+
+    print("starting a local cluster: 2 replicas x TP 2 on CPU ...", flush=True)
+    init_local_ray(num_worker_slots=NUM_REPLICAS * TP_SIZE)
+    server_loop = ServerLoop()
+    handle = None
+    try:
+        handle = start_cluster(ClusterConfig.from_kwargs(
+            str(model_dir), parallel=ParallelConfig(tensor_parallel_size=TP_SIZE, num_replicas=NUM_REPLICAS),
+            device="cpu", num_blocks=2048, routing="round_robin",
+        ))
+
+        async def on_server_loop(coro):  # the server runs on its own loop, as `kvserve serve` runs it
+            return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, server_loop.loop))
+
+        async def run_all() -> list[Scenario]:
+            done = []
+            server = await on_server_loop(start_server(
+                handle.scheduler, handle.model_info, ServerConfig(port=0, max_concurrent_requests=max(1024, 2 * args.streams))
+            ))
+            try:
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                    stub = generate_pb2_grpc.GenerationStub(channel)
+                    if "a" in args.scenarios:
+                        done.append(await scenario_kill(stub, random_prompts(rng, args.streams), args.max_tokens))
+                        print(f"  {done[-1].name}: done", flush=True)
+                    if "c" in args.scenarios:
+                        done.append(await scenario_cancels(
+                            stub, random_prompts(rng, 2 * args.streams), args.max_tokens, rng
+                        ))
+                        print(f"  {done[-1].name}: done", flush=True)
+            finally:
+                await on_server_loop(server.stop(grace_s=1.0))
+            if "d" in args.scenarios:
+                server = await on_server_loop(start_server(
+                    handle.scheduler, handle.model_info,
+                    ServerConfig(port=0, max_concurrent_requests=OVERLOAD_MAX_CONCURRENT_REQUESTS),
+                ))
+                try:
+                    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                        stub = generate_pb2_grpc.GenerationStub(channel)
+                        done.append(await scenario_overload(
+                            stub, random_prompts(rng, 10 * OVERLOAD_MAX_CONCURRENT_REQUESTS), args.max_tokens
+                        ))
+                        print(f"  {done[-1].name}: done", flush=True)
+                finally:
+                    await on_server_loop(server.stop(grace_s=1.0))
+            return done
+
+        return asyncio.run(run_all())
+    finally:
+        server_loop.close()
+        if handle is not None:
+            handle.shutdown()
+        ray.shutdown()
+
+
+def run_served(args: argparse.Namespace, model_dir: Path, rng: random.Random) -> list[Scenario]:
+    """Scenarios e, then b: ``kvserve serve`` in a process of its own, the same cluster behind it."""
+    from kvserve.bench.fault_fuzz import scenario_fuzz
+    from kvserve.bench.fuzzed_requests import FuzzedRequests
+    from kvserve.bench.fault_scheduler_kill import scenario_scheduler_kill
+    from kvserve.bench.serve_process import ServeProcess, serve_args
+    from kvserve.worker.model_config import ModelConfig
+
+    model = ModelConfig.from_pretrained(model_dir)
+    print("starting kvserve serve in a process of its own: 2 replicas x TP 2 on CPU ...", flush=True)
+    with ServeProcess(serve_args(model_dir, num_replicas=NUM_REPLICAS, tp_size=TP_SIZE, num_blocks=2048,
+                                 max_concurrent_requests=max(1024, 2 * args.streams))) as serve:
+        port = serve.wait_for_port()
+
+        async def run_all() -> list[Scenario]:
+            done = []
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+                if "e" in args.scenarios:
+                    requests = FuzzedRequests(
+                        rng.randrange(2**32), random_prompts(rng, 1)[0], model.vocab_size, model.max_model_len
+                    )
+                    rows, _ = await scenario_fuzz(
+                        f"127.0.0.1:{port}", requests, random_prompts(rng, args.good_streams), FUZZ_MAX_TOKENS,
+                        args.fuzz_requests, server_alive=lambda: serve.proc.poll() is None,
+                    )
+                    done += rows
+                    print(f"  {rows[0].name}: done", flush=True)
+                if "b" in args.scenarios:
+                    scenario, _ = await scenario_scheduler_kill(
+                        serve, channel, stub, random_prompts(rng, args.streams), args.max_tokens
+                    )
+                    done.append(scenario)
+                    print(f"  {scenario.name}: done", flush=True)
+            return done
+
+        return asyncio.run(run_all())
 
 
 if __name__ == "__main__":

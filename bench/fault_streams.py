@@ -1,0 +1,150 @@
+"""What every fault scenario (``bench/faults.py``) measures: streams, their endings, the table.
+
+A ``Scenario`` is one row of the faults table; ``notes`` are the lines printed
+under it (what a row's columns cannot say: an exit code, a health timeline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvserve.experiments.report import format_table
+from kvserve.proto import generate_pb2
+
+RPC_TIMEOUT_S = 120.0
+
+
+@dataclass
+class StreamResult:
+    token_ids: list[int] = field(default_factory=list)
+    replicas: list[int] = field(default_factory=list)
+    code: str = "OK"
+    details: str = ""
+    started_at: float = 0.0  # time.monotonic()
+    seconds: float = 0.0
+
+    def overlaps(self, windows: list[tuple[float, float]]) -> bool:
+        """Whether the stream ran during any of ``windows`` (monotonic start and end)."""
+        end = self.started_at + self.seconds
+        return any(self.started_at < window_end and end > window_start for window_start, window_end in windows)
+
+
+@dataclass
+class Scenario:
+    name: str
+    sent: int
+    # Completed with exactly the baseline's tokens (None: nothing to compare with, as for refused requests).
+    correct: int | None
+    moved: int
+    codes: Counter
+    # None: nothing left to ask (the server is gone).
+    blocks_in_use: int | None
+    recovery_s: float | None
+    p99_s: float | None
+    baseline_p99_s: float | None
+    # For each completed stream whose tokens differ from its baseline's: the index of the first difference.
+    divergences: list[int] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def generate_request(prompt: list[int], max_tokens: int, cache_salt: str = "") -> generate_pb2.GenerateRequest:
+    """A greedy request for ``max_tokens`` tokens, EOS ignored: its tokens are the same on every run."""
+    return generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=prompt),
+        sampling_params=generate_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        cache_salt=cache_salt,
+    )
+
+
+async def read_stream(call, *, cancel_after: int | None = None, started: asyncio.Event | None = None) -> StreamResult:
+    """Read ``call`` (a ``Generate`` call) to its end: its tokens, replicas, status code and time."""
+    result = StreamResult(started_at=time.monotonic())
+    start = time.perf_counter()
+    try:
+        async for message in call:
+            result.token_ids += message.token_ids
+            result.replicas.append(message.replica)
+            if started is not None:
+                started.set()
+            if cancel_after is not None and len(result.replicas) >= cancel_after:
+                call.cancel()
+                result.code = "CANCELLED"
+                break
+    except grpc.aio.AioRpcError as exc:
+        result.code = exc.code().name
+        result.details = exc.details() or ""
+    except asyncio.CancelledError:
+        result.code = "CANCELLED"
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+async def one_stream(stub, prompt: list[int], max_tokens: int, *, timeout: float = RPC_TIMEOUT_S,
+                     cancel_after: int | None = None, started: asyncio.Event | None = None,
+                     cache_salt: str = "") -> StreamResult:
+    call = stub.Generate(generate_request(prompt, max_tokens, cache_salt), timeout=timeout)
+    return await read_stream(call, cancel_after=cancel_after, started=started)
+
+
+def divergences(pairs: list[tuple[StreamResult, StreamResult]]) -> list[int]:
+    """Where each completed stream first differs from its baseline (streams that equal it left out)."""
+    found = []
+    for result, baseline in pairs:
+        if result.code == "OK" and result.token_ids != baseline.token_ids:
+            found.append(next((i for i, (a, b) in enumerate(zip(result.token_ids, baseline.token_ids)) if a != b),
+                              min(len(result.token_ids), len(baseline.token_ids))))
+    return found
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+async def blocks_in_use(stub, timeout_s: float = 10.0) -> int:
+    """KV blocks held on the healthy replicas once they are idle (waits up to ``timeout_s`` for idle)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = (await stub.GetStats(generate_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S)).replicas
+        healthy = [s for s in stats if s.healthy]
+        idle = all(s.num_running == 0 and s.num_waiting == 0 for s in healthy)
+        used = sum(round(s.kv_cache_usage * (s.num_kv_blocks - 1)) for s in healthy)
+        if (idle and used == 0) or time.monotonic() > deadline:
+            return used
+        await asyncio.sleep(0.1)
+
+
+async def until_all_healthy(stub, since: float, timeout_s: float = 90.0) -> float | None:
+    while time.monotonic() - since < timeout_s:
+        stats = (await stub.GetStats(generate_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S)).replicas
+        if all(s.healthy for s in stats):
+            return time.monotonic() - since
+        await asyncio.sleep(0.2)
+    return None
+
+
+def table(scenarios: list[Scenario]) -> str:
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    def count(value: int | None) -> str:
+        return "-" if value is None else str(value)
+
+    rows = [
+        [s.name, s.sent, count(s.correct), s.moved, ", ".join(f"{code} {n}" for code, n in sorted(s.codes.items())),
+         count(s.blocks_in_use), seconds(s.recovery_s), seconds(s.p99_s), seconds(s.baseline_p99_s),
+         "-" if not (s.p99_s and s.baseline_p99_s) else f"{s.p99_s / s.baseline_p99_s:.2f}x"]
+        for s in scenarios
+    ]
+    return format_table(
+        ["scenario", "sent", "completed correctly", "moved", "ended with", "blocks in use after idle",
+         "s to full capacity", "p99 s", "baseline p99 s", "p99 vs baseline"],
+        rows,
+    )
