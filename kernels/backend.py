@@ -22,11 +22,11 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from typing import Protocol, runtime_checkable
 
 import torch
 
 from kvserve.kernels import reference
+from kvserve.kernels.attention_backend import AttentionBackend
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.cpu_backend import CpuAttentionBackend
 from kvserve.kernels.cpu_build import CpuExtensionBuildError
@@ -40,42 +40,13 @@ _CUDA_MODULE = "kvserve.kernels.cuda_backend"
 _CUDA_CLASS = "CudaAttentionBackend"
 
 
-@runtime_checkable
-class AttentionBackend(Protocol):
-    """Writes new K/V into the paged cache and attends over it.
-
-    Both operations follow the contracts of :mod:`kvserve.kernels.reference`,
-    which every backend must match numerically (within its dtype's tolerance).
-    """
-
-    name: str
-
-    def write_kv_cache(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None: ...
-
-    def paged_attention(
-        self,
-        query: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor: ...
-
-
-class TorchReferenceBackend:
+class TorchReferenceBackend(AttentionBackend):
     """The pure-torch reference kernels; runs on any device."""
 
     __slots__ = ()
     name = "torch"
 
-    def write_kv_cache(
+    def _write(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -85,7 +56,7 @@ class TorchReferenceBackend:
     ) -> None:
         reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
-    def paged_attention(
+    def _attend(
         self,
         query: torch.Tensor,
         key_cache: torch.Tensor,

@@ -21,13 +21,14 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels import reference
+from kvserve.kernels.attention_backend import AttentionBackend
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.cpu_build import load_cpu_extension
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-class CpuAttentionBackend:
+class CpuAttentionBackend(AttentionBackend):
     """C++ cache writes and attention, one call each per layer.
 
     Construction compiles the extension on first use on a machine (see
@@ -45,7 +46,20 @@ class CpuAttentionBackend:
     def __init__(self) -> None:
         self._extension = load_cpu_extension()
 
-    def write_kv_cache(
+    def cannot_write(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> str | None:
+        if key.dtype == value.dtype == key_cache.dtype == value_cache.dtype and key.dtype in KERNEL_DTYPES:
+            return None
+        return f"no kernel for {key.dtype} rows into a {key_cache.dtype} cache"
+
+    def cannot_attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
+        # The kernel reads one dtype throughout (as for the cache write, the reference takes the rest).
+        if query.dtype == key_cache.dtype == value_cache.dtype and query.dtype in KERNEL_DTYPES:
+            return None
+        return f"no kernel for a {query.dtype} query over a {key_cache.dtype} cache"
+
+    def _write(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -53,12 +67,9 @@ class CpuAttentionBackend:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        if key.dtype == value.dtype == key_cache.dtype == value_cache.dtype and key.dtype in KERNEL_DTYPES:
-            self._extension.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-        else:
-            reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+        self._extension.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
-    def paged_attention(
+    def _attend(
         self,
         query: torch.Tensor,
         key_cache: torch.Tensor,
@@ -66,10 +77,6 @@ class CpuAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if not query.dtype == key_cache.dtype == value_cache.dtype or query.dtype not in KERNEL_DTYPES:
-            # The kernel reads one dtype throughout (as write_kv_cache, the reference takes the rest).
-            return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
-        reference.check_inputs(query, key_cache, value_cache, metadata, scale)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         # Every row in one call; without AVX2 the prefill chunks are left to the reference.
         prefill_done = self._extension.paged_attention(

@@ -25,7 +25,7 @@ import logging
 
 import torch
 
-from kvserve.kernels import reference
+from kvserve.kernels.attention_backend import AttentionBackend
 from kvserve.kernels.attention_metadata import AttentionMetadata
 from kvserve.kernels.cuda_build import load_cuda_extension
 from kvserve.kernels.cuda_plan import SplitPlan, check_split_tokens, plan_splits
@@ -46,7 +46,7 @@ KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_BLOCK_SIZES = (16, 32)
 
 
-class CudaAttentionBackend:
+class CudaAttentionBackend(AttentionBackend):
     """CUDA kernels for the cache write and for paged attention over mixed batches.
 
     Construction builds the extension for the current CUDA device on first use on a
@@ -77,7 +77,25 @@ class CudaAttentionBackend:
         self._prefill_plan: PrefillPlan | None = None
         self._warned: set[str] = set()
 
-    def write_kv_cache(
+    def cannot_write(
+        self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    ) -> str | None:
+        dtype = key_cache.dtype
+        if not (key_cache.is_cuda and dtype in KERNEL_DTYPES and key.dtype == value.dtype == value_cache.dtype == dtype):
+            return f"no cache write of {key.dtype} rows into a {dtype} cache on {key_cache.device}"
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            return "the KV cache is not contiguous"
+        if key_cache.shape[-1] * key_cache.element_size() % 16:
+            return "a head's row is not a multiple of 16 bytes"
+        return None
+
+    def cannot_attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:
+        return _unsupported(query, key_cache, value_cache)
+
+    def _falls_back(self, reason: str) -> None:
+        self._warn_once(f"{reason}; using the slower torch reference for these calls")
+
+    def _write(
         self,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -85,14 +103,11 @@ class CudaAttentionBackend:
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        if not _kernel_can_write(key, value, key_cache, value_cache):
-            reference.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
-            return
         self._extension.write_kv_cache(
             _vector_ready(key), _vector_ready(value), key_cache, value_cache, _index_tensor(slot_mapping, torch.int64)
         )
 
-    def paged_attention(
+    def _attend(
         self,
         query: torch.Tensor,
         key_cache: torch.Tensor,
@@ -100,11 +115,6 @@ class CudaAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        reference.check_inputs(query, key_cache, value_cache, metadata, scale)
-        unsupported = _unsupported(query, key_cache, value_cache)
-        if unsupported is not None:
-            self._warn_once(f"{unsupported}; using the slower torch reference for these calls")
-            return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_tokens == 0:
             return output
@@ -117,7 +127,7 @@ class CudaAttentionBackend:
                 self._flash_prefill = False
                 self._prefill_plan = None
                 self._warn_once(f"FlashAttention failed ({exc}); prefill rows stay on the CUDA-core kernel")
-                return self.paged_attention(query, key_cache, value_cache, metadata, scale)
+                return self._attend(query, key_cache, value_cache, metadata, scale)
             decode_metadata = prefill.decode_metadata
             if decode_metadata is not None:  # the decode rows, as a batch of their own
                 plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2],
@@ -229,20 +239,6 @@ def _unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     if key_cache.data_ptr() % 16 or value_cache.data_ptr() % 16:
         return "the KV cache does not start on a 16-byte boundary"
     return None
-
-
-def _kernel_can_write(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
-) -> bool:
-    dtype = key_cache.dtype
-    return (
-        key_cache.is_cuda
-        and dtype in KERNEL_DTYPES
-        and key.dtype == value.dtype == value_cache.dtype == dtype
-        and key_cache.is_contiguous()
-        and value_cache.is_contiguous()
-        and key_cache.shape[-1] * key_cache.element_size() % 16 == 0
-    )
 
 
 def _index_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
