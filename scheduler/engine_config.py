@@ -186,18 +186,6 @@ class EngineConfig:
             grouped[group][name] = value
         return cls(model, **{name: group(**grouped[name]) for name, group in _GROUPS.items()})
 
-    def replace(self, **settings: Any) -> EngineConfig:
-        """A copy with ``settings`` (flat names, as ``from_kwargs``) changed."""
-        grouped: dict[str, dict[str, Any]] = {}
-        for name, value in settings.items():
-            group = _FIELD_GROUPS.get(name)
-            if group is None:
-                raise TypeError(f"unexpected setting {name!r}")
-            grouped.setdefault(group, {})[name] = value
-        return dataclasses.replace(
-            self, **{group: dataclasses.replace(getattr(self, group), **values) for group, values in grouped.items()}
-        )
-
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The step scheduler's limits, given the model's resolved ``max_model_len``."""
         return self.scheduler.resolve(max_model_len)

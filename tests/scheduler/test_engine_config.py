@@ -61,15 +61,6 @@ def test_each_bad_value_is_refused_where_it_is_given_naming_the_setting(settings
         EngineConfig.from_kwargs("/m", **settings)
 
 
-def test_replace_changes_settings_by_name_and_validates_them() -> None:
-    config = EngineConfig.from_kwargs("/m", block_size=32)
-    changed = config.replace(num_blocks=64, max_num_seqs=4)
-    assert (changed.cache.block_size, changed.cache.num_blocks, changed.scheduler.max_num_seqs) == (32, 64, 4)
-    assert config.cache.num_blocks is None  # frozen: the original is unchanged
-    with pytest.raises(ValueError, match="num_blocks"):
-        config.replace(num_blocks=1)
-
-
 def test_the_resolved_configs_take_what_only_a_running_engine_knows() -> None:
     config = EngineConfig.from_kwargs("/m", block_size=8, max_num_batched_tokens=512, enable_prefix_caching=False)
     scheduler = config.scheduler_config(max_model_len=1024)
