@@ -297,7 +297,9 @@ def simulated_serve(tmp_path: Path, model_dir: Path) -> ServeProcess:
 @pytest.mark.parametrize(
     "when, sig",
     [("raylet", signal.SIGINT), ("serving model", signal.SIGINT), ("raylet", signal.SIGTERM),
-     ("serving model", signal.SIGTERM)],
+     ("serving model", signal.SIGTERM),
+     # while the replicas' actors start, and between the last replica's start and the listening port
+     ("starting 1 replica", signal.SIGTERM), ("replica 0 ready", signal.SIGINT)],
 )
 def test_ctrl_c_or_sigterm_during_start_up_stops_everything_it_started(tmp_path, model_dir, when, sig):
     process = simulated_serve(tmp_path, model_dir)
