@@ -262,7 +262,6 @@ class SchedulerActor:
         try:
             replica.scheduler.add_request(request)
         except ValueError as exc:
-            self._router.withdraw(replica.replica_id, request)
             # The prompt's length is checked against max_model_len by the front
             # end; what is left is its KV footprint, the prompt's own or with max_tokens.
             field = "sampling_params.max_tokens" if replica.scheduler.prompt_fits_pool(request) else "prompt"
@@ -422,8 +421,6 @@ class SchedulerActor:
             self._num_moves.pop(req_id, None)
             replica, request = entry
             by_replica.setdefault(replica.replica_id, []).append(req_id)
-            # Blocks of its prompt it had not computed stop counting as on their way there.
-            self._router.withdraw(replica.replica_id, request)
             if deliver:
                 output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
                 output.finish(request, reason="abort")

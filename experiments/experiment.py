@@ -19,11 +19,13 @@ fraction of the prefix working set (the blocks an infinite cache would
 reuse) of the stream at 1 qps with the default number of requests (a trace:
 all its records), whatever ``--num-requests`` and the rates, unless
 ``--kv-blocks-per-replica`` is given: the hardware stays the same however
-long a run measures and whatever load it is under.  Session workloads
-start in their steady state and mark a warm-up (served, not measured): the
-figures cover the measured requests, ``--num-requests`` of them (by
-default 250 per replica: with fewer, a big fleet's figures are its cold
-starts and sampling noise; see ``default_num_requests``).
+long a run measures and whatever load it is under.  Every workload marks
+a warm-up (served, not measured: a session workload's sessions under way
+at the start, a prefix workload's first requests per group, a trace's
+first tenth): the figures, load per replica included, cover the measured
+requests, ``--num-requests`` of them (by default 250 per replica: with
+fewer, a big fleet's figures are sampling noise; see
+``default_num_requests``; a trace: its earliest records, warm-up included).
 
 Writes to ``--out``: ``config.json`` (the settings, defaults applied as values; with ``--qps knee``, the
 rate found is added to it) at the start; once
@@ -42,15 +44,9 @@ import argparse
 import csv
 import dataclasses
 import math
-import multiprocessing
 import sys
-import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from kvserve.experiments.experiment_report import (
     PLOTS,
@@ -59,13 +55,22 @@ from kvserve.experiments.experiment_report import (
     RunSummary,
     atomic_open,
     plot_summaries,
-    progress_line,
     summarize,
     summary_rows,
     write_request_rows,
     write_summary_csv,
 )
+from kvserve.experiments.experiment_fleet import (
+    available_memory_bytes,
+    cache_sized_by,
+    check_fleet_memory,
+    fleet_config,
+    fleet_for,
+    sizing_stream,
+)
+from kvserve.experiments import experiment_runs
 from kvserve.experiments.experiment_knee import KneeNotFound, find_knee_qps
+from kvserve.experiments.experiment_runs import Run, print_progress
 from kvserve.experiments.experiment_setup import (
     DEFAULT_BASELINE,
     DEFAULT_BURSTINESS,
@@ -76,9 +81,6 @@ from kvserve.experiments.experiment_setup import (
     REQUESTS_PER_REPLICA,
     ExperimentError,
     StreamSpec,
-    available_memory_bytes,
-    cache_sized_by,
-    check_fleet_memory,
     check_live_options,
     check_output_dir,
     check_options,
@@ -87,8 +89,6 @@ from kvserve.experiments.experiment_setup import (
     default_num_requests,
     default_policy_kwargs,
     describe,
-    fleet_config,
-    fleet_for,
     live_model,
     load_cost_model,
     parse_policies,
@@ -97,38 +97,19 @@ from kvserve.experiments.experiment_setup import (
     prepare_output,
     record_in_config,
     qps_label,
-    sizing_stream,
     stream_spec,
 )
 from kvserve.experiments.report import count, format_table
 from kvserve.experiments.workloads import WorkloadRequest
 from kvserve.experiments.workloads.cache_reference import infinite_cache_reference
 from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, WORKLOADS
-from kvserve.cluster.interrupts import (
-    closed_stdout_status,
-    ignore_stop_signals,
-    sigterm_as_interrupt,
-    stop_signals_ignored,
-)
+from kvserve.cluster.interrupts import closed_stdout_status, sigterm_as_interrupt
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
-from kvserve.scheduler.routing.policy import RoutingPolicy
-from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
-
-if TYPE_CHECKING:
-    from kvserve.experiments.experiment_live import LiveResult
+from kvserve.scheduler.simulation.simulator import FleetConfig
 
 # What a run writes besides config.json; an earlier run's are removed at the start.
 # summary.md first: a folder without it holds no finished run, even if removing a later one fails.
 RESULT_FILES = ("summary.md", "requests.csv", "summary.csv", *(filename for _, _, filename in PLOTS))
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    """One run: a policy at a rate."""
-
-    qps: float
-    policy: str
-    policy_kwargs: dict[str, Any]
 
 
 # -- command line -----------------------------------------------------------------
@@ -335,7 +316,7 @@ def _run(args: argparse.Namespace) -> int:
         stream = stream.with_vocab_size(model.vocab_size)
 
     reference_qps = None if stream.workload == TRACE_WORKLOAD else 1.0
-    _print_progress(f"generating the {stream.workload} stream {_rate(reference_qps)}")
+    print_progress(f"generating the {stream.workload} stream {_rate(reference_qps)}")
     reference_stream = _stream_at(stream, reference_qps)
     if not reference_stream:
         raise ExperimentError("the workload has no requests")
@@ -347,7 +328,7 @@ def _run(args: argparse.Namespace) -> int:
     sizing_reference = reference
     if sizing is not None and sizing.num_requests != stream.num_requests:
         num_sizing = "all its" if sizing.num_requests is None else f"{sizing.num_requests:,}"
-        _print_progress(f"generating the stream {_rate(reference_qps)} with {num_sizing} requests, to size the caches")
+        print_progress(f"generating the stream {_rate(reference_qps)} with {num_sizing} requests, to size the caches")
         sizing_reference = infinite_cache_reference(_stream_at(sizing, reference_qps), args.block_size)
     fleet = fleet_config(args, reference_stream, sizing_reference, cost_model)
     if args.address is None:  # a joined cluster's replicas live on its nodes
@@ -374,11 +355,11 @@ def _run(args: argparse.Namespace) -> int:
 
         baseline_kwargs = policy_kwargs[args.baseline]
         if model is not None:
-            _print_progress("knee: searched for in simulation (the same stream and fleet); the live runs follow at it")
+            print_progress("knee: searched for in simulation (the same stream and fleet); the live runs follow at it")
         try:
             knee_qps = find_knee_qps(
                 stream_at, stream.num_requests, fleet, lambda: make_policy(args.baseline, **baseline_kwargs),
-                args.knee_factor, report=_print_progress, processes=args.sim_processes,
+                args.knee_factor, report=print_progress, processes=args.sim_processes,
             )
         except ExperimentError:
             raise
@@ -392,9 +373,9 @@ def _run(args: argparse.Namespace) -> int:
         _fleet_at(fleet, stream, qps, sized_by)
     runs = [Run(qps, policy, policy_kwargs[policy]) for qps in rates for policy in policies]
     if model is not None:
-        results = _run_live_all(runs, stream, fleet, model.model_dir, args)
+        results = experiment_runs.run_live_all(runs, stream, fleet, model.model_dir, args)
     else:
-        results = _simulate_all(runs, stream, fleet, args.jobs, args.sim_processes)
+        results = experiment_runs.simulate_all(runs, stream, fleet, args.jobs, args.sim_processes)
 
     # Every run has finished: the results are written, summary.md last (see the module docstring).
     summaries: list[RunSummary] = []
@@ -407,7 +388,7 @@ def _run(args: argparse.Namespace) -> int:
         for run, result in results:
             if run.qps not in infinite_hit_rates:
                 # Per rate: a session workload's stream depends on it.
-                _print_progress(f"infinite-cache hit rate {_rate(run.qps)}")
+                print_progress(f"infinite-cache hit rate {_rate(run.qps)}")
                 requests = stream.at(run.qps)
                 infinite_hit_rates[run.qps] = infinite_cache_reference(requests, args.block_size).hit_rate
                 measured[run.qps] = [r.measured for r in requests]
@@ -473,108 +454,6 @@ def _stream_at(stream: StreamSpec, qps: float | None) -> list[WorkloadRequest]:
 
 def _rate(qps: float | None) -> str:
     return "as recorded" if qps is None else f"at {qps:g} qps"
-
-
-# -- running ------------------------------------------------------------------------
-
-
-def _print_progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def simulate(
-    stream: Sequence[WorkloadRequest],
-    fleet: FleetConfig,
-    policy: RoutingPolicy,
-    *,
-    label: str = "",
-    report: Callable[[str], None] | None = None,
-    processes: int = 1,
-) -> SimulationResult:
-    """One simulated run (its replicas stepped by ``processes`` processes), reporting progress every 10% as a line."""
-    start = time.perf_counter()
-    emit = report or _print_progress
-
-    def progress(num_finished: int, num_requests: int) -> None:
-        emit(progress_line(label, num_finished, num_requests, time.perf_counter() - start))
-
-    return FleetSimulator(fleet, policy, processes=processes).run(
-        stream, progress=progress, progress_every=max(1, len(stream) // 10)
-    )
-
-
-def _label(run: Run) -> str:
-    return f"{run.policy} @ {'trace' if run.qps is None else f'{run.qps:g}'} qps"
-
-
-def _run_one(run: Run, stream_spec: StreamSpec, fleet: FleetConfig, processes: int) -> SimulationResult:
-    stream = stream_spec.at(run.qps)
-    policy = make_policy(run.policy, **run.policy_kwargs)
-    try:
-        return simulate(stream, fleet_for(fleet, stream), policy, label=_label(run), processes=processes)
-    except ValueError as exc:  # e.g. times beyond the virtual clock's precision
-        raise ExperimentError(f"{_label(run)}: {exc}") from None
-
-
-def _run_live_all(
-    runs: Sequence[Run], stream: StreamSpec, fleet: FleetConfig, model_dir: str, args: argparse.Namespace
-) -> list[tuple[Run, LiveResult]]:
-    """Each run on a fresh live cluster of simulated replicas, one after the other."""
-    # NOTE: imported here: Ray and gRPC are not needed by simulated experiments.
-    from kvserve.experiments.experiment_live import live_cluster_config, ray_session, run_live
-
-    _print_progress(f"{count(len(runs), 'live run')}, {count(fleet.num_replicas, 'simulated replica')} each")
-    results = []
-    with ray_session(args.address, num_worker_slots=fleet.num_replicas, report=_print_progress):
-        for run in runs:
-            requests = stream.at(run.qps)
-            try:
-                config = live_cluster_config(
-                    fleet_for(fleet, requests), requests, model_dir=model_dir, policy=run.policy, policy_kwargs=run.policy_kwargs,
-                    time_scale=args.time_scale, placement_timeout_s=None if args.address else 60.0,
-                )
-            except ValueError as exc:
-                raise ExperimentError(f"{run.policy}: {exc}") from None
-            results.append((run, run_live(requests, config, label=_label(run), report=_print_progress)))
-    return results
-
-
-def _simulate_all(
-    runs: Sequence[Run], stream: StreamSpec, fleet: FleetConfig, jobs: int, processes: int
-) -> list[tuple[Run, SimulationResult]]:
-    _print_progress(count(len(runs), "run"))
-    if jobs == 1 or len(runs) == 1:
-        return [(run, _run_one(run, stream, fleet, processes)) for run in runs]
-    # NOTE: fork, so that children need not re-import; each regenerates its
-    # stream from the spec (deterministic) rather than receiving it pickled.
-    # Workers ignore Ctrl-C and SIGTERM (a terminal or a process manager may
-    # send them to the whole group): the parent alone handles them, and stops them.
-    other_children = set(multiprocessing.active_children())
-    jobs = min(jobs, len(runs))
-    pool = ProcessPoolExecutor(
-        max_workers=jobs, mp_context=multiprocessing.get_context("fork"), initializer=ignore_stop_signals
-    )
-    try:
-        futures = [pool.submit(_run_one, run, stream, fleet, processes) for run in runs]
-        results = [(run, future.result()) for run, future in zip(runs, futures)]
-    except BaseException as exc:
-        # Stop the runs under way (else shutting down waits for them), and
-        # let no second Ctrl-C or SIGTERM cut that short: it would leave workers behind.
-        with stop_signals_ignored():
-            for worker in set(multiprocessing.active_children()) - other_children:
-                worker.kill()
-                worker.join()
-            pool.shutdown(cancel_futures=True)
-        if isinstance(exc, BrokenProcessPool):
-            # Killed from outside: on Linux, most often by the kernel when memory ran out.
-            raise ExperimentError(
-                f"a simulation worker died (killed, most likely for memory: {jobs} fleets of "
-                f"{fleet.num_replicas:,} replicas x {fleet.cache_config.num_blocks:,} KV blocks at once); "
-                "fewer --jobs or a smaller fleet needs less"
-            ) from None
-        raise
-    pool.shutdown()
-    return results
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from kvserve.experiments.experiment_setup import fleet_for
+from kvserve.experiments.experiment_fleet import fleet_for
 from kvserve.experiments.workloads import WorkloadRequest
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator

@@ -9,8 +9,10 @@ A run is one policy at one rate over one request stream, simulated
 * TTFT (milliseconds, two decimals: close policies differ by fractions of a
   millisecond) and end-to-end latency percentiles (seconds);
 * ``throughput``: output tokens per second from the first arrival to the last finish;
-* ``load_imbalance``: max / mean over replicas of the requests each served;
-  ``busy_imbalance``: the same for the time each spent running steps;
+* ``load_imbalance``: max / mean over replicas of the measured requests each
+  served (the steady state: a warm-up's are left out);
+  ``busy_imbalance``: the same for the time each spent running steps, the
+  whole run;
 * ``num_preemptions``.
 
 A live run does not see its replicas' steps: its busy imbalance and
@@ -102,7 +104,7 @@ def summarize(
 ) -> RunSummary:
     """The figures of ``result`` over its measured requests (all when ``measured`` is ``None``).
 
-    Per-replica figures (load, busy time) cover every request, warm-up included.
+    The load per replica counts the measured requests; busy time covers the whole run, warm-up included.
     """
     records = result.records if measured is None else [r for r in result.records if measured[r.index]]
     if not records:
@@ -113,7 +115,7 @@ def summarize(
     hit_rate = sum(r.num_cached_tokens for r in records) / num_prompt
     start = min(r.arrival_time for r in records)
     span = max(result.end_time - start, 1e-9)
-    served = np.array(result.replica_num_requests, dtype=np.float64)
+    served = np.bincount([r.replica_id for r in records], minlength=len(result.replica_num_requests)).astype(np.float64)
     busy = np.array(result.replica_busy_time, dtype=np.float64)
     sees_steps = _sees_steps(result)
     busy_imbalance = float(busy.max() / busy.mean()) if sees_steps and busy.mean() > 0 else None

@@ -23,7 +23,6 @@ from kvserve.experiments.workloads import WorkloadRequest, make_workload
 from kvserve.experiments.workloads.cache_reference import CacheReference
 from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, WORKLOADS
 from kvserve.cluster.ray_address import parse_gcs_address
-from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
@@ -313,170 +312,6 @@ def qps_label(qps: float | None, stream: Sequence[WorkloadRequest]) -> float:
     return float(f"{(len(stream) - 1) / span:.4g}") if span > 0 else float(len(stream))
 
 
-def sizing_stream(args: argparse.Namespace, stream: StreamSpec) -> StreamSpec | None:
-    """The stream whose prefix working set ``--kv-fraction`` sizes the caches on, at the reference rate
-    (1 qps; a trace as recorded): ``stream`` with the default number of requests for ``--replicas`` (a
-    trace: all its records).  ``None`` where no stream is needed (``--kv-blocks-per-replica``).
-
-    NOTE: sized on ``stream`` itself, a session workload's caches shrank with ``--num-requests``: its
-    working set is every session's history, which grows with the stream, while the histories under way
-    at once do not.  With 300 requests of multi-turn chat at 8 replicas and 20 qps, each replica held
-    1,604 blocks where the default 2,000 requests give 9,960; the fleet could not hold the 16,013
-    blocks of the sessions under way, and every policy's hit rate was 0.20-0.29 of an infinite cache's.
-    ``--num-requests`` now sets how long a run measures, not how much its replicas hold.
-    """
-    if args.kv_blocks_per_replica is not None:
-        return None
-    num_requests = None if stream.workload == TRACE_WORKLOAD else default_num_requests(args.replicas)
-    return dataclasses.replace(stream, num_requests=num_requests)
-
-
-def cache_sized_by(args: argparse.Namespace, reference: CacheReference) -> tuple[float, int] | None:
-    """The (fraction, working-set blocks) replica caches are sized from; ``None`` for ``--kv-blocks-per-replica``."""
-    if args.kv_blocks_per_replica is not None:
-        return None
-    if not reference.num_reused_blocks:
-        raise ExperimentError(
-            "the stream reuses no prefix (a working set of 0 blocks), so --kv-fraction sizes no cache: "
-            "give --kv-blocks-per-replica"
-        )
-    fraction = DEFAULT_KV_FRACTION if args.kv_fraction is None else args.kv_fraction
-    return fraction, reference.num_reused_blocks
-
-
-def fleet_config(
-    args: argparse.Namespace,
-    requests: Sequence[WorkloadRequest],
-    reference: CacheReference,
-    cost_model: StepCostModel,
-) -> FleetConfig:
-    block_size = args.block_size
-    longest = longest_request(requests)
-    sized_by = cache_sized_by(args, reference)
-    if sized_by is None:
-        num_usable = args.kv_blocks_per_replica
-    else:
-        fraction, working_set = sized_by
-        num_usable = math.ceil(fraction * working_set)
-    _check_room(num_usable, block_size, longest, sized_by)
-    try:
-        return FleetConfig(
-            num_replicas=args.replicas,
-            scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                max_num_seqs=args.max_num_seqs,
-                max_model_len=longest,
-            ),
-            cache_config=CacheConfig(block_size=block_size, num_blocks=num_usable + 1),
-            cost_model=cost_model,
-        )
-    except ValueError as exc:
-        raise ExperimentError(str(exc)) from None
-
-
-# What a simulated fleet holds per KV block before it serves a request (its
-# block and free-list entry).  Measured on 200 replicas x 2,049 blocks: 117
-# bytes.  A full cache adds the blocks' hashes and index entries: about 430
-# bytes a block at the end of a run, so a fleet refused for this minimum could
-# never have run here, while one that passes may still need up to 4x more.
-FLEET_BYTES_PER_BLOCK = 120
-
-
-def check_fleet_memory(fleet: FleetConfig, num_fleets: int, available_bytes: int | None) -> None:
-    """``ExperimentError`` when ``num_fleets`` such fleets at once would need more than ``available_bytes``.
-
-    A fleet far too big for the machine would otherwise be built block by
-    block for minutes or hours before running out of memory.  ``None``: the
-    available memory is unknown; nothing is checked.
-    """
-    num_blocks = fleet.num_replicas * fleet.cache_config.num_blocks
-    needed = num_fleets * num_blocks * FLEET_BYTES_PER_BLOCK
-    if available_bytes is not None and needed > available_bytes:
-        jobs = f" ({num_fleets} parallel jobs at once)" if num_fleets > 1 else ""
-        raise ExperimentError(
-            f"{fleet.num_replicas:,} replicas x {fleet.cache_config.num_blocks:,} KV blocks need at least "
-            f"{_size(needed)} to simulate{jobs} ({FLEET_BYTES_PER_BLOCK} bytes a block before any request), more than "
-            f"the {_size(available_bytes)} available here: fewer replicas, or fewer KV blocks per replica "
-            f"(--kv-fraction or --kv-blocks-per-replica)"
-            f"{', or fewer --jobs' if num_fleets > 1 else ''}"
-        )
-
-
-def _size(num_bytes: int) -> str:
-    return f"{num_bytes / 1e9:,.1f} GB" if num_bytes >= 1e8 else f"{num_bytes / 1e6:,.1f} MB"
-
-
-def available_memory_bytes() -> int | None:
-    """The kernel's estimate of the memory available to a new process (``MemAvailable``); ``None`` if unknown."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def longest_request(requests: Sequence[WorkloadRequest]) -> int:
-    """Tokens of the longest request of ``requests``, its output included."""
-    return max(r.num_prompt_tokens + r.output_len for r in requests)
-
-
-def _blocks_for(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def _check_room(
-    num_usable_blocks: int, block_size: int, longest: int, sized_by: tuple[float, int] | None = None
-) -> None:
-    """``ExperimentError`` unless a replica's cache holds the longest request.
-
-    ``sized_by``: the (fraction, working-set blocks) the cache was sized from,
-    for a message that names the least fraction that fits.
-    """
-    blocks_for_longest = _blocks_for(longest, block_size)
-    if num_usable_blocks >= blocks_for_longest:
-        return
-    if sized_by is None:
-        raise ExperimentError(
-            f"{num_usable_blocks} KV blocks per replica cannot hold the longest request "
-            f"({longest} tokens = {blocks_for_longest} blocks); raise --kv-fraction or --kv-blocks-per-replica"
-        )
-    fraction, working_set = sized_by
-    least = _round_up(blocks_for_longest / working_set)  # rounded up: it holds the longest
-    raise ExperimentError(
-        f"{num_usable_blocks} KV blocks per replica ({fraction:g} of the {working_set}-block working set) cannot "
-        f"hold the longest request ({longest} tokens = {blocks_for_longest} blocks); give --kv-fraction "
-        f"{least:g} or more, or --kv-blocks-per-replica"
-    )
-
-
-def _round_up(fraction: float, digits: int = 2) -> float:
-    """``fraction`` (> 0) rounded up to ``digits`` significant digits."""
-    scale = 10.0 ** (digits - 1 - math.floor(math.log10(fraction)))
-    return math.ceil(fraction * scale - 1e-9) / scale
-
-
-def fleet_for(
-    fleet: FleetConfig, requests: Sequence[WorkloadRequest], sized_by: tuple[float, int] | None = None
-) -> FleetConfig:
-    """``fleet`` with a ``max_model_len`` that admits every one of ``requests``.
-
-    The fleet is sized on the stream at 1 qps, but a session workload's
-    stream differs with the rate (more sessions under way, longer histories),
-    so each run's stream is fitted; its cache must still hold its longest.
-    ``sized_by``: as ``cache_sized_by`` gives it, for an error that names the
-    least fraction that would.
-    """
-    longest = longest_request(requests)
-    scheduler_config = fleet.scheduler_config
-    if longest <= scheduler_config.max_model_len:
-        return fleet
-    _check_room(fleet.cache_config.num_usable_blocks, fleet.cache_config.block_size, longest, sized_by)
-    return dataclasses.replace(fleet, scheduler_config=dataclasses.replace(scheduler_config, max_model_len=longest))
-
-
 def default_policy_kwargs(
     policy: str, seed: int, cost_model: StepCostModel, max_num_batched_tokens: int
 ) -> dict[str, Any]:
@@ -527,7 +362,7 @@ def describe(
         f"d={cost.d:.3g} s/context token",
     ]
     cache = fleet.cache_config
-    fits = cache.num_usable_blocks // _blocks_for(fleet.scheduler_config.max_model_len, cache.block_size)
+    fits = cache.num_usable_blocks // -(-fleet.scheduler_config.max_model_len // cache.block_size)
     if fits < FEW_REQUESTS_IN_CACHE:
         lines.append(
             f"note: a replica's KV cache holds only {fits} of the longest requests at once, so replicas queue "

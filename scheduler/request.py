@@ -70,7 +70,6 @@ class Request:
         "num_cached_tokens",
         "num_preemptions",
         "block_hashes",
-        "pending_claim",
         "kv_room",
         "num_pending_tokens",
     )
@@ -113,9 +112,6 @@ class Request:
         self.num_cached_tokens: int | None = None
         self.num_preemptions = 0
         self.block_hashes: list[BlockHash] = list(block_hashes)
-        # The router's claim on the blocks it recorded as on their way to this
-        # request's replica (``GlobalPrefixIndex.add_pending``), if it did.
-        self.pending_claim: int | None = None
         # Set by its KVCacheManager: a step that leaves the request holding at
         # most this many tokens needs no new block and fills none (0 when it
         # holds no blocks), so the scheduler schedules it without a call.

@@ -9,6 +9,10 @@ equal ids at equal positions mean an equal prefix.  Each id maps to its own
 512 deterministic token ids (a function of the seed and the id), so requests
 sharing leading ids share those prompt tokens; the last block may be partial
 (``input_length`` need not be a multiple of 512).
+
+A trace was recorded against warm caches; a replay starts cold.  The first
+``warmup_fraction`` of the replayed records (rounded down) are a warm-up:
+served, but marked ``measured=False``.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from kvserve.experiments.report import count
 from kvserve.experiments.workloads.checks import check_vocab_size
 from kvserve.experiments.workloads.request import WorkloadRequest
 from kvserve.experiments.workloads.tokens import TokenSegments, random_tokens
-from kvserve.scheduler.checks import check_ints
+from kvserve.scheduler.checks import check_ints, check_numbers
 
 MOONCAKE_BLOCK_TOKENS = 512
 
@@ -36,6 +40,7 @@ def mooncake_trace(
     qps: float | None = None,
     seed: int = 0,
     block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+    warmup_fraction: float = 0.1,
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
     """The trace's requests in arrival order (the earliest ``num_requests`` when given).
@@ -47,6 +52,7 @@ def mooncake_trace(
     requests that all arrive at one instant (there is no timing to rescale).
     """
     check_ints(1, block_tokens=block_tokens)
+    check_numbers(0, maximum=1, warmup_fraction=warmup_fraction)
     check_vocab_size(vocab_size)
     if num_requests is not None:
         check_ints(0, num_requests=num_requests)
@@ -95,8 +101,9 @@ def mooncake_trace(
         # Mean rate = (n - 1) arrivals over the span.
         factor = (len(times) - 1) / (qps * span)
         times = [t * factor for t in times]
+    num_warmup = int(warmup_fraction * len(records))
     requests = []
-    for arrival_time, (_, input_length, output_length, hash_ids) in zip(times, records):
+    for position, (arrival_time, (_, input_length, output_length, hash_ids)) in enumerate(zip(times, records)):
         segments = [block(h) for h in hash_ids]
         last_len = input_length - (len(hash_ids) - 1) * block_tokens
         if last_len < block_tokens:
@@ -104,7 +111,7 @@ def mooncake_trace(
         requests.append(
             WorkloadRequest(
                 arrival_time=arrival_time, prompt_token_ids=TokenSegments(segments), output_len=output_length,
-                group="trace",
+                group="trace", measured=position >= num_warmup,
             )
         )
     return requests

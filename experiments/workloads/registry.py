@@ -40,14 +40,14 @@ def make_workload(
     """``num_requests`` requests of workload ``name`` at mean rate ``qps``.
 
     ``params`` override the generator's defaults (e.g. ``num_groups``); the
-    trace workload takes ``trace=PATH`` (and ``vocab_size``, ``block_tokens``)
+    trace workload takes ``trace=PATH`` (and ``vocab_size``, ``block_tokens``, ``warmup_fraction``)
     and replays at its own rate when ``qps`` is ``None``.  Raises ``ValueError`` for unknown names or parameters.
     """
     if name == TRACE_WORKLOAD:
         trace = params.pop("trace", None)
         if trace is None:
             raise ValueError("the mooncake workload needs trace=PATH")
-        unknown = set(params) - {"vocab_size", "block_tokens"}
+        unknown = set(params) - {"vocab_size", "block_tokens", "warmup_fraction"}
         if unknown:
             raise ValueError(f"unknown parameters for the mooncake workload: {sorted(unknown)}")
         return mooncake_trace(trace, num_requests=num_requests, qps=qps, seed=seed, **params)

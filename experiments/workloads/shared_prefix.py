@@ -7,6 +7,12 @@ each group gets exactly that many requests in a random order (SGLang's
 groups x prompts; ``num_requests`` must then be their product).  With
 ``num_tenants`` > 0, group ``g`` belongs to tenant ``g % num_tenants`` and
 carries its cache salt.
+
+A fleet serving these prompts for long holds the popular prefixes already;
+a run that starts with empty caches would measure every group's first
+prefill.  So ``warmup_per_group x num_groups`` requests, drawn the same way,
+come first as a warm-up: served, but marked ``measured=False``.  The
+``num_requests`` measured ones follow.
 """
 
 from __future__ import annotations
@@ -33,11 +39,13 @@ def shared_prefix(
     zipf_exponent: float = 0.0,
     prompts_per_group: int | None = None,
     num_tenants: int = 0,
+    warmup_per_group: int = 4,
     vocab_size: int = 32_000,
 ) -> list[WorkloadRequest]:
-    """Requests sharing one of ``num_groups`` long prefixes each."""
+    """Requests sharing one of ``num_groups`` long prefixes each, after a warm-up."""
     check_ints(1, num_groups=num_groups, output_len=output_len)
-    check_ints(0, system_prompt_len=system_prompt_len, question_len=question_len, num_tenants=num_tenants)
+    check_ints(0, system_prompt_len=system_prompt_len, question_len=question_len, num_tenants=num_tenants,
+               warmup_per_group=warmup_per_group)
     check_numbers(0, zipf_exponent=zipf_exponent)
     check_vocab_size(vocab_size)
     if system_prompt_len + question_len < 1:
@@ -53,7 +61,7 @@ def shared_prefix(
         num_requests, qps, seed=seed, burstiness=burstiness, num_groups=num_groups,
         prefix_len=system_prompt_len, question_len=question_len, output_len=output_len,
         zipf_exponent=zipf_exponent, num_tenants=num_tenants, vocab_size=vocab_size, group_name="group",
-        balanced=prompts_per_group is not None,
+        balanced=prompts_per_group is not None, num_warmup=warmup_per_group * num_groups,
     )
 
 
@@ -72,14 +80,17 @@ def prefix_groups(
     vocab_size: int,
     group_name: str,
     balanced: bool = False,
+    num_warmup: int = 0,
 ) -> list[WorkloadRequest]:
     """The shape shared by shared-prefix and document-QA workloads: prefix + question.
 
-    ``balanced``: every group equally often (``num_requests`` a multiple of
-    ``num_groups``), in a random order, instead of drawn by popularity.
+    ``balanced``: every group equally often (``num_requests`` and
+    ``num_warmup`` multiples of ``num_groups``), in a random order, instead of
+    drawn by popularity.  The first ``num_warmup`` requests are a warm-up
+    (``measured=False``); ``num_requests`` measured ones follow.
     """
-    if num_requests < 0:
-        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    if num_requests < 0 or num_warmup < 0:
+        raise ValueError(f"num_requests and num_warmup must be >= 0, got {num_requests} and {num_warmup}")
     if num_groups < 1 or prefix_len < 0 or question_len < 0 or prefix_len + question_len < 1:
         raise ValueError("need num_groups >= 1 and a non-empty prompt (prefix_len + question_len >= 1)")
     if num_tenants < 0:
@@ -87,13 +98,18 @@ def prefix_groups(
     content = np.random.default_rng([seed, 0])
     prefixes = [shared_tokens(content, prefix_len, vocab_size) for _ in range(num_groups)]
     if balanced:
-        groups = content.permutation(np.repeat(np.arange(num_groups), num_requests // num_groups))
+        groups = np.concatenate([
+            content.permutation(np.repeat(np.arange(num_groups), n // num_groups)) for n in (num_warmup, num_requests)
+        ])
     else:
-        groups = content.choice(num_groups, size=num_requests, p=zipf_probabilities(num_groups, zipf_exponent))
-    questions = random_tokens(content, num_requests * question_len, vocab_size)
-    times = arrival_times(num_requests, qps, np.random.default_rng([seed, 1]), burstiness)
+        groups = content.choice(
+            num_groups, size=num_warmup + num_requests, p=zipf_probabilities(num_groups, zipf_exponent)
+        )
+    num_total = num_warmup + num_requests
+    questions = random_tokens(content, num_total * question_len, vocab_size)
+    times = arrival_times(num_total, qps, np.random.default_rng([seed, 1]), burstiness)
     requests = []
-    for i in range(num_requests):
+    for i in range(num_total):
         group = int(groups[i])
         question = questions[i * question_len : (i + 1) * question_len]
         requests.append(
@@ -103,6 +119,7 @@ def prefix_groups(
                 output_len=output_len,
                 cache_salt=f"tenant-{group % num_tenants}" if num_tenants else None,
                 group=f"{group_name}-{group}",
+                measured=i >= num_warmup,
             )
         )
     return requests

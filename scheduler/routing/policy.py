@@ -48,10 +48,7 @@ class RoutingPolicy(Protocol):
 
     ``replicas[i]`` is replica ``i``'s load (``replica_id == i``); the result
     is the id of an available replica (``replicas[i].available``).  With none
-    available, ``select`` raises ``NoAvailableReplicaError``.  A policy whose
-    attribute ``matches_pending`` is true when its router is made has the
-    router record each request's blocks as pending on the replica it chose
-    (``GlobalPrefixIndex.add_pending``), for ``match(..., pending=True)``.
+    available, ``select`` raises ``NoAvailableReplicaError``.
     """
 
     name: str

@@ -20,22 +20,6 @@ and with sets each block of its walk cost a set difference over all of
 them (23 ms per match for 256 replicas and 2,000 blocks).  A mask operation
 costs one machine word per 64 replicas, so a walk is O(blocks) for fleets
 of hundreds of replicas, plus O(replicas) to report the matches.
-
-Pending blocks: a pool caches a prompt's blocks chunk by chunk as it
-schedules them, so while a replica computes a long document the index holds
-only its first chunks, and a second request for the document saw most of it
-uncached there.  The router can record the blocks of every request it sends
-(``add_pending``); each stays pending on that replica until its pool caches
-it (or the replica is cleared), and ``match(..., pending=True)`` counts
-pending blocks as held.  A request that leaves its replica without computing
-some of its blocks (refused there, or aborted before its prefill finished)
-takes them back (``drop_pending``).  The index counts the requests that
-brought each pending block, so that one request taken back leaves the
-block pending for another still on its way to compute it.  Each
-``add_pending`` returns a claim (a sequence number) that its request gives
-back to ``drop_pending``: a block cached since, evicted, and brought again
-by a later request is that request's, and the earlier one's withdrawal
-leaves it pending.
 """
 
 from __future__ import annotations
@@ -48,19 +32,13 @@ from kvserve.scheduler.block_hash import BlockHash
 class GlobalPrefixIndex:
     """Which replicas cache which blocks, from every replica pool's events."""
 
-    __slots__ = ("_holders", "_copies", "_pending", "_pending_of", "_next_claim", "_observers")
+    __slots__ = ("_holders", "_copies", "_observers")
 
     def __init__(self) -> None:
         # hash -> bit mask of the replicas holding at least one copy.
         self._holders: dict[BlockHash, int] = {}
         # replica -> hash -> number of its cached blocks with that hash.
         self._copies: dict[int, dict[BlockHash, int]] = {}
-        # hash -> bit mask of the replicas it is pending on, and replica -> its pending hashes,
-        # each with the number of routed requests that brought it there and the claim
-        # (add_pending's sequence number) of the first of them.
-        self._pending: dict[BlockHash, int] = {}
-        self._pending_of: dict[int, dict[BlockHash, tuple[int, int]]] = {}
-        self._next_claim = 0
         # replica -> the observer of its current pool (observer_for retires the one it replaces).
         self._observers: dict[int, ReplicaIndexObserver] = {}
 
@@ -94,60 +72,6 @@ class GlobalPrefixIndex:
                 holders[block_hash] = holders.get(block_hash, 0) | bit
             else:
                 copies[block_hash] = count + 1
-        self._resolve_pending(replica_id, block_hashes)
-
-    def add_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> int:
-        """Replica ``replica_id`` was sent a request with these blocks: those it does not
-        cache are pending there until it does (or every request that brought them is taken back).
-
-        Returns the request's claim, for ``drop_pending``.
-        """
-        claim = self._next_claim
-        self._next_claim = claim + 1
-        copies = self._copies.get(replica_id, {})
-        mine = self._pending_of.setdefault(replica_id, {})
-        pending = self._pending
-        bit = 1 << replica_id
-        # A prompt may repeat a block: it brings it once.
-        for block_hash in dict.fromkeys(block_hashes):
-            if block_hash in copies:
-                continue
-            entry = mine.get(block_hash)
-            if entry is None:
-                mine[block_hash] = (1, claim)
-                pending[block_hash] = pending.get(block_hash, 0) | bit
-            else:
-                mine[block_hash] = (entry[0] + 1, entry[1])
-        return claim
-
-    def drop_pending(self, replica_id: int, block_hashes: Sequence[BlockHash], claim: int) -> None:
-        """The request that brought these blocks to ``replica_id`` (``add_pending``, which
-        returned ``claim``) left it without computing them: each stays pending only while
-        another request brought it.
-
-        A block pending since a later claim is another request's: it was cached
-        after this request brought it (which ended this request's part in it),
-        evicted, and brought again.
-        """
-        mine = self._pending_of.get(replica_id)
-        if mine:
-            for block_hash in dict.fromkeys(block_hashes):
-                entry = mine.get(block_hash)
-                if entry is None or entry[1] > claim:
-                    continue
-                if entry[0] > 1:
-                    mine[block_hash] = (entry[0] - 1, entry[1])
-                else:
-                    del mine[block_hash]
-                    _drop_bit(self._pending, block_hash, replica_id)
-
-    def _resolve_pending(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
-        """``replica_id`` cached these blocks: none of them is pending there any more."""
-        mine = self._pending_of.get(replica_id)
-        if mine:
-            for block_hash in block_hashes:
-                if mine.pop(block_hash, None) is not None:
-                    _drop_bit(self._pending, block_hash, replica_id)
 
     def remove_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> None:
         copies = self._copies.get(replica_id)
@@ -164,12 +88,7 @@ class GlobalPrefixIndex:
             _drop_bit(self._holders, block_hash, replica_id)
 
     def clear_replica(self, replica_id: int) -> None:
-        """Forget every block of ``replica_id``, cached or pending (its pool reset its prefix cache)."""
-        pending = self._pending_of.get(replica_id)
-        if pending:
-            for block_hash in pending:
-                _drop_bit(self._pending, block_hash, replica_id)
-            pending.clear()
+        """Forget every block of ``replica_id`` (its pool reset its prefix cache)."""
         copies = self._copies.get(replica_id)
         if not copies:
             return
@@ -179,9 +98,8 @@ class GlobalPrefixIndex:
 
     # -- queries -----------------------------------------------------------------
 
-    def match(self, block_hashes: Sequence[BlockHash], *, pending: bool = False) -> dict[int, int]:
-        """Replica -> number of leading blocks of ``block_hashes`` it caches
-        (or, with ``pending``, caches or has pending).
+    def match(self, block_hashes: Sequence[BlockHash]) -> dict[int, int]:
+        """Replica -> number of leading blocks of ``block_hashes`` it caches.
 
         Replicas that cache not even the first block are absent.  One walk of
         the chain: the candidate mask only shrinks and the walk stops when it
@@ -190,11 +108,7 @@ class GlobalPrefixIndex:
         if not block_hashes:
             return {}
         holders_of = self._holders.get
-        # NOTE: None rather than an empty dict's get, so the usual walk pays one test per block.
-        pending_of = self._pending.get if pending and self._pending else None
         candidates = holders_of(block_hashes[0], 0)
-        if pending_of is not None:
-            candidates |= pending_of(block_hashes[0], 0)
         if not candidates:
             return {}
         matched: dict[int, int] = {}
@@ -202,8 +116,6 @@ class GlobalPrefixIndex:
         for position in range(1, num_blocks):
             block_hash = block_hashes[position]
             replicas = holders_of(block_hash, 0)
-            if pending_of is not None:
-                replicas |= pending_of(block_hash, 0)
             dropped = candidates & ~replicas
             if dropped:
                 for replica_id in _bits(dropped):
@@ -225,10 +137,6 @@ class GlobalPrefixIndex:
     def num_blocks(self, replica_id: int) -> int:
         """Distinct block hashes ``replica_id`` caches."""
         return len(self._copies.get(replica_id, ()))
-
-    def num_pending(self, replica_id: int) -> int:
-        """Distinct block hashes pending on ``replica_id``."""
-        return len(self._pending_of.get(replica_id, ()))
 
     def __len__(self) -> int:
         """Distinct block hashes cached anywhere."""

@@ -24,9 +24,8 @@ logger = logging.getLogger(__name__)
 class Router:
     """Routes requests among replicas ``0..num_replicas-1``.
 
-    ``block_size``, ``model_id`` and ``enable_prefix_caching`` must be the
-    replicas' (``CacheConfig``), so that the router's hashes are the pools'
-    hashes, and it expects blocks only from pools that cache them.  Every replica starts
+    ``block_size`` and ``model_id`` must be the replicas' (``CacheConfig``),
+    so that the router's hashes are the pools' hashes.  Every replica starts
     available; a caller that starts replicas one by one marks them
     unavailable until they run (``set_available``).
     """
@@ -38,13 +37,8 @@ class Router:
         block_size: int,
         *,
         model_id: str = "",
-        enable_prefix_caching: bool = True,
     ) -> None:
         self.policy = policy
-        # Policies that count blocks on their way into a replica's cache as held (``RoutingPolicy``).
-        # NOTE: not when the replicas cache nothing: no block would ever arrive to
-        # resolve a claim, and every prompt routed would stay pending for good.
-        self._tracks_pending = enable_prefix_caching and bool(getattr(policy, "matches_pending", False))
         self.hasher = BlockHasher(block_size, model_id)
         self.index = GlobalPrefixIndex()
         self.loads = LoadTable(num_replicas)
@@ -98,8 +92,6 @@ class Router:
             )
         if not self.loads.available[replica_id]:
             raise RuntimeError(f"policy {self.policy.name!r} chose replica {replica_id}, which is unavailable")
-        if self._tracks_pending:
-            request.pending_claim = self.index.add_pending(replica_id, request.block_hashes)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
         return replica_id
@@ -111,15 +103,3 @@ class Router:
         """
         if not request.block_hashes:
             request.block_hashes.extend(self.hasher.hash_token_ids(request.prompt_token_ids, request.cache_salt))
-
-    def withdraw(self, replica_id: int, request: Request) -> None:
-        """``request``, routed to ``replica_id``, leaves it (refused there, or aborted): the blocks
-        of its prompt it has not computed are not on their way.
-
-        Call it before the replica's scheduler aborts it (which forgets its progress).
-        """
-        claim = request.pending_claim
-        if claim is not None:
-            request.pending_claim = None
-            computed = request.num_computed_tokens // self.hasher.block_size
-            self.index.drop_pending(replica_id, request.block_hashes[computed:], claim)

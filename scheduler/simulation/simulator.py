@@ -88,7 +88,6 @@ class FleetSimulator:
             policy,
             config.cache_config.block_size,
             model_id=config.cache_config.model_id,
-            enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
         # Replica r is process r % processes's (this one's: 0).
         self._owner = [r % self.processes for r in range(config.num_replicas)]

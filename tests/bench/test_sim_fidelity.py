@@ -14,7 +14,8 @@ from kvserve.experiments.workloads import make_workload
 from kvserve.scheduler.simulation.cost_model import StepCostModel
 from kvserve.worker.tiny_model import create_tiny_model
 
-SMALL_STREAM = dict(num_groups=2, system_prompt_len=48, question_len=8, output_len=5, vocab_size=1000)
+# No warm-up: the benchmark replays every request, and the tests count them.
+SMALL_STREAM = dict(num_groups=2, system_prompt_len=48, question_len=8, output_len=5, vocab_size=1000, warmup_per_group=0)
 
 
 def test_replay_serves_each_request_after_its_arrival(tmp_path: Path) -> None:

@@ -60,7 +60,7 @@ def vocab_size(model_dir: Path) -> int:
 def shared_prefix_stream(vocab_size: int, num_requests: int, qps: float):  # noqa: ANN201
     return make_workload(
         "shared_prefix", num_requests, qps, seed=0, num_groups=6, system_prompt_len=256, question_len=32,
-        output_len=4, vocab_size=vocab_size,
+        output_len=4, vocab_size=vocab_size, warmup_per_group=0,  # every request measured: live and simulated alike
     )
 
 
@@ -234,8 +234,8 @@ def test_kvserve_experiment_live_at_the_knee_finds_it_by_simulation_and_runs_liv
     out = tmp_path / "knee"
     argv = [
         "--workload", "shared_prefix", "--workload-arg", "num_groups=4", "--workload-arg", "system_prompt_len=64",
-        "--workload-arg", "question_len=16", "--workload-arg", "output_len=4", "--replicas", "2",
-        "--num-requests", "24", "--kv-blocks-per-replica", "64", "--qps", "knee", "--knee-factor", "2",
+        "--workload-arg", "question_len=16", "--workload-arg", "output_len=4", "--workload-arg", "warmup_per_group=0",
+        "--replicas", "2", "--num-requests", "24", "--kv-blocks-per-replica", "64", "--qps", "knee", "--knee-factor", "2",
         "--policies", "round_robin", "--cost-model", str(write_cost_model(tmp_path)), "--no-plots",
         "--live", "--time-scale", "2", "--model", str(model_dir), "--out", str(out),
     ]

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.experiments import experiment
+from kvserve.experiments import experiment, experiment_runs
 from kvserve.experiments.experiment import add_experiment_parser, run_experiment
 from kvserve.experiments.experiment_report import atomic_open
+from kvserve.experiments.experiment_fleet import FLEET_BYTES_PER_BLOCK, check_fleet_memory
 from kvserve.experiments.experiment_setup import (
     DEFAULT_TIME_SCALE,
-    FLEET_BYTES_PER_BLOCK,
     ExperimentError,
-    check_fleet_memory,
     check_live_options,
     default_num_requests,
     qps_label,
@@ -61,7 +60,9 @@ def test_a_tiny_experiment_writes_requests_summary_and_plots(tmp_path, capsys) -
         assert (out / name).stat().st_size > 0
     with open(out / "requests.csv") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 3 * 2 * 80
+    # 80 measured requests after a warm-up of 4 per group, per policy and rate.
+    assert len(rows) == 3 * 2 * (80 + 4 * 6)
+    assert sum(row["measured"] == "1" for row in rows) == 3 * 2 * 80
     prompts = {}
     for row in rows:
         prompts.setdefault((row["qps"], row["index"]), set()).add(row["num_prompt_tokens"])
@@ -83,7 +84,7 @@ def test_without_num_requests_a_run_has_250_requests_per_replica_within_bounds(t
                   "--qps", "200", "--out", str(out), "--no-plots"])
     assert run_experiment(args) == 0
     with open(out / "requests.csv") as f:
-        assert sum(1 for _ in csv.DictReader(f)) == 2250
+        assert sum(row["measured"] == "1" for row in csv.DictReader(f)) == 2250
 
 
 def test_parallel_jobs_give_the_same_summary_as_one(tmp_path) -> None:  # noqa: ANN001
@@ -480,7 +481,7 @@ def test_a_failed_run_leaves_no_result_files_of_an_earlier_one(tmp_path, capsys,
     def interrupted(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(experiment, "_simulate_all", interrupted)
+    monkeypatch.setattr(experiment_runs, "simulate_all", interrupted)
 
     assert run_experiment(parse([*TINY, "--qps", "1", "--out", str(out)])) == 130
     assert capsys.readouterr().err.strip().splitlines()[-1] == "kvserve experiment: interrupted"
@@ -510,7 +511,7 @@ def test_ctrl_c_or_sigterm_stops_the_worker_processes_of_jobs(tmp_path, capsys, 
     # One worker (a fork of this process) interrupts its parent; both would run for ten minutes.
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    monkeypatch.setattr(experiment, "_run_one", functools.partial(_interrupt_the_parent, pid_dir, signum))
+    monkeypatch.setattr(experiment_runs, "run_one", functools.partial(_interrupt_the_parent, pid_dir, signum))
     sigterm_handler = signal.getsignal(signal.SIGTERM)
     args = parse([*TINY, "--policies", "round_robin,cache_aware", "--qps", "1", "--jobs", "2",
                   "--out", str(tmp_path / "run")])
@@ -536,7 +537,7 @@ def _killed(*run: object) -> None:
 
 
 def test_a_worker_killed_from_outside_is_reported_without_a_traceback(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
-    monkeypatch.setattr(experiment, "_run_one", _killed)
+    monkeypatch.setattr(experiment_runs, "run_one", _killed)
     args = parse([*TINY, "--policies", "round_robin,cache_aware", "--qps", "1", "--jobs", "2", "--no-plots",
                   "--out", str(tmp_path / "run")])
 

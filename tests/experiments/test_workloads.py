@@ -26,7 +26,7 @@ def is_sorted(requests: list[WorkloadRequest]) -> bool:
 def test_shared_prefix_requests_are_a_group_prompt_then_a_question() -> None:
     requests = shared_prefix(300, qps=10, num_groups=4, system_prompt_len=64, question_len=8, output_len=5)
 
-    assert len(requests) == 300 and is_sorted(requests)
+    assert len(requests) == 4 * 4 + 300 and is_sorted(requests)  # a warm-up of 4 per group first
     assert {r.num_prompt_tokens for r in requests} == {72}
     assert {r.output_len for r in requests} == {5}
     by_group: dict[str, set[tuple[int, ...]]] = {}
@@ -34,7 +34,24 @@ def test_shared_prefix_requests_are_a_group_prompt_then_a_question() -> None:
         by_group.setdefault(r.group, set()).add(tuple(list(r.prompt_token_ids)[:64]))
     assert len(by_group) == 4 and all(len(prefixes) == 1 for prefixes in by_group.values())
     questions = {tuple(list(r.prompt_token_ids)[64:]) for r in requests}
-    assert len(questions) == 300
+    assert len(questions) == 316
+
+
+@pytest.mark.parametrize(
+    ("requests", "num_warmup"),
+    [
+        (shared_prefix(100, qps=10, num_groups=8, system_prompt_len=16, question_len=4), 4 * 8),
+        (shared_prefix(100, qps=10, num_groups=8, warmup_per_group=1, system_prompt_len=16, question_len=4), 8),
+        (shared_prefix(100, qps=10, num_groups=8, warmup_per_group=0, system_prompt_len=16, question_len=4), 0),
+        (document_qa(100, qps=10, num_documents=5, document_len=32, question_len=4), 4 * 5),
+    ],
+    ids=["shared_prefix", "one_per_group", "none", "document_qa"],
+)
+def test_prefix_groups_start_with_a_marked_warm_up_then_the_measured_requests(
+    requests: list[WorkloadRequest], num_warmup: int
+) -> None:
+    assert [r.measured for r in requests] == [False] * num_warmup + [True] * 100
+    assert is_sorted(requests)
 
 
 @pytest.mark.parametrize(
@@ -60,7 +77,9 @@ def test_requests_built_from_shared_segments_share_their_token_objects(
 def test_groups_times_prompts_gives_every_group_the_same_number_of_requests() -> None:
     requests = shared_prefix(60, qps=10, num_groups=4, prompts_per_group=15, system_prompt_len=8, question_len=4)
 
-    assert sorted(sum(r.group == f"group-{g}" for r in requests) for g in range(4)) == [15, 15, 15, 15]
+    measured = [r for r in requests if r.measured]
+    assert sorted(sum(r.group == f"group-{g}" for r in measured) for g in range(4)) == [15, 15, 15, 15]
+    assert sorted(sum(r.group == f"group-{g}" for r in requests) for g in range(4)) == [19, 19, 19, 19]
     assert [r.group for r in requests[:15]] != ["group-0"] * 15
     with pytest.raises(ValueError, match="num_groups x prompts_per_group"):
         shared_prefix(61, qps=10, num_groups=4, prompts_per_group=15)
@@ -231,6 +250,20 @@ def test_mooncake_replay_maps_equal_hash_ids_to_equal_prefixes(tmp_path) -> None
     assert fourth[:300] != first[:300]
     reference = infinite_cache_reference(requests, block_size=16)
     assert reference.num_hit_tokens == 512 + 1008  # id 1 for the third; all but the last block of the second
+
+
+def test_mooncake_replay_marks_its_first_records_as_a_warm_up(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "trace.jsonl"
+    write_trace(path, SAMPLE_TRACE * 5)  # 20 records, 5 at each timestamp
+
+    default = mooncake_trace(path)
+    half = mooncake_trace(path, warmup_fraction=0.5)
+
+    assert [r.measured for r in default] == [False] * 2 + [True] * 18  # a tenth
+    assert [r.measured for r in half] == [False] * 10 + [True] * 10
+    assert all(r.measured for r in mooncake_trace(path, warmup_fraction=0))
+    with pytest.raises(ValueError, match="warmup_fraction"):
+        mooncake_trace(path, warmup_fraction=1.5)
 
 
 def test_mooncake_replay_rescales_to_a_rate_and_caps_requests(tmp_path) -> None:  # noqa: ANN001

@@ -173,8 +173,7 @@ def test_bounded_loads_ignore_the_requests_of_an_unavailable_replica() -> None:
 
     # ceil(1.25 * (5 + 1) / 3) = 3: the home replica is over it (over all four, 86 is not).
     assert policy.select(req, table, GlobalPrefixIndex()) not in (home, draining)
-    # (copy_to_empty off: the other replicas hold nothing, and the bound is what is tested here.)
-    cost = CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0, share_factor=None, copy_to_empty=False)
+    cost = CostTTFTPolicy(MODEL, load_factor=1.25, load_slack=0)
     assert cost.select(req, table, index_caching([home], [req])) not in (home, draining)
     assert cost.select(req, loads(outstanding, unavailable=set()), index_caching([home], [req])) == home
 
