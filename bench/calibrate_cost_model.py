@@ -32,7 +32,7 @@ from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.experiments.report import format_table
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
-from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample
+from kvserve.scheduler.cost_model import StepCostModel, StepSample
 
 QUICK_GRID = CalibrationGrid(
     prefill_lengths=(16, 64, 256), decode_batches=(1, 4, 16), context_lengths=(32, 128), repeats=3

@@ -41,7 +41,7 @@ from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.routing.policies import make_policy
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.simulation.cost_model import StepCostModel, measured_cost_models
+from kvserve.scheduler.cost_model import StepCostModel, measured_cost_models
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, RequestRecord, SimulationResult
 from kvserve.worker.model_config import ModelConfig
 

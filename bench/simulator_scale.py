@@ -35,7 +35,7 @@ from kvserve.experiments.report import format_table
 from kvserve.experiments.workloads import make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, make_policy
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, available_cores
 
 TARGET_SECONDS = 300.0

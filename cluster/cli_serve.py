@@ -415,7 +415,7 @@ def _read_chat_template(path: Path | None) -> str | None:
 
 def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     """``--simulated``'s settings; ``ValueError`` for a bad cost model or a setting without it."""
-    from kvserve.scheduler.simulation.cost_model import StepCostModel
+    from kvserve.scheduler.cost_model import StepCostModel
     from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 
     if not args.simulated:

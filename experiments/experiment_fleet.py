@@ -21,7 +21,7 @@ from kvserve.experiments.workloads import WorkloadRequest
 from kvserve.experiments.workloads.cache_reference import CacheReference
 from kvserve.experiments.workloads.registry import TRACE_WORKLOAD
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
 
 

@@ -24,7 +24,7 @@ from kvserve.experiments.workloads.cache_reference import CacheReference
 from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, WORKLOADS
 from kvserve.cluster.ray_address import parse_gcs_address
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
 
 DEFAULT_KV_FRACTION = 0.25

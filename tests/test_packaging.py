@@ -31,9 +31,9 @@ def test_tiny_model_corpus_is_package_data() -> None:
 def test_measured_cost_models_are_package_data() -> None:
     from importlib import resources
 
-    from kvserve.scheduler.simulation.cost_model import StepCostModel
+    from kvserve.scheduler.cost_model import StepCostModel
 
     setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert "cost_models/*.json" in setuptools["package-data"]["kvserve.scheduler.simulation"]
-    shipped = resources.files("kvserve.scheduler.simulation").joinpath("cost_models/llama-3-8b-h100.json")
+    assert "cost_models/*.json" in setuptools["package-data"]["kvserve.scheduler"]
+    shipped = resources.files("kvserve.scheduler").joinpath("cost_models/llama-3-8b-h100.json")
     assert StepCostModel.from_json(shipped.read_text()).a > 0

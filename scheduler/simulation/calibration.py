@@ -23,7 +23,7 @@ from kvserve.scheduler.executor import Executor
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample, StepShape
+from kvserve.scheduler.cost_model import StepCostModel, StepSample, StepShape
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 
 
 class SimulatedRequest(Protocol):

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import xxhash
 
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.bench.calibrate_cost_model import main
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 
 
 def table_rows(output: str) -> list[list[str]]:

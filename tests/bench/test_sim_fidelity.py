@@ -11,7 +11,7 @@ import pytest
 from kvserve import LLM
 from kvserve.bench.sim_fidelity import main, replay
 from kvserve.experiments.workloads import make_workload
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.worker.tiny_model import create_tiny_model
 
 # No warm-up: the benchmark replays every request, and the tests count them.

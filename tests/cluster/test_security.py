@@ -29,7 +29,7 @@ from kvserve.cluster.http_server import start_http_server
 from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.tls import TlsFiles
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 from kvserve.worker.tiny_model import create_tiny_model
 from tests.cluster.server_thread import ServerThread

@@ -34,7 +34,7 @@ from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import make_policy
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
 from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator

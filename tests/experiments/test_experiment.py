@@ -30,7 +30,7 @@ from kvserve.experiments.experiment_setup import (
 from kvserve.experiments.workloads import WorkloadRequest, make_workload, sessions
 from kvserve.experiments.workloads.cache_reference import CacheReference, infinite_cache_reference
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
 
 

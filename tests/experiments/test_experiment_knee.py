@@ -11,7 +11,7 @@ from kvserve.experiments.experiment_knee import KneeNotFound, find_knee_qps
 from kvserve.experiments.workloads import make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import make_policy
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
 
 NUM_REQUESTS = 200

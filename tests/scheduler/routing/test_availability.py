@@ -19,7 +19,7 @@ from kvserve.scheduler.routing.round_robin import RoundRobinPolicy
 from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 
 BLOCK_SIZE = 16
 HASHER = BlockHasher(BLOCK_SIZE)

@@ -7,7 +7,7 @@ import pytest
 from kvserve.scheduler.routing.cost_ttft import CostTTFTPolicy
 from kvserve.scheduler.routing.load import ReplicaLoad
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from tests.scheduler.routing.test_policies import idle, index_with, request, with_outstanding
 
 MODEL = StepCostModel(a=0.01, b=1e-4, c=1e-4, d=0.0)

@@ -14,7 +14,7 @@ import pytest
 
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import make_policy
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.replica_shard import ShardFailedError
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, SimulationResult
 from tests.scheduler.simulation.test_simulator import Item

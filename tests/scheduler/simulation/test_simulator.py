@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import make_policy
-from kvserve.scheduler.simulation.cost_model import StepCostModel
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
 
 MODEL = StepCostModel(a=0.01, b=1e-4, c=1e-3, d=0.0)

@@ -9,7 +9,7 @@ from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
-from kvserve.scheduler.simulation.cost_model import StepCostModel, StepSample, StepShape, measured_cost_models
+from kvserve.scheduler.cost_model import StepCostModel, StepSample, StepShape, measured_cost_models
 from kvserve.scheduler.simulation.simulated_executor import SimulatedExecutor
 from kvserve.scheduler.step_plan import StepPlan
 
