@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
@@ -32,50 +31,17 @@ from kvserve.scheduler.kv_cache_manager import KVCacheManager
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
+from kvserve.scheduler.scheduler_load import (
+    SchedulerLoad,
+    SchedulerStats,
+    queued_prefill_tokens,
+    running_prefill_progress,
+)
 from kvserve.scheduler.step_plan import NewRequestData, StepPlan
 
 logger = logging.getLogger(__name__)
 
 _NO_BLOCKS: list[KVCacheBlock] = []  # never appended to
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerStats:
-    """A snapshot of one replica's load and cache, for routing and monitoring."""
-
-    num_running: int
-    num_waiting: int
-    num_queued_prefill_tokens: int
-    kv_cache_usage: float
-    num_free_blocks: int
-    prefix_cache_hit_rate: float
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerLoad:
-    """One replica's load in O(1), from counters the scheduler keeps as it goes.
-
-    ``num_queued_prefill_tokens`` has ``get_stats``'s meaning: tokens not yet
-    computed of waiting requests and of running requests still in their
-    prompt.  ``num_queued_cached_tokens`` is the part of it the prefix cache
-    held when the waiting requests were queued (an estimate of what they will
-    not compute: they are looked up again when scheduled).
-    ``num_running_tokens`` is the KV context of the running requests (their
-    computed tokens): what a step's attention reads.  ``num_total_blocks``
-    counts the usable blocks (the null block excluded).
-    ``num_inflight_prefill_tokens`` are the prompt tokens of the
-    step in flight (scheduled, not yet updated): no longer queued, not yet
-    computed, and the step that computes them delays every later token.
-    """
-
-    num_running: int
-    num_waiting: int
-    num_queued_prefill_tokens: int
-    num_running_tokens: int
-    num_free_blocks: int
-    num_total_blocks: int
-    num_queued_cached_tokens: int = 0
-    num_inflight_prefill_tokens: int = 0
 
 
 class Scheduler:
@@ -176,7 +142,7 @@ class Scheduler:
             request = self.requests.pop(req_id, None)
             if request is None:
                 continue
-            self._num_queued_prefill_tokens -= _queued_prefill_tokens(request)
+            self._num_queued_prefill_tokens -= queued_prefill_tokens(request)
             self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(req_id, 0)
             if request.status is RequestStatus.RUNNING:
                 self._num_running_tokens -= request.num_computed_tokens
@@ -271,7 +237,7 @@ class Scheduler:
             budget -= num_new
             req_index += 1
             if start < request.num_prompt_tokens:
-                self._num_queued_prefill_tokens -= _running_prefill_progress(request, start)
+                self._num_queued_prefill_tokens -= running_prefill_progress(request, start)
 
         # Then waiting requests, in order, unless this step had to preempt.
         waiting = self.waiting
@@ -309,7 +275,7 @@ class Scheduler:
             request.num_computed_tokens = start + num_new
             budget -= num_new
             # From waiting (all its tokens queued) to running (its prompt's rest queued).
-            self._num_queued_prefill_tokens -= request.num_tokens - _queued_prefill_tokens(request)
+            self._num_queued_prefill_tokens -= request.num_tokens - queued_prefill_tokens(request)
             self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(request.req_id, 0)
             self._num_running_tokens += start
 
@@ -449,7 +415,7 @@ class Scheduler:
         kv.block_pool.uncache_blocks(unfilled)
 
     def _preempt(self, request: Request) -> None:
-        self._num_queued_prefill_tokens += request.num_tokens - _queued_prefill_tokens(request)
+        self._num_queued_prefill_tokens += request.num_tokens - queued_prefill_tokens(request)
         self._num_running_tokens -= request.num_computed_tokens
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -526,18 +492,3 @@ def _pending_token_ends(request: Request, max_model_len: int) -> bool:
         len(request.output_token_ids) + num_pending >= request.sampling_params.max_tokens
         or len(request.all_token_ids) + num_pending >= max_model_len
     )
-
-
-def _queued_prefill_tokens(request: Request) -> int:
-    """``request``'s share of ``num_queued_prefill_tokens`` as ``get_stats`` counts it."""
-    if request.status is RequestStatus.RUNNING:
-        if request.num_computed_tokens < request.num_prompt_tokens:
-            return request.num_tokens - request.num_computed_tokens
-        return 0
-    return request.num_tokens - request.num_computed_tokens
-
-
-def _running_prefill_progress(request: Request, start: int) -> int:
-    """How much a running request's queued prefill shrank when it advanced from ``start``."""
-    before = request.num_tokens - start
-    return before - _queued_prefill_tokens(request)

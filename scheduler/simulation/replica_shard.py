@@ -46,7 +46,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from kvserve.scheduler.block_hash import BlockHash
-from kvserve.scheduler.scheduler import SchedulerLoad
+from kvserve.scheduler.scheduler_load import SchedulerLoad
 from kvserve.scheduler.simulation.admission import Admission
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord, SimulatedRequest
 from kvserve.scheduler.simulation.simulated_replicas import SimulatedReplicas

@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 
 from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.engine_core import EngineCore
-from kvserve.scheduler.scheduler import Scheduler, SchedulerLoad
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.scheduler_load import SchedulerLoad
 from kvserve.scheduler.simulation.admission import TrackedRequest
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord
 from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array

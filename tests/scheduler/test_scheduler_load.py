@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.scheduler import Scheduler, SchedulerLoad
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.scheduler_load import SchedulerLoad
 from kvserve.scheduler.step_plan import StepPlan
 
 BLOCK_SIZE = 4
