@@ -35,22 +35,19 @@ up to ``MAX_RESTART_TRIES`` tries; it then rejoins routing with an empty cache.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ray.util.placement_group import PlacementGroup
 
+from kvserve.cluster.actor_replica import ActorReplica, PendingOutput, started
 from kvserve.cluster.config import ClusterConfig
-from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
-from kvserve.scheduler.engine_core import EngineCore
-from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
-from kvserve.scheduler.logprobs import TokenLogprobs
+from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.routing.router import Router
@@ -68,51 +65,6 @@ IDLE_CHECK_S = 2.0
 MAX_MOVES_PER_REQUEST = 2
 RESTART_BACKOFF_S = 1.0
 MAX_RESTART_TRIES = 5
-
-
-@dataclass(slots=True)
-class _PendingOutput:
-    """What one request produced since the front end last polled: its new tokens (and their
-    logprobs, if it asked), and its end."""
-
-    replica: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    # The request's last delta once it ended, without its tokens.
-    end: RequestDelta | None = None
-
-    def finish(self, request: Request, *, reason: str | None = None, error: str | None = None) -> None:
-        self.end = RequestDelta(
-            req_id=request.req_id,
-            finish_reason=reason,
-            error=error,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            num_output_tokens=request.num_output_tokens,
-            replica=self.replica,
-        )
-
-    def to_delta(self, req_id: str) -> RequestDelta:
-        if self.end is None:
-            return RequestDelta(req_id, self.token_ids, replica=self.replica, logprobs=self.logprobs)
-        return dataclasses.replace(self.end, token_ids=self.token_ids, logprobs=self.logprobs)
-
-
-class _Replica:
-    """One replica as the actor drives it: its engine (scheduler and executor) and step loop."""
-
-    def __init__(self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle, device_kind: str) -> None:
-        self.replica_id = replica_id
-        self.scheduler = scheduler
-        self.handle = handle
-        self.device_kind = device_kind
-        self.executor: AsyncExecutor = handle.executor
-        self.engine = EngineCore(scheduler, handle.executor)
-        self.healthy = True
-        self.wakeup = asyncio.Event()
-        self.step_loop: asyncio.Task[None] | None = None
-        self.release: asyncio.Task[None] | None = None
-        self.restart: asyncio.Task[None] | None = None
 
 
 class SchedulerActor:
@@ -139,11 +91,11 @@ class SchedulerActor:
         # A replica is routed to once it runs (start_replica).
         for replica_id in range(config.parallel.num_replicas):
             self._router.set_available(replica_id, False)
-        self._replicas: dict[int, _Replica] = {}
+        self._replicas: dict[int, ActorReplica] = {}
         self._starting: set[int] = set()
         # Requests in flight, by id: the replica serving each, and the request.
-        self._requests: dict[str, tuple[_Replica, Request]] = {}
-        self._pending: dict[str, _PendingOutput] = {}
+        self._requests: dict[str, tuple[ActorReplica, Request]] = {}
+        self._pending: dict[str, PendingOutput] = {}
         self._outputs_ready = asyncio.Event()
         self._num_waiting_polls = 0
         self._last_poll_time = time.monotonic()
@@ -151,9 +103,7 @@ class SchedulerActor:
         self._shutting_down = False
         # How many times each request in flight moved off a failed replica.
         self._num_moves: dict[str, int] = {}
-        # Monitoring: the counters of replicas that were replaced (failed, then started again),
-        # and every routing decision by how much of the prompt the chosen replica held.
-        self._retired_counts: dict[int, tuple[int, int, int]] = {}
+        # Monitoring: every routing decision by how much of the prompt the chosen replica held.
         self._routing_outcomes: Counter[str] = Counter()
 
     # -- start-up --------------------------------------------------------------
@@ -180,22 +130,20 @@ class SchedulerActor:
         if self._shutting_down:
             await handle.shutdown()
             raise RuntimeError(f"the scheduler shut down while replica {replica_id} started")
-        return self._replica_stats(self._install_replica(replica_id, handle, device_kind))
+        return self._install_replica(replica_id, handle, device_kind).stats()
 
-    def _install_replica(self, replica_id: int, handle: ReplicaHandle, device_kind: str) -> _Replica:
+    def _install_replica(self, replica_id: int, handle: ReplicaHandle, device_kind: str) -> ActorReplica:
         """Put a launched replica (new, or started again after a failure) into service."""
         previous = self._replicas.get(replica_id)
-        if previous is not None:  # its counters go on in the replacement's
-            self._retired_counts[replica_id] = tuple(
-                a + b for a, b in zip(self._retired_counts.get(replica_id, (0, 0, 0)), _counts(previous.scheduler))
-            )
         num_kv_blocks = handle.executor.num_kv_blocks
         scheduler = Scheduler(
             self._scheduler_config,
             self.config.cache_config(num_kv_blocks, self.model_config.model_id),
             observer=self._router.observer_for(replica_id),
         )
-        replica = _Replica(replica_id, scheduler, handle, device_kind)
+        # A replacement's counters go on from its predecessor's.
+        retired = previous.counts() if previous is not None else (0, 0, 0)
+        replica = ActorReplica(replica_id, scheduler, handle, device_kind, retired)
         self._replicas[replica_id] = replica
         self._router.update_load(replica_id, scheduler.get_load())
         self._router.set_available(replica_id, True)
@@ -268,20 +216,9 @@ class SchedulerActor:
             raise ValueError(f"{field}: {exc}") from None
         self._update_load(replica)
         self._requests[request.req_id] = (replica, request)
-        self._routing_outcomes[self._routing_outcome(request, replica.replica_id)] += 1
+        self._routing_outcomes[self._router.outcome(request, replica.replica_id)] += 1
         replica.wakeup.set()
         return replica.replica_id
-
-    def _routing_outcome(self, request: Request, replica_id: int) -> str:
-        """"hit": the replica held every block of the prompt a cache can serve; "partial": some; "miss": none."""
-        cacheable = (request.num_tokens - 1) // self.config.engine.cache.block_size
-        held = 0
-        num_copies = self._router.index.num_copies
-        for block_hash in request.block_hashes[:cacheable]:  # the chosen replica's run of held blocks only
-            if not num_copies(replica_id, block_hash):
-                break
-            held += 1
-        return "hit" if cacheable and held == cacheable else "partial" if held else "miss"
 
     async def routing_decisions(self) -> tuple[str, dict[str, int]]:
         """The routing policy's name, and how many requests it routed by outcome (hit / partial / miss)."""
@@ -330,7 +267,7 @@ class SchedulerActor:
         )
 
     async def get_stats(self) -> list[ReplicaStatsInfo]:
-        return [self._replica_stats(replica) for _, replica in sorted(self._replicas.items())]
+        return [replica.stats() for _, replica in sorted(self._replicas.items())]
 
     async def shutdown(self) -> None:
         """End every request with an error, stop the step loops and release the workers."""
@@ -347,12 +284,12 @@ class SchedulerActor:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(self._release(r) for r in self._replicas.values()))
+        await asyncio.gather(*(r.release() for r in self._replicas.values()))
         logger.info("scheduler shut down")
 
     # -- the step loop ---------------------------------------------------------
 
-    async def _step_loop(self, replica: _Replica) -> None:
+    async def _step_loop(self, replica: ActorReplica) -> None:
         engine = replica.engine
         executor = replica.executor
         while replica.healthy:
@@ -391,14 +328,14 @@ class SchedulerActor:
             if outputs:
                 self._collect(replica, outputs)
 
-    def _collect(self, replica: _Replica, outputs: list[RequestOutput]) -> None:
+    def _collect(self, replica: ActorReplica, outputs: list[RequestOutput]) -> None:
         pending = self._pending
         requests = self._requests
         for output in outputs:
             req_id = output.req_id
             entry = pending.get(req_id)
             if entry is None:
-                entry = pending[req_id] = _PendingOutput(replica.replica_id)
+                entry = pending[req_id] = PendingOutput(replica.replica_id)
             entry.token_ids.append(output.token_id)
             if output.logprobs is not None:
                 if entry.logprobs is None:
@@ -422,7 +359,7 @@ class SchedulerActor:
             replica, request = entry
             by_replica.setdefault(replica.replica_id, []).append(req_id)
             if deliver:
-                output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
+                output = self._pending.setdefault(req_id, PendingOutput(replica.replica_id))
                 output.finish(request, reason="abort")
             else:
                 self._pending.pop(req_id, None)
@@ -435,7 +372,7 @@ class SchedulerActor:
         if deliver and by_replica:
             self._outputs_ready.set()
 
-    def _fail_replica(self, replica: _Replica, reason: str, *, release: bool = True) -> None:
+    def _fail_replica(self, replica: ActorReplica, reason: str, *, release: bool = True) -> None:
         """Take ``replica`` out of service, move its requests to the others and start it again.
 
         Unless the cluster is shutting down, its requests are routed again (see
@@ -448,7 +385,7 @@ class SchedulerActor:
         # Taken before the abort below finishes them all: what each had produced, and whether it had
         # started (was computed there: it may be what broke the replica, and its moves are counted).
         resumes = {
-            req_id: (request.prompt_token_ids, list(request.output_token_ids), _started(request))
+            req_id: (request.prompt_token_ids, list(request.output_token_ids), started(request))
             for req_id, request in mine
         }
         # Keep the pool's books straight: every block goes back.
@@ -466,7 +403,7 @@ class SchedulerActor:
             if error is None:
                 continue
             self._num_moves.pop(req_id, None)
-            output = self._pending.setdefault(req_id, _PendingOutput(replica.replica_id))
+            output = self._pending.setdefault(req_id, PendingOutput(replica.replica_id))
             output.finish(request, error=error)
             num_failed += 1
         if mine and not self._shutting_down:
@@ -477,7 +414,7 @@ class SchedulerActor:
         if num_failed:
             self._outputs_ready.set()
         if release:
-            self._release(replica)
+            replica.release()
             if not self._shutting_down and replica.restart is None:
                 replica.restart = asyncio.create_task(
                     self._restart_replica(replica), name=f"restart-r{replica.replica_id}"
@@ -508,10 +445,10 @@ class SchedulerActor:
             self._num_moves[req_id] = num_moves + 1
         return None
 
-    async def _restart_replica(self, failed: _Replica) -> None:
+    async def _restart_replica(self, failed: ActorReplica) -> None:
         """Start ``failed``'s workers again on the same kind of resources, with backoff between tries."""
         replica_id = failed.replica_id
-        await self._release(failed)
+        await failed.release()
         delay_s = RESTART_BACKOFF_S
         for attempt in range(1, MAX_RESTART_TRIES + 1):
             await asyncio.sleep(delay_s)
@@ -539,23 +476,9 @@ class SchedulerActor:
             return
         logger.error("replica %d stays down: %d tries to start it again failed", replica_id, MAX_RESTART_TRIES)
 
-    def _update_load(self, replica: _Replica) -> None:
+    def _update_load(self, replica: ActorReplica) -> None:
         """Tell the router ``replica``'s current load (after its queues changed)."""
         self._router.update_load(replica.replica_id, replica.scheduler.get_load())
-
-    def _release(self, replica: _Replica) -> asyncio.Task[None]:
-        """Shut ``replica``'s workers down, once, in the background."""
-        if replica.release is None:
-            replica.release = asyncio.create_task(
-                self._shutdown_workers(replica), name=f"release-r{replica.replica_id}"
-            )
-        return replica.release
-
-    async def _shutdown_workers(self, replica: _Replica) -> None:
-        try:
-            await replica.handle.shutdown()
-        except Exception:  # noqa: BLE001 - a dead replica may fail to shut down
-            logger.warning("replica %d did not shut down cleanly", replica.replica_id, exc_info=True)
 
     async def _watch_undelivered_outputs(self) -> None:
         """Abort requests whose outputs nobody fetched for ``undelivered_output_timeout_s``."""
@@ -568,37 +491,6 @@ class SchedulerActor:
             if idle_s < timeout_s:
                 continue
             req_ids = list(self._pending)
-            logger.warning(
-                "no front end fetched outputs for %.0f s: aborting %d requests", idle_s, len(req_ids)
-            )
+            logger.warning("no front end fetched outputs for %.0f s: aborting %d requests", idle_s, len(req_ids))
             self._abort(req_ids, deliver=False)
             self._pending.clear()
-
-    def _replica_stats(self, replica: _Replica) -> ReplicaStatsInfo:
-        stats = replica.scheduler.get_stats()
-        preemptions, queried, hit = (
-            a + b for a, b in zip(self._retired_counts.get(replica.replica_id, (0, 0, 0)), _counts(replica.scheduler))
-        )
-        return ReplicaStatsInfo(
-            replica=replica.replica_id,
-            num_running=stats.num_running,
-            num_waiting=stats.num_waiting,
-            kv_cache_usage=stats.kv_cache_usage,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-            num_kv_blocks=replica.scheduler.cache_config.num_blocks,
-            healthy=replica.healthy,
-            num_preemptions=preemptions,
-            prefix_cache_queried_tokens=queried,
-            prefix_cache_hit_tokens=hit,
-        )
-
-
-def _started(request: Request) -> bool:
-    """Whether a replica began computing ``request`` (it is no longer as it arrived)."""
-    return bool(request.num_computed_tokens or request.output_token_ids or request.num_preemptions)
-
-
-def _counts(scheduler: Scheduler) -> tuple[int, int, int]:
-    """A scheduler's monitoring counters: preemptions, prefix-cache queried and hit tokens."""
-    stats = scheduler.kv_cache_manager.prefix_cache_stats
-    return scheduler.num_preemptions, stats.num_queried_tokens, stats.num_hit_tokens

@@ -96,6 +96,18 @@ class Router:
             logger.debug("request %s -> replica %d (%s)", request.req_id, replica_id, self.policy.name)
         return replica_id
 
+    def outcome(self, request: Request, replica_id: int) -> str:
+        """How much of ``request``'s prompt ``replica_id`` held when it was routed there: "hit",
+        every block a cache can serve (all but a last token's); "partial", some; "miss", none."""
+        cacheable = (request.num_tokens - 1) // self.hasher.block_size
+        held = 0
+        num_copies = self.index.num_copies
+        for block_hash in request.block_hashes[:cacheable]:  # the chosen replica's run of held blocks only
+            if not num_copies(replica_id, block_hash):
+                break
+            held += 1
+        return "hit" if cacheable and held == cacheable else "partial" if held else "miss"
+
     def hash_prompt(self, request: Request) -> None:
         """Fill ``request.block_hashes`` with its prompt's full blocks' hashes, unless it has them.
 

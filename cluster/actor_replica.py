@@ -1,0 +1,120 @@
+"""What the scheduler actor keeps per replica and per request between polls.
+
+``ActorReplica`` is one replica as the actor drives it: its engine (scheduler and
+executor), its step loop, and the tasks that release or restart its workers.
+``PendingOutput`` is what one request produced since the front end last polled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+
+from kvserve.cluster.messages import ReplicaStatsInfo, RequestDelta
+from kvserve.cluster.replica_launcher import ReplicaHandle
+from kvserve.scheduler.engine_core import EngineCore
+from kvserve.scheduler.executor import AsyncExecutor
+from kvserve.scheduler.logprobs import TokenLogprobs
+from kvserve.scheduler.request import Request
+from kvserve.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+# A scheduler's monitoring counters: preemptions, prefix-cache queried and hit tokens.
+Counts = tuple[int, int, int]
+
+
+def started(request: Request) -> bool:
+    """Whether a replica began computing ``request`` (it is no longer as it arrived): a failed
+    replica's started requests move with their outputs, and only so many times."""
+    return bool(request.num_computed_tokens or request.output_token_ids or request.num_preemptions)
+
+
+@dataclass(slots=True)
+class PendingOutput:
+    """What one request produced since the front end last polled: its new tokens (and their
+    logprobs, if it asked), and its end."""
+
+    replica: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None
+    # The request's last delta once it ended, without its tokens.
+    end: RequestDelta | None = None
+
+    def finish(self, request: Request, *, reason: str | None = None, error: str | None = None) -> None:
+        self.end = RequestDelta(
+            req_id=request.req_id,
+            finish_reason=reason,
+            error=error,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_output_tokens=request.num_output_tokens,
+            replica=self.replica,
+        )
+
+    def to_delta(self, req_id: str) -> RequestDelta:
+        if self.end is None:
+            return RequestDelta(req_id, self.token_ids, replica=self.replica, logprobs=self.logprobs)
+        return dataclasses.replace(self.end, token_ids=self.token_ids, logprobs=self.logprobs)
+
+
+class ActorReplica:
+    """One replica as the actor drives it: its engine (scheduler and executor) and step loop.
+
+    ``retired`` are the monitoring counters of the replicas it replaced (started again
+    after a failure): its own go on from them.
+    """
+
+    def __init__(
+        self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle, device_kind: str,
+        retired: Counts = (0, 0, 0),
+    ) -> None:
+        self.replica_id = replica_id
+        self.scheduler = scheduler
+        self.handle = handle
+        self.device_kind = device_kind
+        self.executor: AsyncExecutor = handle.executor
+        self.engine = EngineCore(scheduler, handle.executor)
+        self.healthy = True
+        self.wakeup = asyncio.Event()
+        self.step_loop: asyncio.Task[None] | None = None
+        self.release_task: asyncio.Task[None] | None = None
+        self.restart: asyncio.Task[None] | None = None
+        self.retired = retired
+
+    def release(self) -> asyncio.Task[None]:
+        """Shut the replica's workers down, once, in the background."""
+        if self.release_task is None:
+            self.release_task = asyncio.create_task(self._shutdown_workers(), name=f"release-r{self.replica_id}")
+        return self.release_task
+
+    async def _shutdown_workers(self) -> None:
+        try:
+            await self.handle.shutdown()
+        except Exception:  # noqa: BLE001 - a dead replica may fail to shut down
+            logger.warning("replica %d did not shut down cleanly", self.replica_id, exc_info=True)
+
+    def counts(self) -> Counts:
+        """Preemptions, prefix-cache queried and hit tokens: its predecessors' and its scheduler's."""
+        stats = self.scheduler.kv_cache_manager.prefix_cache_stats
+        own = (self.scheduler.num_preemptions, stats.num_queried_tokens, stats.num_hit_tokens)
+        return tuple(a + b for a, b in zip(self.retired, own))  # type: ignore[return-value]
+
+    def stats(self) -> ReplicaStatsInfo:
+        """Its figures for ``GetStats``."""
+        stats = self.scheduler.get_stats()
+        preemptions, queried, hit = self.counts()
+        return ReplicaStatsInfo(
+            replica=self.replica_id,
+            num_running=stats.num_running,
+            num_waiting=stats.num_waiting,
+            kv_cache_usage=stats.kv_cache_usage,
+            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            num_kv_blocks=self.scheduler.cache_config.num_blocks,
+            healthy=self.healthy,
+            num_preemptions=preemptions,
+            prefix_cache_queried_tokens=queried,
+            prefix_cache_hit_tokens=hit,
+        )
