@@ -3,25 +3,17 @@
 Use it by naming the fixture: ``def test_x(ray_cluster): ...``.  The driver
 is connected (namespace ``kvserve``) for the whole session; each node offers
 1 CPU and 2 ``WORKER_CPU_RESOURCE`` slots, so a TP-2 CPU replica fits on
-either node.  Everything binds to 127.0.0.1 and token authentication is on.
+either node.  Everything binds to 127.0.0.1 and token authentication is on (``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
-import os
-import secrets
 from collections.abc import Iterator
 
 import pytest
 
-from kvserve.cluster.ray_loopback import keep_ray_on_loopback
-
-# NOTE: set at import, before any Ray process starts, so that every process
-# of the session inherits them.  Local clusters authenticate with a token;
-# this session's token is new and lives only in its processes' environment.
-keep_ray_on_loopback()
-os.environ["RAY_AUTH_MODE"] = "token"
-os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+# NOTE: loopback and token authentication are set for the whole session in tests/conftest.py,
+# before any test module imports Ray (which reads them once, at import).
 
 LOOPBACK = "127.0.0.1"
 NUM_NODES = 2
