@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import logging
 import math
 import os
@@ -12,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cluster.cli_values import add_cost_model_flag, cost_model_of_flag, key_value
 from kvserve.cluster.request_limits import (
     DEFAULT_MAX_CACHE_SALT_BYTES,
     DEFAULT_MAX_PROMPT_BYTES,
@@ -183,11 +183,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "model's time and samples synthetic tokens; needs --num-blocks, takes CPU worker slots, and "
         "--max-model-len may exceed the model's limit",
     )
-    parser.add_argument(
-        "--cost-model", type=Path, default=None, metavar="FILE_OR_NAME",
-        help="with --simulated: the step cost model, a JSON file or a measured model's name such as "
-        "llama-3-8b-h100 (default: StepCostModel.default(), an 8B model on an H100)",
-    )
+    add_cost_model_flag(parser, "with --simulated: ")
     parser.add_argument(
         "--time-scale", type=float, default=None, metavar="X",
         help="with --simulated: steps last X times the cost model's time (default: 1; 0: no wait at all)",
@@ -205,7 +201,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--routing-arg", action="append", default=[], type=_routing_arg, metavar="KEY=VALUE",
         dest="routing_args",
         help="a keyword argument of the routing policy, e.g. cache_threshold=0.5 for cache_aware; "
-        "repeatable.  VALUE is read as a Python literal (a number, True, False, None), else as a "
+        "repeatable.  VALUE is read as a number, true, false or none (any case), else as a "
         "string.  cost_ttft's max_num_batched_tokens defaults to --max-num-batched-tokens",
     )
     # The settings' own checks name their fields; serve's errors name the flags that set them.
@@ -213,15 +209,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _routing_arg(text: str) -> tuple[str, Any]:
-    """``KEY=VALUE`` as ``(key, value)``, the value read as a Python literal when it is one."""
-    key, sep, value = text.partition("=")
-    key = key.strip()
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    """``KEY=VALUE`` as ``(key, value)``, the value read as ``cli_values.setting_value`` reads it."""
     try:
-        return key, ast.literal_eval(value.strip())
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
-        return key, value
+        key, value = key_value(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with KEY a name, got {text!r}")
+    return key, value
 
 
 def _routing_args(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
@@ -415,19 +410,13 @@ def _read_chat_template(path: Path | None) -> str | None:
 
 def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     """``--simulated``'s settings; ``ValueError`` for a bad cost model or a setting without it."""
-    from kvserve.scheduler.cost_model import StepCostModel
     from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 
     if not args.simulated:
         if args.cost_model is not None or args.time_scale is not None:
             raise ValueError("--cost-model and --time-scale need --simulated")
         return None
-    cost_model = StepCostModel.default()
-    if args.cost_model is not None:
-        try:
-            cost_model = StepCostModel.load(args.cost_model)
-        except (OSError, ValueError, TypeError) as exc:
-            raise ValueError(f"--cost-model {args.cost_model}: {getattr(exc, 'strerror', None) or exc}") from None
+    cost_model = cost_model_of_flag(args.cost_model)
     time_scale = 1.0 if args.time_scale is None else args.time_scale
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
 

@@ -48,6 +48,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvserve.cluster.cli_values import add_cost_model_flag
 from kvserve.experiments.experiment_report import (
     PLOTS,
     REQUEST_CSV_FIELDS,
@@ -219,9 +220,7 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
     parser.add_argument(
         "--max-num-seqs", type=int, default=256, help="max running requests per replica (default 256)"
     )
-    parser.add_argument("--cost-model", type=Path, metavar="FILE_OR_NAME",
-                        help="step cost model: a JSON file, or a measured model's name such as llama-3-8b-h100 "
-                             "(default: StepCostModel.default())")
+    add_cost_model_flag(parser, "")
     parser.add_argument("--jobs", type=int, default=1, help="simulations run in parallel processes (default 1)")
     parser.add_argument(
         "--sim-processes", type=int, default=1,

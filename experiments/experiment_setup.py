@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvserve.cluster.cli_values import cost_model_of_flag, key_value
 from kvserve.experiments.experiment_report import atomic_open
 from kvserve.experiments.report import count
 from kvserve.experiments.workloads import WorkloadRequest, make_workload
@@ -163,38 +164,19 @@ def check_options(args: argparse.Namespace) -> None:
 
 def load_cost_model(args: argparse.Namespace) -> StepCostModel:
     """``--cost-model``'s model, or the default one."""
-    if args.cost_model is None:
-        return StepCostModel.default()
     try:
-        return StepCostModel.load(args.cost_model)
-    except OSError as exc:
-        raise ExperimentError(f"--cost-model {args.cost_model}: {exc.strerror or exc}") from None
+        return cost_model_of_flag(args.cost_model)
     except ValueError as exc:
-        raise ExperimentError(f"--cost-model {args.cost_model}: {exc}") from None
-
-
-def parse_value(text: str) -> Any:
-    """An int, a float, a bool, ``None``, or else the text itself."""
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered == "none":
-        return None
-    return text
+        raise ExperimentError(str(exc)) from None
 
 
 def parse_key_values(items: Sequence[str], what: str) -> list[tuple[str, Any]]:
     pairs = []
     for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ExperimentError(f"{what} must be KEY=VALUE, got {item!r}")
-        pairs.append((key.strip(), parse_value(value.strip())))
+        try:
+            pairs.append(key_value(item))
+        except ValueError:
+            raise ExperimentError(f"{what} must be KEY=VALUE, got {item!r}") from None
     return pairs
 
 
