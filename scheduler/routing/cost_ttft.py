@@ -47,10 +47,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.scheduler.checks import check_ints, check_numbers
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
-from kvserve.scheduler.cost_model import StepCostModel
 
 
 class CostTTFTPolicy:
