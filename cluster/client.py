@@ -28,7 +28,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -79,6 +79,12 @@ class _Settings:
             ("grpc.max_receive_message_length", max_message_bytes),
         ]
 
+    def channel(self, grpc_module: Any, target: str) -> Any:
+        """A channel to ``target`` from ``grpc`` or ``grpc.aio`` (the same calls), with TLS if asked."""
+        if self.credentials is None:
+            return grpc_module.insecure_channel(target, self.options)
+        return grpc_module.secure_channel(target, self.credentials, self.options)
+
 
 class Client:
     """A blocking client; one channel, safe to share between threads.  Close it, or use it as a context manager."""
@@ -93,10 +99,7 @@ class Client:
     ) -> None:
         settings = _Settings(token, tls_ca, max_message_bytes)
         self._metadata = settings.metadata
-        if settings.credentials is None:
-            self._channel = grpc.insecure_channel(target, settings.options)
-        else:
-            self._channel = grpc.secure_channel(target, settings.credentials, settings.options)
+        self._channel = settings.channel(grpc, target)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
 
     def generate(
@@ -150,10 +153,7 @@ class AsyncClient:
     ) -> None:
         settings = _Settings(token, tls_ca, max_message_bytes)
         self._metadata = settings.metadata
-        if settings.credentials is None:
-            self._channel = grpc.aio.insecure_channel(target, settings.options)
-        else:
-            self._channel = grpc.aio.secure_channel(target, settings.credentials, settings.options)
+        self._channel = settings.channel(grpc.aio, target)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
 
     async def generate(

@@ -133,15 +133,11 @@ class ClusterConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> ClusterConfig:
-        """The cluster's own fields and the engine's settings, by name (``block_size=32``,
-        ``tensor_parallel_size=2``, or a whole group: ``parallel=ParallelConfig(...)``)."""
+        """The cluster's own fields and the engine's settings (``EngineConfig.from_kwargs``: by
+        name, ``block_size=32``, or a whole group, ``parallel=ParallelConfig(...)``)."""
         own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
         cluster_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in own}
-        groups = {name: kwargs.pop(name) for name in list(kwargs) if name in ("cache", "scheduler", "runtime", "parallel")}
-        engine = EngineConfig.from_kwargs(model, **kwargs)
-        if groups:
-            engine = dataclasses.replace(engine, **groups)
-        return cls(engine, **cluster_kwargs)
+        return cls(EngineConfig.from_kwargs(model, **kwargs), **cluster_kwargs)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):

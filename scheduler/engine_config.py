@@ -175,16 +175,20 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, model: str, **settings: Any) -> EngineConfig:
-        """The config whose settings are ``settings`` (flat names, e.g. ``block_size=32``),
-        defaults elsewhere; ``TypeError`` for a name no group defines, ``ValueError`` for a
-        bad value (naming the setting)."""
+        """The config whose settings are ``settings`` (flat names, e.g. ``block_size=32``, or a
+        whole group by its name, e.g. ``parallel=ParallelConfig(...)``), defaults elsewhere;
+        ``TypeError`` for a name no group defines, ``ValueError`` for a bad value (naming the
+        setting)."""
         grouped: dict[str, dict[str, Any]] = {name: {} for name in _GROUPS}
+        whole = {name: settings.pop(name) for name in list(settings) if name in _GROUPS}
         for name, value in settings.items():
             group = _FIELD_GROUPS.get(name)
             if group is None:
                 raise TypeError(f"unexpected setting {name!r}; the settings are: {', '.join(_FIELD_GROUPS)}")
+            if group in whole:
+                raise TypeError(f"{name} is set both by name and in the {group} group")
             grouped[group][name] = value
-        return cls(model, **{name: group(**grouped[name]) for name, group in _GROUPS.items()})
+        return cls(model, **{name: whole.get(name) or group(**grouped[name]) for name, group in _GROUPS.items()})
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         """The step scheduler's limits, given the model's resolved ``max_model_len``."""

@@ -12,10 +12,10 @@ in-process engine uses it directly.  Lifecycle::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np

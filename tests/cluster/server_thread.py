@@ -1,9 +1,15 @@
-"""The gRPC server on its own event loop thread, as ``kvserve serve`` runs it, for in-process tests."""
+"""The gRPC server on its own event loop thread, as ``kvserve serve`` runs it, for in-process tests;
+and a wait until that server's replicas are idle."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+import time
+
+import pytest
+
+from kvserve.cluster.client import Client
 
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.launcher import ClusterHandle
@@ -35,3 +41,15 @@ class ServerThread:
         self._run(self.server.stop(grace_s=1.0))
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
+
+
+def wait_until_idle(client: Client, timeout_s: float) -> None:
+    """Until no replica the ``client``'s server reaches runs, queues or holds anything."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = client.get_stats()
+        if not any(s.num_running or s.num_waiting or s.kv_cache_usage for s in stats):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"the replica is still busy after {timeout_s} s: {stats}")
+        time.sleep(0.05)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from kvserve.cluster.launcher import start_cluster
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.worker.tiny_model import create_tiny_model
 from kvserve.worker.tokenizer import load_tokenizer
-from tests.cluster.server_thread import ServerThread
+from tests.cluster.server_thread import ServerThread, wait_until_idle
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 256
@@ -61,17 +60,6 @@ def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 def client(served: Served) -> Iterator[Client]:
     with Client(served.target) as client:
         yield client
-
-
-def wait_until_idle(client: Client, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.get_stats()
-        if not any(s.num_running or s.num_waiting or s.kv_cache_usage for s in stats):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"the replica is still busy after {timeout_s} s: {stats}")
-        time.sleep(0.05)
 
 
 def free_port() -> int:

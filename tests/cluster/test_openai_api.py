@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.worker.tiny_model import create_tiny_model
 from kvserve.worker.tokenizer import load_tokenizer
 from tests.engine.hf_reference import hf_log_softmax, load_hf_model
-from tests.cluster.server_thread import ServerThread
+from tests.cluster.server_thread import ServerThread, wait_until_idle
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 256
@@ -90,17 +89,6 @@ def sdk(served: Served) -> Iterator[openai.OpenAI]:
 def grpc_client(served: Served) -> Iterator[Client]:
     with Client(served.grpc_target) as client:
         yield client
-
-
-def wait_until_idle(client: Client, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = client.get_stats()
-        if not any(s.num_running or s.num_waiting or s.kv_cache_usage for s in stats):
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"the replica is still busy after {timeout_s} s: {stats}")
-        time.sleep(0.05)
 
 
 # -- endpoints -------------------------------------------------------------------

@@ -23,11 +23,17 @@ def test_flat_settings_land_in_their_groups_and_the_rest_keep_their_defaults() -
     assert config.runtime == RuntimeSettings(dtype="float32")
     assert config.parallel == ParallelConfig(tensor_parallel_size=2)
     assert EngineConfig.from_kwargs("/m") == EngineConfig("/m")
+    # a whole group by its name, but not a group and one of its settings
+    assert EngineConfig.from_kwargs("/m", parallel=ParallelConfig(num_replicas=3)).parallel.num_replicas == 3
+    with pytest.raises(TypeError, match="num_replicas is set both by name and in the parallel group"):
+        EngineConfig.from_kwargs("/m", parallel=ParallelConfig(), num_replicas=3)
 
 
 def test_every_setting_is_defined_by_exactly_one_group() -> None:
     names = EngineConfig.field_names()
-    assert len(names) == len(set(names))
+    defined = [f.name for group in (CacheSettings, SchedulerSettings, RuntimeSettings, ParallelConfig)
+               for f in dataclasses.fields(group)]
+    assert sorted(defined) == sorted(names) and len(set(defined)) == len(defined)
     for name in names:
         group = getattr(EngineConfig("/m"), EngineConfig.field_group(name))
         assert getattr(group, name) == EngineConfig.default(name)
