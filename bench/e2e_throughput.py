@@ -16,6 +16,12 @@ so that repeated runs cost the same), in one run:
   messages per second), with none (a message per fetch of outputs, about one
   per step), and with any fixed ``--stream-intervals``.
 
+Both ways of scheduling are measured (``--scheduling``): plain steps, and overlapped
+(async) scheduling, where each replica sends step N+1 to its workers before step N's
+samples came back, so that the step protocol's round trip hides behind the model's
+work.  Each has a cluster of its own, and the in-process engine beside it schedules
+the same way.
+
 The engines take turns, a run of each per round, so that on a shared machine
 they see the same load; every figure is the best of ``--repeat`` rounds, and
 the run fails if any stream's tokens differ from the in-process engine's.
@@ -25,6 +31,7 @@ process of each engine per generated token (on a shared machine the ratio
 depends on how many cores are free; the CPU time does not).
 
     python -m kvserve.bench.e2e_throughput [--model DIR] [--num-requests N] [--threads T]
+                                           [--scheduling plain|overlapped|both]
                                            [--stream-intervals S ...] [--repeat R]
 """
 
@@ -118,7 +125,7 @@ def client_process(prompts: list[list[int]], max_tokens: list[int]) -> Iterator[
 
 
 @contextmanager
-def local_cluster(model_dir: Path, threads: int) -> Iterator[object]:
+def local_cluster(model_dir: Path, threads: int, async_scheduling: bool = False) -> Iterator[object]:
     """A local Ray instance with the cluster started on it; yields the ``ClusterHandle``."""
     import ray
 
@@ -136,6 +143,7 @@ def local_cluster(model_dir: Path, threads: int) -> Iterator[object]:
                 enable_prefix_caching=False,
                 device="cpu",
                 cpu_threads=threads,
+                async_scheduling=async_scheduling,
             )
         )
         try:
@@ -224,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the model, in both runs (default: 1)")
     parser.add_argument("--repeat", type=int, default=3, help="rounds; the best run of each engine counts (default: 3)")
     parser.add_argument(
+        "--scheduling", choices=["plain", "overlapped", "both"], default="both",
+        help="plain steps, overlapped (async) scheduling, or both in one run, each with a cluster of its own "
+        "(default: both)",
+    )
+    parser.add_argument(
         "--stream-intervals", type=float, nargs="*", default=[], metavar="S",
         help="also measure fixed stream intervals of S seconds, without a message budget",
     )
@@ -251,9 +264,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model or create_tiny_model(Path(tmp) / "tiny", "llama", seed=0)
         prompts, max_tokens = make_workload(args.num_requests, ModelConfig.from_pretrained(model_dir).vocab_size)
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
-        local_runs: list[tuple[float, float]] = []
-        cluster_runs: dict[str, list[tuple[float, float]]] = {label: [] for label in variants}
-        messages: dict[str, list[int]] = {}
+        schedulings = ["plain", "overlapped"] if args.scheduling == "both" else [args.scheduling]
+        local_runs: dict[str, list[tuple[float, float]]] = {scheduling: [] for scheduling in schedulings}
+        cluster_runs: dict[tuple[str, str], list[tuple[float, float]]] = {
+            (scheduling, label): [] for scheduling in schedulings for label in variants
+        }
+        messages: dict[tuple[str, str], list[int]] = {}
         llm = LLM(
             model_dir,
             block_size=BLOCK_SIZE,
@@ -261,58 +277,79 @@ def main(argv: list[str] | None = None) -> int:
             max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
             enable_prefix_caching=False,
         )
-        with llm, local_cluster(model_dir, args.threads) as handle, client_process(prompts, max_tokens) as client:
-            server_loop = ServerLoop()
+        with llm, client_process(prompts, max_tokens) as client:
+            llm.generate(prompts[:2], params[:2])  # warm up
             cpu_clock = ProcessTreeCpuClock()
-            try:
-                llm.generate(prompts[:2], params[:2])  # warm up
-                for _ in range(args.repeat):
-                    cpu_start, start = cpu_clock.seconds(), time.perf_counter()
-                    outputs = llm.generate(prompts, params)
-                    local_runs.append((time.perf_counter() - start, cpu_clock.seconds() - cpu_start))
-                    local_tokens = [output.token_ids for output in outputs]
-                    for label, pacing in variants.items():
-                        cpu_start = cpu_clock.seconds()
-                        elapsed, tokens, num_messages = time_cluster(
-                            handle, server_loop, client, pacing, args.num_requests
-                        )
-                        cluster_runs[label].append((elapsed, cpu_clock.seconds() - cpu_start))
-                        if tokens != local_tokens:
-                            raise RuntimeError("the cluster generated other tokens than the in-process engine")
-                        messages[label] = num_messages
-            finally:
-                server_loop.close()
+            # One cluster per scheduling (the setting is the cluster's); the in-process engine
+            # schedules the same way in the rounds beside it.
+            for scheduling in schedulings:
+                overlapped = scheduling == "overlapped"
+                llm.engine.async_scheduling = overlapped  # nothing is in flight between generate() calls
+                print(f"{scheduling} scheduling: starting the cluster", flush=True)
+                server_loop = ServerLoop()
+                try:
+                    with local_cluster(model_dir, args.threads, async_scheduling=overlapped) as handle:
+                        for round_index in range(args.repeat):
+                            print(f"  round {round_index + 1} of {args.repeat}", flush=True)
+                            cpu_start, start = cpu_clock.seconds(), time.perf_counter()
+                            outputs = llm.generate(prompts, params)
+                            local_runs[scheduling].append((time.perf_counter() - start, cpu_clock.seconds() - cpu_start))
+                            local_tokens = [output.token_ids for output in outputs]
+                            for label, pacing in variants.items():
+                                cpu_start = cpu_clock.seconds()
+                                elapsed, tokens, num_messages = time_cluster(
+                                    handle, server_loop, client, pacing, args.num_requests
+                                )
+                                cluster_runs[scheduling, label].append((elapsed, cpu_clock.seconds() - cpu_start))
+                                if tokens != local_tokens:
+                                    raise RuntimeError("the cluster generated other tokens than the in-process engine")
+                                messages[scheduling, label] = num_messages
+                finally:
+                    server_loop.close()
     load_after = os.getloadavg()[0]
 
     num_generated = sum(max_tokens)
-    local_s, local_cpu_s = min(local_runs)
-    local_rate = num_generated / local_s
-    rows = [[
-        "in-process LLM", "-", num_generated, f"{local_s:.2f}", f"{local_rate:.0f}", "1.00", "-",
-        f"{local_cpu_s / num_generated * 1e6:.0f}",
-    ]]
-    for label, runs in cluster_runs.items():
-        seconds, cpu_s = min(runs)
-        rate = num_generated / seconds
-        per_stream = messages[label]
+    rows = []
+    best_rate: dict[tuple[str, str], float] = {}
+    for scheduling in schedulings:
+        local_s, local_cpu_s = min(local_runs[scheduling])
+        local_rate = num_generated / local_s
+        best_rate[scheduling, "in-process"] = local_rate
         rows.append([
-            "cluster over gRPC", label, num_generated, f"{seconds:.2f}", f"{rate:.0f}", f"{rate / local_rate:.2f}",
-            f"{sum(per_stream) / len(per_stream):.1f}", f"{cpu_s / num_generated * 1e6:.0f}",
+            "in-process LLM", scheduling, "-", num_generated, f"{local_s:.2f}", f"{local_rate:.0f}", "1.00", "-",
+            f"{local_cpu_s / num_generated * 1e6:.0f}",
         ])
+        for label in variants:
+            seconds, cpu_s = min(cluster_runs[scheduling, label])
+            rate = num_generated / seconds
+            best_rate[scheduling, label] = rate
+            per_stream = messages[scheduling, label]
+            rows.append([
+                "cluster over gRPC", scheduling, label, num_generated, f"{seconds:.2f}", f"{rate:.0f}",
+                f"{rate / local_rate:.2f}", f"{sum(per_stream) / len(per_stream):.1f}",
+                f"{cpu_s / num_generated * 1e6:.0f}",
+            ])
     print(
         f"end-to-end generation: {args.num_requests} concurrent requests, 16-128 prompt tokens, "
         f"64-128 new tokens, greedy, 1 replica TP 1, float32 CPU, {args.threads} model thread(s), "
-        f"best of {args.repeat} alternating rounds; cluster outputs identical to the in-process engine's; "
+        f"best of {args.repeat} alternating rounds per scheduling; every cluster output identical to the "
+        f"in-process engine's; "
         f"{os.cpu_count()} cores, load average {load_before:.1f} before, {load_after:.1f} after"
     )
     print(format_table(
-        ["engine", "stream pacing", "generated tok", "seconds", "tok/s", "ratio", "messages per stream",
-         "CPU us per token"],
+        ["engine", "scheduling", "stream pacing", "generated tok", "seconds", "tok/s", "ratio",
+         "messages per stream", "CPU us per token"],
         rows,
     ))
+    if len(schedulings) == 2:
+        print("overlapped / plain tok/s: " + ", ".join(
+            f"{label} {best_rate['overlapped', label] / best_rate['plain', label]:.2f}"
+            for label in ["in-process", *variants]
+        ))
     print("(CPU: every process of the engine, all threads: for the cluster the front end and its client, the "
           "scheduler and the worker actors, Ray's own processes; in the best run)")
-    print(f"target: ratio >= {TARGET_RATIO} with the server's defaults")
+    print(f"target: ratio >= {TARGET_RATIO} with the server's defaults (ratio: against the in-process engine "
+          "scheduling the same way)")
     return 0
 
 

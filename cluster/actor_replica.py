@@ -69,14 +69,14 @@ class ActorReplica:
 
     def __init__(
         self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle, device_kind: str,
-        retired: Counts = (0, 0, 0),
+        retired: Counts = (0, 0, 0), *, async_scheduling: bool = False,
     ) -> None:
         self.replica_id = replica_id
         self.scheduler = scheduler
         self.handle = handle
         self.device_kind = device_kind
         self.executor: AsyncExecutor = handle.executor
-        self.engine = EngineCore(scheduler, handle.executor)
+        self.engine = EngineCore(scheduler, handle.executor, async_scheduling=async_scheduling)
         self.healthy = True
         self.wakeup = asyncio.Event()
         self.step_loop: asyncio.Task[None] | None = None

@@ -128,6 +128,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="on GPUs, run every step eagerly instead of replaying the CUDA graphs captured at start-up "
         "for decode steps",
     )
+    parser.add_argument(
+        "--async-scheduling", action="store_true",
+        help="plan each step while the workers run the one before (overlapped scheduling): the scheduler's "
+        "round trip hides behind their work; outputs stay the same",
+    )
     security = parser.add_argument_group("authentication and TLS (both front doors)")
     security.add_argument(
         "--auth-token-file", type=Path, default=None, metavar="FILE",

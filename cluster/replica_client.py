@@ -9,14 +9,22 @@ the samples, the other ranks with an empty result.  The first rank that
 fails, or does not answer within the step deadline, fails the whole replica:
 the streams are cancelled (the other ranks may be stuck in a collective
 waiting for the dead one) and every later call raises at once.
+
+With overlapped scheduling (``launch``), the next plan is sent while the ranks
+still run the previous one, at most two in flight: the ranks read it from their
+stream as soon as they answered, so the round trip to the scheduler, its update
+and its next plan hide behind the ranks' work.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Sequence
-from typing import NoReturn
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from typing import NoReturn, TypeVar
 
 import grpc
 
@@ -29,7 +37,11 @@ from kvserve.scheduler.step_result import StepResult
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 DEFAULT_STEP_TIMEOUT_S = 120.0
+# A step running and the next one sent (overlapped scheduling).
+MAX_STEPS_IN_FLIGHT = 2
 _CONTROL_TIMEOUT_S = 60.0
 _SHUTDOWN_TIMEOUT_S = 5.0
 _SERVICE = step_pb2.DESCRIPTOR.services_by_name["StepWorker"]
@@ -41,8 +53,9 @@ class GrpcReplicaExecutor:
 
     ``addresses[r]`` is rank ``r``'s ``host:port``.  Create it, and use it,
     on one running event loop (``grpc.aio`` channels belong to their loop).
-    ``initialize_cache()`` must run once before the first ``execute``; steps
-    run one at a time (the scheduler's step loop awaits each one).
+    ``initialize_cache()`` must run once before the first step; steps are
+    answered in the order they were sent (``execute``, or ``launch`` to send one
+    before the previous one's answer).
     """
 
     def __init__(
@@ -72,7 +85,8 @@ class GrpcReplicaExecutor:
             for channel in self._channels
         ]
         self._streams: list[grpc.aio.StreamStreamCall] = []
-        self._step_in_flight = False
+        # Steps sent and not yet answered, oldest first (two with overlapped scheduling).
+        self._in_flight: deque[_StepInFlight] = deque()
         self._expired: str | None = None
         self._num_kv_blocks: int | None = None
         self._failure: str | None = None
@@ -110,33 +124,57 @@ class GrpcReplicaExecutor:
 
     async def execute(self, plan: StepPlan) -> StepResult:
         """Run ``plan`` on every rank; rank 0's samples. ``ReplicaFailedError`` if any rank fails."""
+        return await self._receive(await self._send(plan))
+
+    async def launch(self, plan: StepPlan) -> PendingGrpcStep:
+        """Send ``plan`` to every rank and return before it ran (overlapped scheduling).
+
+        Its samples come from ``await result()``, in launch order; meanwhile the next
+        plan can be sent, and the ranks start it as soon as they answered this one.
+        """
+        return PendingGrpcStep(self, await self._send(plan))
+
+    async def _send(self, plan: StepPlan) -> _StepInFlight:
         self._check_usable()
-        if self._step_in_flight:
-            raise RuntimeError(f"replica {self.replica_id}: a step is already in flight")
+        if len(self._in_flight) >= MAX_STEPS_IN_FLIGHT:
+            raise RuntimeError(f"replica {self.replica_id}: {len(self._in_flight)} steps are already in flight")
         what = f"step {plan.step_id}"
         data = encode_plan(plan).SerializeToString()
         streams = self._streams or self._open_streams()
-        # NOTE: one timer for the step rather than a deadline per call: the
-        # streams outlive every step.
+        # NOTE: one timer per step rather than a deadline per call: the streams
+        # outlive every step.  It runs from the step's sending to its answer.
         deadline = asyncio.get_running_loop().call_later(self.step_timeout_s, self._expire, what)
-        self._step_in_flight = True
+        step = _StepInFlight(plan.step_id, what, deadline)
+        self._in_flight.append(step)
+        if len(streams) == 1:
+            await self._on_rank_0(what, _write(streams[0], self._channels[0], data))
+        else:
+            await self._call_all(what, [_write(stream, channel, data) for stream, channel in zip(streams, self._channels)])
+        return step
+
+    async def _receive(self, step: _StepInFlight) -> StepResult:
+        """Every rank's answer to ``step``, the oldest in flight; rank 0's samples."""
+        if not self._in_flight or self._in_flight[0] is not step:
+            raise RuntimeError(f"replica {self.replica_id}: {step.what}'s result was asked for out of order")
+        what = step.what
         try:
-            if len(streams) == 1:
-                replies = [await self._exchange_with_rank_0(what, data)]
+            self._check_usable()  # a step in flight with one that failed never ran
+            if len(self._streams) == 1:
+                replies = [await self._on_rank_0(what, _read(self._streams[0], self._channels[0]))]
             else:
                 replies = await self._call_all(
-                    what, [_exchange(stream, channel, data) for stream, channel in zip(streams, self._channels)]
+                    what, [_read(stream, channel) for stream, channel in zip(self._streams, self._channels)]
                 )
         finally:
-            deadline.cancel()
-            self._step_in_flight = False
+            step.deadline.cancel()
+            self._in_flight.popleft()
         if self._expired is not None:  # the timer fired just as the answers came
             self._fail(self._expired)
         try:
             result = decode_result(replies[0])
         except ValueError as exc:
             self._fail(f"replica {self.replica_id} rank 0 answered {what} with a malformed result: {exc}")
-        if result is None or result.step_id != plan.step_id:
+        if result is None or result.step_id != step.step_id:
             self._fail(f"replica {self.replica_id} rank 0 did not answer {what} with its samples")
         return result
 
@@ -184,10 +222,10 @@ class GrpcReplicaExecutor:
         self._expired = f"replica {self.replica_id} did not answer {what} within {self.step_timeout_s:g} s"
         self._cancel_streams()
 
-    async def _exchange_with_rank_0(self, what: str, data: bytes) -> step_pb2.StepResult:
-        """``_exchange`` for a replica of one rank, without a task per step."""
+    async def _on_rank_0(self, what: str, call: Awaitable[T]) -> T:
+        """``call`` on the stream of a replica's only rank, without a task per step as ``_call_all`` makes."""
         try:
-            return await _exchange(self._streams[0], self._channels[0], data)
+            return await call
         except asyncio.CancelledError:
             if self._expired is not None:
                 self._fail(self._expired)
@@ -230,16 +268,28 @@ class _StreamBroken(Exception):
     """A rank's step stream ended or broke; the message is ``CODE: details``."""
 
 
-async def _exchange(
-    stream: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel, data: bytes
-) -> step_pb2.StepResult:
-    """Send one serialized plan on ``stream`` (of ``channel``) and read its result."""
-    try:
-        if stream.done():
-            # It ended between two steps (the rank stopped or died): its status says why.
-            raise _StreamBroken(f"{(await stream.code()).name}: {await stream.details()}")
+async def _write(stream: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel, data: bytes) -> None:
+    """Send one serialized plan on ``stream`` (of ``channel``)."""
+    if stream.done():
+        # It ended between two steps (the rank stopped or died): its status says why.
+        raise _StreamBroken(f"{(await stream.code()).name}: {await stream.details()}")
+    async with _lost_connection_named(channel):
         await stream.write(data)
+
+
+async def _read(stream: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel) -> step_pb2.StepResult:
+    """The next result on ``stream`` (of ``channel``)."""
+    async with _lost_connection_named(channel):
         reply = await stream.read()
+    if reply is grpc.aio.EOF:
+        raise _StreamBroken("UNAVAILABLE: the rank ended its step stream")
+    return reply
+
+
+@contextlib.asynccontextmanager
+async def _lost_connection_named(channel: grpc.aio.Channel) -> AsyncIterator[None]:
+    try:
+        yield
     except grpc.aio.AioRpcError as exc:
         if exc.code() is grpc.StatusCode.INTERNAL and channel.get_state() is not grpc.ChannelConnectivity.READY:
             # NOTE: a write that races the loss of the connection fails with
@@ -247,9 +297,24 @@ async def _exchange(
             # lost connection.
             raise _StreamBroken(f"UNAVAILABLE: the connection to the rank was lost ({exc.details()})") from exc
         raise
-    if reply is grpc.aio.EOF:
-        raise _StreamBroken("UNAVAILABLE: the rank ended its step stream")
-    return reply
+
+
+@dataclass(slots=True)
+class _StepInFlight:
+    step_id: int
+    what: str
+    deadline: asyncio.TimerHandle
+
+
+@dataclass(frozen=True, slots=True)
+class PendingGrpcStep:
+    """A step sent to a replica's ranks; ``await result()`` for its samples (in launch order)."""
+
+    executor: GrpcReplicaExecutor
+    step: _StepInFlight
+
+    async def result(self) -> StepResult:
+        return await self.executor._receive(self.step)
 
 
 def _describe(exc: BaseException) -> str:

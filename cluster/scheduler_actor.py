@@ -8,8 +8,11 @@ to the router's global prefix index, and every change of a replica's queues
 updates the router's load table, so live routing decides as simulated routing
 does.  Each replica runs its own step loop, concurrently with the others::
 
-    while healthy:  plan = begin_step()  →  await executor.execute(plan)  →  finish_step()
+    while healthy:  plan = begin_step()  →  await engine.run_step_async(plan)
                     (asleep on an asyncio.Event while the replica has nothing to do)
+
+With ``async_scheduling`` the loop sends step N+1 to the workers before it awaits
+step N (``EngineCore``), so the step protocol's round trip hides behind their work.
 
 An idle replica's workers are checked every ``IDLE_CHECK_S`` seconds
 (``ReplicaHandle.check_alive``), so that one that died between requests is
@@ -143,7 +146,10 @@ class SchedulerActor:
         )
         # A replacement's counters go on from its predecessor's.
         retired = previous.counts() if previous is not None else (0, 0, 0)
-        replica = ActorReplica(replica_id, scheduler, handle, device_kind, retired)
+        replica = ActorReplica(
+            replica_id, scheduler, handle, device_kind, retired,
+            async_scheduling=self.config.engine.runtime.async_scheduling,
+        )
         self._replicas[replica_id] = replica
         self._router.update_load(replica_id, scheduler.get_load())
         self._router.set_available(replica_id, True)
@@ -291,14 +297,13 @@ class SchedulerActor:
 
     async def _step_loop(self, replica: ActorReplica) -> None:
         engine = replica.engine
-        executor = replica.executor
         while replica.healthy:
             plan = engine.begin_step()
             # NOTE: recorded after the schedule, as the simulator does: this is
             # the load the router sees while the step runs.  It follows every
             # finish_step() too: no await separates it from this begin_step().
             self._update_load(replica)
-            if plan is None:
+            if plan is None and not engine.step_in_flight:
                 # NOTE: no await between begin_step() and clear(): an add_request
                 # cannot slip in between and lose its wake-up.
                 replica.wakeup.clear()
@@ -313,8 +318,8 @@ class SchedulerActor:
                         return
                 continue
             try:
-                result = await executor.execute(plan)
-                outputs = engine.finish_step(plan, result)
+                # With async scheduling: launch this plan, apply the one launched before.
+                outputs = await engine.run_step_async(plan)
             except asyncio.CancelledError:
                 raise
             except ReplicaFailedError as exc:

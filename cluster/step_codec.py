@@ -66,13 +66,7 @@ def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
 
 
 def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
-    """The wire form of ``plan``; encode once and send the same message to every rank.
-
-    ``ValueError`` for a plan with placeholder rows: the cluster does not schedule
-    overlapped yet, and the step protocol does not carry them.
-    """
-    if plan.placeholder_rows:
-        raise ValueError(f"step {plan.step_id} has placeholder rows, which the step protocol does not carry")
+    """The wire form of ``plan``; encode once and send the same message to every rank."""
     message = step_pb2.StepPlan(
         step_id=plan.step_id,
         req_ids=plan.req_ids,
@@ -85,6 +79,8 @@ def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
         finished_req_ids=plan.finished_req_ids,
         preempted_req_ids=plan.preempted_req_ids,
     )
+    if plan.placeholder_rows:
+        message.placeholder_rows = _pack_int32(plan.placeholder_rows)
     if plan.new_requests:
         _encode_new_requests(plan.new_requests, message.new_requests)
     return message
@@ -115,6 +111,7 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
         raise ValueError(f"sample must hold 0 or 1 per request, got {int(sample.max())}")
     _check_total("token_ids", token_ids.size, "num_scheduled_tokens", num_scheduled)
     _check_total("new_block_ids", new_block_ids.size, "num_new_block_ids", num_new_blocks)
+    placeholder_rows = _decode_placeholder_rows(message.placeholder_rows, num_scheduled, sample)
     return StepPlan(
         step_id=message.step_id,
         req_ids=list(message.req_ids),
@@ -128,7 +125,20 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
         new_requests=_decode_new_requests(message.new_requests) if message.HasField("new_requests") else [],
         finished_req_ids=list(message.finished_req_ids),
         preempted_req_ids=list(message.preempted_req_ids),
+        placeholder_rows=placeholder_rows,
     )
+
+
+def _decode_placeholder_rows(data: bytes, num_scheduled: np.ndarray, sample: np.ndarray) -> list[int]:
+    """The placeholder rows: increasing, each a sampled row of one token; ``ValueError`` otherwise."""
+    if not data:
+        return []
+    rows = _unpack(data, "placeholder_rows", _INT32)
+    if rows.min() < 0 or rows.max() >= num_scheduled.size or (rows.size > 1 and np.diff(rows).min() <= 0):
+        raise ValueError(f"placeholder_rows must be increasing rows of the plan's {num_scheduled.size}, got {rows.tolist()}")
+    if (num_scheduled[rows] != 1).any() or not sample[rows].all():
+        raise ValueError("placeholder_rows must name rows of one sampled token")
+    return rows.tolist()
 
 
 def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.NewRequests) -> None:

@@ -50,12 +50,12 @@ class LLM:
     ``block_size``, ``num_blocks``, ``enable_prefix_caching``, ``gpu_memory_utilization``,
     ``cpu_kv_cache_bytes``; ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
     ``enable_chunked_prefill``, ``long_prefill_token_threshold``; ``device``, ``dtype``,
-    ``seed``, ``enforce_eager``, ``attention_backend``, ``cpu_threads``;
-    ``tensor_parallel_size``.  ``async_scheduling`` plans each step while the device runs
-    the one before (tensor-parallel size 1 only).
+    ``seed``, ``enforce_eager``, ``async_scheduling`` (plan each step while the device, or
+    the tensor-parallel ranks, run the one before), ``attention_backend``, ``cpu_threads``;
+    ``tensor_parallel_size``.
     """
 
-    def __init__(self, model: str | Path, *, async_scheduling: bool = False, **settings: Any) -> None:
+    def __init__(self, model: str | Path, **settings: Any) -> None:
         config = EngineConfig.from_kwargs(str(model), **settings)
         if config.parallel.num_replicas != 1:
             raise ValueError("LLM runs one replica; num_replicas is kvserve serve's")
@@ -65,8 +65,6 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         worker_config = WorkerConfig.for_engine(config, self.model_config.max_model_len)
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
-        if async_scheduling and tensor_parallel_size != 1:
-            raise ValueError("async_scheduling needs tensor_parallel_size=1 (the sampling rank feeds the next step)")
         if tensor_parallel_size == 1:
             from kvserve.worker.uniproc_executor import UniprocExecutor
 
@@ -79,7 +77,7 @@ class LLM:
             config.scheduler_config(self.model_config.max_model_len),
             config.cache_config(executor.num_kv_blocks, self.model_config.model_id),
         )
-        self.engine = EngineCore(scheduler, executor, async_scheduling=async_scheduling)
+        self.engine = EngineCore(scheduler, executor, async_scheduling=config.runtime.async_scheduling)
         self._request_counter = itertools.count()
         self._shut_down = False
 

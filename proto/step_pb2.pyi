@@ -45,7 +45,7 @@ class NewRequests(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[bytes] = ..., sampling_params_index: _Optional[bytes] = ..., sampling_params: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "req_ids", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "num_new_block_ids", "new_block_ids", "sample", "new_requests", "finished_req_ids", "preempted_req_ids")
+    __slots__ = ("step_id", "req_ids", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "num_new_block_ids", "new_block_ids", "sample", "new_requests", "finished_req_ids", "preempted_req_ids", "placeholder_rows")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class StepPlan(_message.Message):
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PLACEHOLDER_ROWS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     num_scheduled_tokens: bytes
@@ -68,7 +69,8 @@ class StepPlan(_message.Message):
     new_requests: NewRequests
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., num_new_block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., new_requests: _Optional[_Union[NewRequests, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    placeholder_rows: bytes
+    def __init__(self, step_id: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[bytes] = ..., num_computed_tokens: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ..., num_new_block_ids: _Optional[bytes] = ..., new_block_ids: _Optional[bytes] = ..., sample: _Optional[bytes] = ..., new_requests: _Optional[_Union[NewRequests, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., placeholder_rows: _Optional[bytes] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_token_ids", "has_samples", "logprob_rows", "token_logprobs", "num_top_logprobs", "top_token_ids", "top_logprobs")

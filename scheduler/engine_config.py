@@ -92,7 +92,9 @@ class RuntimeSettings:
     """How the model runs: ``device`` ``None`` is ``cuda`` where there is one, else ``cpu``;
     ``dtype`` ``"auto"`` is bfloat16 on CUDA and float32 on CPU; ``seed`` seeds the
     sampler of requests without their own (``None``: a random seed); ``enforce_eager``
-    runs CUDA decode steps without graphs; ``attention_backend`` ``None`` picks the
+    runs CUDA decode steps without graphs; ``async_scheduling`` plans each step while
+    the workers run the one before (overlapped scheduling, ``EngineCore``);
+    ``attention_backend`` ``None`` picks the
     device's kernels; ``cpu_threads`` are each CPU rank's torch threads (``None``: the
     cores divided among a replica's ranks)."""
 
@@ -100,6 +102,7 @@ class RuntimeSettings:
     dtype: str = "auto"
     seed: int | None = 0
     enforce_eager: bool = False
+    async_scheduling: bool = False
     attention_backend: str | None = None
     cpu_threads: int | None = None
 
@@ -110,8 +113,9 @@ class RuntimeSettings:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be None or one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"

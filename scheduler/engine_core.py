@@ -4,7 +4,7 @@ Every replica runs this loop, wherever it runs; the executor is the only seam::
 
     in-process LLM     step()                                   Uniproc- / MultiprocExecutor
     calibration        step()                                   the same, timed by a wrapper
-    cluster replica    begin_step(), await execute, finish_step()   gRPC to the workers (async)
+    cluster replica    begin_step(), await run_step_async()     gRPC to the workers (async)
     fleet simulator    begin_step() ... finish_step()           none: the step cost model
                                                                 sets the virtual time between
 
@@ -18,12 +18,14 @@ waits for step N and applies it, so the host's planning hides behind the device'
     step():  begin_step(N+1), launch(N+1)  |  N.result(), finish_step(N)  ->  N's outputs
 
 Requests sampled by step N are planned into N+1 with placeholders for their new token
-(see ``Scheduler``).  Plain Python: no torch, Ray or gRPC.
+(see ``Scheduler``).  ``run_step_async`` is the same loop for executors awaited on an
+event loop.  Plain Python: no torch, Ray or gRPC.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from kvserve.scheduler.executor import AsyncExecutor, Executor, PendingStep
 from kvserve.scheduler.request import Request
@@ -109,22 +111,70 @@ class EngineCore:
             try:
                 launched = self.executor.launch(plan)  # type: ignore[union-attr]
             except BaseException:
-                self.fail_step(plan)
-                self._fail_in_flight()
+                self._fail_launch(plan)
                 raise
-        previous, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
+        previous = self._swap_in_flight(plan, launched)
         if previous is None:
             return []
-        previous_plan, previous_launched = previous
         try:
-            result = previous_launched.result()
+            result = previous[1].result()
         except BaseException:
-            self.fail_step(previous_plan)
-            self._fail_in_flight()
+            self._fail_launch(previous[0])
             raise
+        return self._finish_launched(previous[0], result)
+
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a launched step waits to be applied (async scheduling)."""
+        return self._in_flight is not None
+
+    async def run_step_async(self, plan: StepPlan | None) -> list[RequestOutput]:
+        """Run ``plan`` (from ``begin_step``) on an ``AsyncExecutor``; the tokens it produced.
+
+        With async scheduling, launch ``plan`` and apply the step launched before it
+        (``plan`` may be ``None`` then, to apply the last one): ``step()``'s overlap,
+        for drivers on an event loop (the cluster's scheduler actor).
+        """
+        executor = self.executor
+        if not self.async_scheduling:
+            assert plan is not None
+            try:
+                result = await executor.execute(plan)  # type: ignore[union-attr, misc]
+            except BaseException:
+                self.fail_step(plan)
+                raise
+            return self.finish_step(plan, result)
+        launched = None
+        if plan is not None:
+            try:
+                launched = await executor.launch(plan)  # type: ignore[union-attr]
+            except BaseException:
+                self._fail_launch(plan)
+                raise
+        previous = self._swap_in_flight(plan, launched)
+        if previous is None:
+            return []
+        try:
+            result = await previous[1].result()
+        except BaseException:
+            self._fail_launch(previous[0])
+            raise
+        return self._finish_launched(previous[0], result)
+
+    def _swap_in_flight(self, plan: StepPlan | None, launched: Any) -> tuple[StepPlan, Any] | None:
+        """Make ``plan`` (if launched) the step in flight; the one it replaces, to apply."""
+        previous, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
+        return previous
+
+    def _finish_launched(self, plan: StepPlan, result: StepResult | None) -> list[RequestOutput]:
         if result is None:
-            raise RuntimeError(f"step {previous_plan.step_id} returned no samples")
-        return self.finish_step(previous_plan, result)
+            raise RuntimeError(f"step {plan.step_id} returned no samples")
+        return self.finish_step(plan, result)
+
+    def _fail_launch(self, plan: StepPlan) -> None:
+        """``plan`` failed to launch or to return: it and the step in flight never ran."""
+        self.fail_step(plan)
+        self._fail_in_flight()
 
     def _fail_in_flight(self) -> None:
         if self._in_flight is not None:

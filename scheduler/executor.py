@@ -65,3 +65,17 @@ class AsyncExecutor(Protocol):
     async def execute(self, plan: StepPlan) -> StepResult: ...
 
     async def shutdown(self) -> None: ...
+
+
+class PendingAsyncStep(Protocol):
+    """A step an ``AsyncExecutor`` has sent and not yet returned."""
+
+    async def result(self) -> StepResult: ...
+
+
+class OverlappingAsyncExecutor(AsyncExecutor, Protocol):
+    """An ``AsyncExecutor`` that can send a step before the previous one returned (overlapped scheduling)."""
+
+    async def launch(self, plan: StepPlan) -> PendingAsyncStep:
+        """Send ``plan``; the next plan's placeholder rows take this one's samples."""
+        ...

@@ -45,6 +45,13 @@ class TensorParallelGroup:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with rank ``src``'s, in place; returns it."""
+        if self.world_size == 1:
+            return tensor
+        dist.broadcast(tensor, src=src, group=self.group)
+        return tensor
+
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``,
         in rank order; returns a new tensor (or ``tensor`` itself when alone)."""

@@ -13,6 +13,7 @@ import logging
 import multiprocessing as mp
 import socket
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection
 
 from kvserve.scheduler.step_plan import StepPlan
@@ -82,6 +83,8 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self._num_blocks = num_blocks
+        # Step ids of the plans sent and not yet answered, oldest first.
+        self._in_flight: deque[int] = deque()
 
     @property
     def num_kv_blocks(self) -> int:
@@ -102,8 +105,28 @@ class MultiprocExecutor:
         return replies
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self._send(plan)
+        return self._receive(plan.step_id)
+
+    def launch(self, plan: StepPlan) -> PendingRankReplies:
+        """Send ``plan`` to every rank; its result comes from ``result()`` (an ``OverlappingExecutor``).
+
+        The ranks take plans in order: a plan sent while they still run the previous
+        one waits in their pipes, so they start it without a round trip to this process.
+        """
+        self._send(plan)
+        return PendingRankReplies(self, plan.step_id)
+
+    def _send(self, plan: StepPlan) -> None:
         for conn in self._conns:
             conn.send(plan)
+        self._in_flight.append(plan.step_id)
+
+    def _receive(self, step_id: int) -> StepResult:
+        """Rank 0's reply to step ``step_id``, the oldest in flight (after every rank's)."""
+        if not self._in_flight or self._in_flight[0] != step_id:
+            raise RuntimeError(f"step {step_id}'s result was asked for before those of {list(self._in_flight)}")
+        self._in_flight.popleft()
         return self._gather(_STEP_TIMEOUT_S)[0]
 
     def shutdown(self) -> None:
@@ -120,3 +143,14 @@ class MultiprocExecutor:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+
+
+@dataclasses.dataclass(slots=True)
+class PendingRankReplies:
+    """A plan sent to every rank of a ``MultiprocExecutor``; results are taken in launch order."""
+
+    executor: MultiprocExecutor
+    step_id: int
+
+    def result(self) -> StepResult:
+        return self.executor._receive(self.step_id)

@@ -178,8 +178,9 @@ class Worker:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
-        # The last sampling step's plan and its samples, on the device.
-        self._last_sampled: tuple[StepPlan, torch.Tensor] | None = None
+        # The last sampling step's plan and its samples, on the device (None on ranks
+        # other than 0 until a plan with placeholders makes rank 0 send them).
+        self._last_sampled: tuple[StepPlan, torch.Tensor | None] | None = None
 
     @property
     def is_driver(self) -> bool:
@@ -278,6 +279,8 @@ class Worker:
             return LaunchedStep(plan.step_id, self.is_driver)
         logits = self.model.compute_logits(logits_rows)
         if not self.is_driver:
+            # Rank 0 samples; the next plan's placeholders get its samples then (_last_samples).
+            self._last_sampled = (plan, None)
             return LaunchedStep(plan.step_id, False)
         sampled = self.sampler(logits, sampling_params, output_indices)
         # For the next plan's placeholders (overlapped scheduling), if it has any.
@@ -291,10 +294,7 @@ class Worker:
         """
         if not plan.placeholder_rows:
             return
-        if self._last_sampled is None:
-            raise RuntimeError("a plan with placeholders reached a rank that does not sample (overlapped "
-                               "scheduling needs tensor-parallel size 1)")
-        last_plan, last_token_ids = self._last_sampled
+        last_plan, last_token_ids = self._last_samples(plan)
         # Each request the last step sampled: its index among that step's samples.
         sample_index = {last_plan.req_ids[i]: k for k, i in enumerate(i for i, s in enumerate(last_plan.sample) if s)}
         try:
@@ -306,6 +306,23 @@ class Worker:
         input_ids[to_device(np.asarray(targets, dtype=np.int64), self.device)] = last_token_ids[
             to_device(np.asarray(sources, dtype=np.int64), self.device)
         ]
+
+    def _last_samples(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor]:
+        """The last sampling step's plan and its samples, on this rank's device.
+
+        Only rank 0 samples: with tensor parallelism it sends them to the other ranks
+        here, when a plan needs them (every rank gets the same plans, so all of them
+        meet in this broadcast), and never for steps without placeholders.
+        """
+        if self._last_sampled is None:
+            raise ValueError(f"step {plan.step_id} has placeholders but no step sampled before it")
+        last_plan, token_ids = self._last_sampled
+        if self.tp.world_size > 1:
+            if token_ids is None:
+                token_ids = torch.empty(last_plan.num_sampled, dtype=torch.int64, device=self.device)
+            self.tp.broadcast(token_ids, src=0)
+            self._last_sampled = (last_plan, token_ids)
+        return last_plan, token_ids
 
     def shutdown(self) -> None:
         """Release the graphs, the KV cache and the weights (and the process group).

@@ -70,10 +70,13 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("e2e-model"), "mistral", seed=0, sliding_window=SLIDING_WINDOW)
 
 
-@pytest.fixture(scope="module")
-def served(ray_cluster, model_dir: Path) -> Iterator[Served]:
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "overlapped"])
+def served(request, ray_cluster, model_dir: Path) -> Iterator[Served]:
+    """The cluster, scheduling plainly or overlapped (async scheduling: each replica sends
+    step N+1 before step N's samples came back): every test holds in both."""
     config = ClusterConfig.from_kwargs(
         str(model_dir),
+        async_scheduling=request.param,
         parallel=ParallelConfig(tensor_parallel_size=TP_SIZE, num_replicas=NUM_REPLICAS),
         block_size=BLOCK_SIZE,
         num_blocks=NUM_BLOCKS,

@@ -43,8 +43,12 @@ def worker_view(plan: StepPlan) -> StepPlan:
     return dataclasses.replace(plan, new_requests=new_requests)
 
 
-def scheduled_plans() -> list[StepPlan]:
-    """Every plan of a busy replica: a small pool (preemptions), chunked prefill, varied params."""
+def scheduled_plans(overlapped: bool = False) -> list[StepPlan]:
+    """Every plan of a busy replica: a small pool (preemptions), chunked prefill, varied params.
+
+    ``overlapped``: each plan is scheduled before the previous one's tokens are
+    applied, so decodes carry placeholder rows.
+    """
     scheduler = Scheduler(
         SchedulerConfig(max_num_batched_tokens=24, max_num_seqs=6, max_model_len=128),
         CacheConfig(block_size=4, num_blocks=24),
@@ -59,16 +63,33 @@ def scheduled_plans() -> list[StepPlan]:
     for i in range(10):
         prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(3, 30))]
         scheduler.add_request(Request(f"req-{i}", prompt, params[i % 3]))
-    plans = []
-    while scheduler.has_unfinished_requests():
+    plans: list[StepPlan] = []
+    in_flight: tuple[StepPlan, list[int]] | None = None
+    last_samples: dict[str, int] = {}
+    while scheduler.has_unfinished_requests() or in_flight is not None:
         plan = scheduler.schedule()
+        if in_flight is not None:
+            scheduler.update(*in_flight)
+            in_flight = None
+        if plan.is_empty:
+            continue
         plans.append(plan)
-        scheduler.update(plan, worker.execute(plan))
+        token_ids = list(plan.token_ids)
+        for row in plan.placeholder_rows:  # as a worker does: its own last sample
+            token_ids[sum(plan.num_scheduled_tokens[:row])] = last_samples[plan.req_ids[row]]
+        sampled = worker.execute(dataclasses.replace(plan, token_ids=token_ids))
+        last_samples = dict(zip((r for r, s in zip(plan.req_ids, plan.sample) if s), sampled))
+        if overlapped:
+            in_flight = (plan, sampled)
+        else:
+            scheduler.update(plan, sampled)
     return plans
 
 
-def test_every_scheduled_plan_round_trips_exactly() -> None:
-    plans = scheduled_plans()
+@pytest.mark.parametrize("overlapped", [False, True])
+def test_every_scheduled_plan_round_trips_exactly(overlapped: bool) -> None:
+    plans = scheduled_plans(overlapped)
+    assert any(p.placeholder_rows for p in plans) == overlapped
     for plan in plans:
         assert over_the_wire(plan) == worker_view(plan)
     # The plans cover every kind of content the protocol carries.
@@ -233,9 +254,15 @@ def test_result_with_inconsistent_logprobs_is_rejected(field: str, value: bytes,
         decode_result(result)
 
 
-def test_a_plan_with_placeholder_rows_is_refused_rather_than_sent_without_them() -> None:
-    from kvserve.scheduler.step_plan import StepPlan
-
-    plan = StepPlan(0, ["a"], [1], [3], [0], [0], [], [True], [], [], [], placeholder_rows=[0])
-    with pytest.raises(ValueError, match="placeholder rows"):
-        encode_plan(plan)
+@pytest.mark.parametrize(
+    "rows, error",
+    [([2], "increasing rows"), ([1, 0], "increasing rows"), ([-1], "increasing rows"),
+     ([1], "one sampled token"), ([0, 1], "one sampled token")],
+)
+def test_placeholder_rows_outside_the_sampled_decodes_are_rejected(rows: list[int], error: str) -> None:
+    # Row 0: a decode; row 1: a prefill chunk of 3 tokens that does not sample.
+    plan = StepPlan(0, ["a", "b"], [1, 3], [3, 0], [0, 1, 2, 3], [0, 0], [], [True, False], [], [], [])
+    message = encode_plan(plan)
+    message.placeholder_rows = np.asarray(rows, dtype=np.int32).tobytes()
+    with pytest.raises(ValueError, match=error):
+        decode_plan(message)

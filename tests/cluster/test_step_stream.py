@@ -248,3 +248,45 @@ def test_a_rank_serves_one_call_at_a_time_so_a_second_stream_waits_for_the_first
             await second.done_writing()
 
     asyncio.run(scenario())
+
+
+def test_a_launched_step_reaches_the_ranks_before_the_previous_one_is_answered() -> None:
+    """Overlapped scheduling: step 1 is sent while the ranks still run step 0, so they start
+    it as soon as they answered step 0; the answers come in order, one per step."""
+    release = threading.Event()
+    ranks = [Rank(sample=True, execute_hook=lambda p: p.step_id == 0 and release.wait(10)), Rank(sample=False)]
+
+    async def scenario() -> list[StepResult]:
+        async with replica(*ranks) as executor:
+            first = await executor.launch(plan(0))
+            second = await executor.launch(plan(1))  # sent while rank 0 is held in step 0
+            with pytest.raises(RuntimeError, match="2 steps are already in flight"):
+                await executor.launch(plan(2))
+            with pytest.raises(RuntimeError, match="step 1's result was asked for out of order"):
+                await second.result()
+            release.set()
+            return [await first.result(), await second.result(), await executor.execute(plan(2))]
+
+    results = asyncio.run(scenario())
+    assert [(r.step_id, r.sampled_token_ids) for r in results] == [(0, [0, 0]), (1, [1, 1]), (2, [2, 2])]
+    assert [[p.step_id for p in rank.plans] for rank in ranks] == [[0, 1, 2]] * 2
+
+
+def test_a_rank_failing_with_two_steps_in_flight_fails_both() -> None:
+    def fail_step_0(p: StepPlan) -> None:
+        if p.step_id == 0:
+            raise RuntimeError("lost device")
+
+    rank = Rank(sample=True, execute_hook=fail_step_0)
+
+    async def scenario() -> None:
+        async with replica(rank) as executor:
+            first = await executor.launch(plan(0))
+            second = await executor.launch(plan(1))
+            with pytest.raises(ReplicaFailedError, match="failed at step 0: INTERNAL: RuntimeError: lost device"):
+                await first.result()
+            with pytest.raises(ReplicaFailedError, match="failed at step 0"):
+                await second.result()
+            assert executor.failed
+
+    asyncio.run(scenario())

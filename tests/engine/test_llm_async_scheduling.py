@@ -89,9 +89,16 @@ def test_an_engine_with_nothing_left_in_flight_after_generate(model_dir) -> None
         assert again[0].token_ids == first[0].token_ids
 
 
-def test_async_scheduling_with_tensor_parallelism_is_refused(model_dir) -> None:
-    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size=1"):
-        LLM(model_dir, tensor_parallel_size=2, async_scheduling=True)
+def test_tensor_parallel_ranks_get_the_samples_of_rank_0(model_dir) -> None:
+    """With two ranks only rank 0 samples; it sends its samples to rank 1 for the
+    placeholders, so both ranks compute the same tokens: outputs equal the plain engine's,
+    seeded random sampling and preemption included."""
+    prompts = random_prompts(6, seed=12, lo=3, hi=40)
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i)
+              for i in range(len(prompts))]
+    plain, overlapped = generate_both(model_dir, prompts, params, tensor_parallel_size=2, block_size=4,
+                                      num_blocks=48, max_num_batched_tokens=32)
+    assert_same(plain, overlapped)
 
 
 @pytest.mark.gpu
