@@ -116,18 +116,20 @@ async def scenario_overload(stub, prompts: list[list[int]], max_tokens: int) -> 
     if any(b.code != "OK" for b in baseline):
         raise RuntimeError("the cluster did not serve the admitted prompts again after the overload")
     # A stream that differs from its own baseline: does it carry another prompt's tokens (outputs
-    # delivered to the wrong stream), or its own prompt's, computed differently?
+    # delivered to the wrong stream), miss some of its own (a lost delta), or its own prompt's,
+    # computed differently?
     differing = [i for i, ((_, r), b) in enumerate(zip(admitted, baseline)) if r.token_ids != b.token_ids]
     foreign = sum(
         any(admitted[i][1].token_ids == b.token_ids for j, b in enumerate(baseline) if j != i) for i in differing
     )
+    short = sum(len(admitted[i][1].token_ids) < len(baseline[i].token_ids) for i in differing)
     return Scenario(
         "d. 10x overload", len(results), len(admitted) - len(differing),
         0, Counter(r.code for r in results), await blocks_in_use(stub), None,
         p99([r.seconds for _, r in admitted]), p99([b.seconds for b in baseline]),
         divergences([(r, b) for (_, r), b in zip(admitted, baseline)]),
         notes=[f"d. 10x overload: of {len(differing)} stream(s) that differ from their baseline, {foreign} carry "
-               "another admitted prompt's tokens"] if differing else [],
+               f"another admitted prompt's tokens, {short} have fewer tokens than it"] if differing else [],
     )
 
 

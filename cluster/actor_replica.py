@@ -1,22 +1,18 @@
-"""What the scheduler actor keeps per replica and per request between polls.
+"""What the scheduler actor keeps per replica.
 
 ``ActorReplica`` is one replica as the actor drives it: its engine (scheduler and
 executor), its step loop, and the tasks that release or restart its workers.
-``PendingOutput`` is what one request produced since the front end last polled.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
-from dataclasses import dataclass, field
 
-from kvserve.cluster.messages import ReplicaStatsInfo, RequestDelta
+from kvserve.cluster.messages import ReplicaStatsInfo
 from kvserve.cluster.replica_launcher import ReplicaHandle
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.executor import AsyncExecutor
-from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import Scheduler
 
@@ -30,34 +26,6 @@ def started(request: Request) -> bool:
     """Whether a replica began computing ``request`` (it is no longer as it arrived): a failed
     replica's started requests move with their outputs, and only so many times."""
     return bool(request.num_computed_tokens or request.output_token_ids or request.num_preemptions)
-
-
-@dataclass(slots=True)
-class PendingOutput:
-    """What one request produced since the front end last polled: its new tokens (and their
-    logprobs, if it asked), and its end."""
-
-    replica: int
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] | None = None
-    # The request's last delta once it ended, without its tokens.
-    end: RequestDelta | None = None
-
-    def finish(self, request: Request, *, reason: str | None = None, error: str | None = None) -> None:
-        self.end = RequestDelta(
-            req_id=request.req_id,
-            finish_reason=reason,
-            error=error,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            num_output_tokens=request.num_output_tokens,
-            replica=self.replica,
-        )
-
-    def to_delta(self, req_id: str) -> RequestDelta:
-        if self.end is None:
-            return RequestDelta(req_id, self.token_ids, replica=self.replica, logprobs=self.logprobs)
-        return dataclasses.replace(self.end, token_ids=self.token_ids, logprobs=self.logprobs)
 
 
 class ActorReplica:

@@ -39,16 +39,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ray.util.placement_group import PlacementGroup
 
-from kvserve.cluster.actor_replica import ActorReplica, PendingOutput, started
+from kvserve.cluster.actor_replica import ActorReplica, started
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
+from kvserve.cluster.output_mailbox import OutputMailbox
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
@@ -75,8 +75,7 @@ class SchedulerActor:
 
     Start-up: ``start_replica(r)`` for every replica (concurrently is fine),
     then ``ready()``.  The front end is the only caller of ``add_request``,
-    ``abort_requests`` and ``poll_outputs`` (a single consumer: two pollers
-    would split the outputs between them).
+    ``abort_requests`` and ``poll_outputs`` (a single consumer: see ``OutputMailbox``).
     """
 
     def __init__(self, config: ClusterConfig, model_config: ModelConfig) -> None:
@@ -98,10 +97,8 @@ class SchedulerActor:
         self._starting: set[int] = set()
         # Requests in flight, by id: the replica serving each, and the request.
         self._requests: dict[str, tuple[ActorReplica, Request]] = {}
-        self._pending: dict[str, PendingOutput] = {}
-        self._outputs_ready = asyncio.Event()
-        self._num_waiting_polls = 0
-        self._last_poll_time = time.monotonic()
+        # What the steps produced, until the front end polls it.
+        self._outputs = OutputMailbox()
         self._watchdog: asyncio.Task[None] | None = None
         self._shutting_down = False
         # How many times each request in flight moved off a failed replica.
@@ -187,7 +184,7 @@ class SchedulerActor:
         """
         if self._shutting_down:
             raise RuntimeError("the scheduler is shutting down")
-        if spec.req_id in self._requests or spec.req_id in self._pending:
+        if spec.req_id in self._requests or spec.req_id in self._outputs.pending:
             raise ValueError(f"request_id {spec.req_id!r} is already in flight")
         return self._queue(self._new_request(spec.req_id, spec.prompt_token_ids, spec.sampling_params, spec.cache_salt))
 
@@ -253,24 +250,21 @@ class SchedulerActor:
     async def poll_outputs(self, timeout_s: float = 1.0) -> OutputBatch:
         """Every request's new tokens since the previous poll, one delta per request.
 
-        Waits up to ``timeout_s`` for at least one; returns an empty batch if none came.
+        Waits up to ``timeout_s`` for at least one; returns an empty batch if none came,
+        or if a newer poll came meanwhile (then it takes them).
         """
-        self._num_waiting_polls += 1
-        try:
-            if not self._pending and timeout_s > 0:
-                self._outputs_ready.clear()
-                try:
-                    await asyncio.wait_for(self._outputs_ready.wait(), timeout_s)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self._num_waiting_polls -= 1
-            self._last_poll_time = time.monotonic()
-        pending, self._pending = self._pending, {}
+        pending = await self._outputs.take(timeout_s)
+        if pending is None:
+            # NOTE: a newer poll came while this one waited: this one's caller is gone (a front
+            # end that stopped or died mid-poll); the outputs are the newer one's.
+            pending = {}
         return OutputBatch.from_deltas(
             (output.to_delta(req_id) for req_id, output in pending.items()),
-            num_healthy_replicas=sum(replica.healthy for replica in self._replicas.values()),
+            num_healthy_replicas=self._num_healthy(),
         )
+
+    def _num_healthy(self) -> int:
+        return sum(replica.healthy for replica in self._replicas.values())
 
     async def get_stats(self) -> list[ReplicaStatsInfo]:
         return [replica.stats() for _, replica in sorted(self._replicas.items())]
@@ -327,20 +321,18 @@ class SchedulerActor:
                 self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc}")
                 return
             except Exception as exc:  # noqa: BLE001 - nothing may crash the actor
-                logger.exception("replica %d: step %d failed", replica.replica_id, plan.step_id)
+                logger.exception("replica %d: a step failed", replica.replica_id)
                 self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc!r}")
                 return
             if outputs:
                 self._collect(replica, outputs)
 
     def _collect(self, replica: ActorReplica, outputs: list[RequestOutput]) -> None:
-        pending = self._pending
+        entry_of = self._outputs.entry
         requests = self._requests
         for output in outputs:
             req_id = output.req_id
-            entry = pending.get(req_id)
-            if entry is None:
-                entry = pending[req_id] = PendingOutput(replica.replica_id)
+            entry = entry_of(req_id, replica.replica_id)
             entry.token_ids.append(output.token_id)
             if output.logprobs is not None:
                 if entry.logprobs is None:
@@ -350,7 +342,7 @@ class SchedulerActor:
                 _, request = requests.pop(req_id)
                 self._num_moves.pop(req_id, None)
                 entry.finish(request, reason=output.finish_reason.value)
-        self._outputs_ready.set()
+        self._outputs.notify()
 
     # -- failures and lost outputs ---------------------------------------------
 
@@ -364,10 +356,9 @@ class SchedulerActor:
             replica, request = entry
             by_replica.setdefault(replica.replica_id, []).append(req_id)
             if deliver:
-                output = self._pending.setdefault(req_id, PendingOutput(replica.replica_id))
-                output.finish(request, reason="abort")
+                self._outputs.entry(req_id, replica.replica_id).finish(request, reason="abort")
             else:
-                self._pending.pop(req_id, None)
+                self._outputs.pending.pop(req_id, None)
         for replica_id, ids in by_replica.items():
             replica = self._replicas[replica_id]
             replica.scheduler.abort_requests(ids)
@@ -375,7 +366,7 @@ class SchedulerActor:
             # The next plan tells the workers to drop these requests.
             replica.wakeup.set()
         if deliver and by_replica:
-            self._outputs_ready.set()
+            self._outputs.notify()
 
     def _fail_replica(self, replica: ActorReplica, reason: str, *, release: bool = True) -> None:
         """Take ``replica`` out of service, move its requests to the others and start it again.
@@ -408,8 +399,7 @@ class SchedulerActor:
             if error is None:
                 continue
             self._num_moves.pop(req_id, None)
-            output = self._pending.setdefault(req_id, PendingOutput(replica.replica_id))
-            output.finish(request, error=error)
+            self._outputs.entry(req_id, replica.replica_id).finish(request, error=error)
             num_failed += 1
         if mine and not self._shutting_down:
             logger.warning(
@@ -417,7 +407,7 @@ class SchedulerActor:
                 replica.replica_id, len(mine) - num_failed, num_failed,
             )
         if num_failed:
-            self._outputs_ready.set()
+            self._outputs.notify()
         if release:
             replica.release()
             if not self._shutting_down and replica.restart is None:
@@ -490,12 +480,10 @@ class SchedulerActor:
         timeout_s = self.config.undelivered_output_timeout_s
         while True:
             await asyncio.sleep(min(_WATCHDOG_INTERVAL_S, timeout_s))
-            if not self._pending or self._num_waiting_polls:
-                continue
-            idle_s = time.monotonic() - self._last_poll_time
+            idle_s = self._outputs.unfetched_s()
             if idle_s < timeout_s:
                 continue
-            req_ids = list(self._pending)
+            req_ids = list(self._outputs.pending)
             logger.warning("no front end fetched outputs for %.0f s: aborting %d requests", idle_s, len(req_ids))
             self._abort(req_ids, deliver=False)
-            self._pending.clear()
+            self._outputs.pending.clear()

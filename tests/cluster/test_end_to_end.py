@@ -425,6 +425,19 @@ def test_requests_are_aborted_when_no_front_end_fetches_their_outputs(served: Se
         served.server.resume_front_end()
 
 
+def test_a_front_end_started_after_another_stopped_streams_every_token(served: Served):
+    # NOTE: a stopped front end's last poll_outputs call went on waiting in the actor and took the
+    # next outputs, the first tokens of the next front end's requests (bench/faults.py, scenario d).
+    params = generate_pb2.SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # the second stop comes just after its dispatcher's poll went out
+        served.server.pause_front_end()
+        served.server.resume_front_end()
+        time.sleep(0.05)
+    calls = [served.stub.Generate(request([5, 6, 7, i], params), timeout=RPC_TIMEOUT_S) for i in range(4)]
+    num_tokens = [sum(len(m.token_ids) for m in collect(call)) for call in calls]
+    assert num_tokens == [8] * 4
+
+
 # -- failures and shutdown (last: they leave the cluster broken) ------------------------
 
 
