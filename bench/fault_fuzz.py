@@ -22,9 +22,9 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
-import grpc
-
-from kvserve.bench.fault_streams import Scenario, StreamResult, blocks_in_use, divergences, one_stream, p99, read_stream
+from kvserve.bench.fault_streams import (
+    Endpoint, Scenario, StreamResult, blocks_in_use, divergences, one_stream, p99, read_stream,
+)
 from kvserve.bench.fuzzed_requests import ODD_MAX_TOKENS, FuzzedRequests
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
@@ -109,33 +109,36 @@ async def run_fuzz(channel, requests: FuzzedRequests, num_requests: int) -> list
 _client_requests: FuzzedRequests | None = None
 
 
-def fuzz_client(target: str, args: tuple, num_requests: int) -> list[FuzzEnding]:
-    """A client process's work: the next ``num_requests`` cases of ``FuzzedRequests(*args)``, sent to ``target``."""
+def fuzz_client(endpoint: Endpoint, args: tuple, num_requests: int) -> list[FuzzEnding]:
+    """A client process's work: the next ``num_requests`` cases of ``FuzzedRequests(*args)``, sent to ``endpoint``."""
     global _client_requests
     if _client_requests is None or _client_requests.args != args:
         _client_requests = FuzzedRequests(*args)
     requests = _client_requests
 
     async def run() -> list[FuzzEnding]:
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with endpoint.channel() as channel:
             return await run_fuzz(channel, requests, num_requests)
 
     return asyncio.run(run())
 
 
-async def scenario_fuzz(target: str, requests: FuzzedRequests, good_prompts: list[list[int]], max_tokens: int,
-                        num_requests: int, server_alive: Callable[[], bool]) -> tuple[list[Scenario], FuzzOutcome]:
+async def scenario_fuzz(target: str | Endpoint, requests: FuzzedRequests, good_prompts: list[list[int]],
+                        max_tokens: int, num_requests: int, server_alive: Callable[[], bool],
+                        name: str = "e. fuzz") -> tuple[list[Scenario], FuzzOutcome]:
     """The fault e rows (the fuzzed requests, the good streams beside them) and every fuzzed request's ending.
 
     The fuzz comes from a client process of its own, so that building and sending it does not
     delay this process reading the good streams.  Each good stream must get the tokens its
-    prompt got before the fuzz, the last ones after the last burst.
+    prompt got before the fuzz, the last ones after the last burst.  ``target``: ``host:port``
+    in plaintext, or an ``Endpoint`` (TLS, a bearer token) that every request goes to.  ``name``
+    begins the rows' names and notes.
     """
-    name = "e. fuzz"
+    endpoint = Endpoint(target) if isinstance(target, str) else target
     loop = asyncio.get_running_loop()
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as client:
         await loop.run_in_executor(client, int)  # the client process started before anything is timed
-        async with grpc.aio.insecure_channel(target) as channel:
+        async with endpoint.channel() as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
             plain = await one_stream(stub, requests.plain, ODD_MAX_TOKENS)
             # Warm, so that every stream compared hits the prefix cache; its tokens are the ones to get.
@@ -152,7 +155,7 @@ async def scenario_fuzz(target: str, requests: FuzzedRequests, good_prompts: lis
                     await asyncio.sleep(max(MIN_QUIET_S, bursts[-1][1] - bursts[-1][0] if bursts else 0.0))
                     count = num_requests * (burst + 1) // FUZZ_BURSTS - num_requests * burst // FUZZ_BURSTS
                     start = time.monotonic()
-                    endings += await loop.run_in_executor(client, fuzz_client, target, requests.args, count)
+                    endings += await loop.run_in_executor(client, fuzz_client, endpoint, requests.args, count)
                     bursts.append((start, time.monotonic()))
                 await asyncio.sleep(max(MIN_QUIET_S, bursts[-1][1] - bursts[-1][0]))
             finally:

@@ -15,6 +15,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -83,10 +84,20 @@ async def wait_for_exit(serve: ServeProcess, timeout_s: float) -> int | None:
     return code
 
 
-async def scenario_scheduler_kill(serve: ServeProcess, channel, stub, prompts: list[list[int]],
-                                  max_tokens: int) -> tuple[Scenario, SchedulerKill]:
-    """Run ``prompts`` (the baseline), then again, SIGKILLing the scheduler once a third have their first tokens."""
-    name = "b. kill the scheduler"
+async def sigkill_scheduler(serve: ServeProcess) -> str:
+    """SIGKILL serve's scheduler actor process; says what it killed."""
+    pid = scheduler_pid(serve)
+    os.kill(pid, signal.SIGKILL)
+    return f"SIGKILLed the scheduler actor (pid {pid})"
+
+
+async def scenario_scheduler_kill(serve: ServeProcess, channel, stub, prompts: list[list[int]], max_tokens: int,
+                                  kill: Callable[[], Awaitable[str]] | None = None,
+                                  name: str = "b. kill the scheduler") -> tuple[Scenario, SchedulerKill]:
+    """Run ``prompts`` (the baseline), then again, killing the scheduler once a third have their first tokens.
+
+    ``kill`` kills it and says how (default: ``sigkill_scheduler``); ``name`` is the row's.
+    """
     baseline = await asyncio.gather(*(one_stream(stub, p, max_tokens) for p in prompts))
     if any(b.code != "OK" for b in baseline):
         raise RuntimeError(f"{name}: the baseline run failed: {Counter(b.code for b in baseline)}")
@@ -98,11 +109,10 @@ async def scenario_scheduler_kill(serve: ServeProcess, channel, stub, prompts: l
     deadline = time.monotonic() + EXIT_TIMEOUT_S
     while sum(e.is_set() for e in started) < len(prompts) // 3 and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    pid = scheduler_pid(serve)
-    print(f"  killing the scheduler actor (pid {pid}) while {sum(not t.done() for t in tasks)} streams run",
-          flush=True)
-    os.kill(pid, signal.SIGKILL)
-    killed_at = time.monotonic()
+    running = sum(not t.done() for t in tasks)
+    killed_at = time.monotonic()  # NOTE: from the kill's start: a kill through Ray takes a round trip
+    done = await (kill() if kill is not None else sigkill_scheduler(serve))
+    print(f"  {done} while {running} streams ran", flush=True)
     exit_code = await wait_for_exit(serve, EXIT_TIMEOUT_S)
     exit_s = time.monotonic() - killed_at if exit_code is not None else None
     results: list[StreamResult] = await asyncio.gather(*tasks)

@@ -2,11 +2,14 @@
 
 A ``Scenario`` is one row of the faults table; ``notes`` are the lines printed
 under it (what a row's columns cannot say: an exit code, a health timeline).
+An ``Endpoint`` says how a client reaches the server: plaintext, or TLS with a
+bearer token on every call.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -17,6 +20,34 @@ from kvserve.experiments.report import format_table
 from kvserve.proto import generate_pb2
 
 RPC_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """A server's ``target`` (``host:port``) and how to reach it: plaintext, or TLS trusting
+    ``root_certificates`` (PEM), with ``token`` sent as ``authorization: Bearer`` on every call.
+
+    Picklable, so that a client process of its own can open the same channel.
+    """
+
+    target: str
+    root_certificates: bytes | None = None
+    token: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.token is not None and self.root_certificates is None:
+            # NOTE: gRPC sends call credentials over secure channels only.
+            raise ValueError("a bearer token is sent over TLS only: give root_certificates too")
+
+    def channel(self) -> grpc.aio.Channel:
+        if self.root_certificates is None:
+            return grpc.aio.insecure_channel(self.target)
+        credentials = grpc.ssl_channel_credentials(root_certificates=self.root_certificates)
+        if self.token is not None:
+            credentials = grpc.composite_channel_credentials(
+                credentials, grpc.access_token_call_credentials(self.token)
+            )
+        return grpc.aio.secure_channel(self.target, credentials)
 
 
 @dataclass
@@ -50,6 +81,11 @@ class Scenario:
     # For each completed stream whose tokens differ from its baseline's: the index of the first difference.
     divergences: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
+    """``n`` prompts of 8 to 63 random token ids."""
+    return [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 64))] for _ in range(n)]
 
 
 def generate_request(prompt: list[int], max_tokens: int, cache_salt: str = "") -> generate_pb2.GenerateRequest:

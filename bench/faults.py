@@ -48,7 +48,7 @@ import grpc
 
 from kvserve.bench.e2e_throughput import ServerLoop
 from kvserve.bench.fault_streams import (
-    RPC_TIMEOUT_S, Scenario, blocks_in_use, divergences, one_stream, p99, table, until_all_healthy,
+    RPC_TIMEOUT_S, Scenario, blocks_in_use, divergences, one_stream, p99, random_prompts, table, until_all_healthy,
 )
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
@@ -165,10 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         for note in s.notes:
             print(note)
     return 0
-
-
-def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
-    return [[rng.randrange(3, 1000) for _ in range(rng.randrange(8, 64))] for _ in range(n)]
 
 
 def run_in_process(args: argparse.Namespace, model_dir: Path, rng: random.Random) -> list[Scenario]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import threading
@@ -169,7 +170,17 @@ def join_ray(address: str) -> None:
         # the host's routable address instead (see ray_loopback).
         keep_ray_on_loopback()
     with _sigterm_handler_kept():
-        ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+        except ConnectionError as exc:
+            if os.environ.get("RAY_AUTH_MODE") is None:
+                # NOTE: Ray sends its token to a cluster named by address only when told to; a
+                # cluster with token authentication (new clusters' default in recent Ray) refuses it otherwise.
+                raise ConnectionError(
+                    f"{exc}; if that cluster uses token authentication, set RAY_AUTH_MODE=token "
+                    "(and RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, unless the token is in ~/.ray/auth_token)"
+                ) from exc
+            raise
     _exit_on_unhandled_sigterm()
 
 
