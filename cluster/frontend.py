@@ -44,7 +44,6 @@ from contextlib import aclosing
 from typing import Any
 
 import grpc
-import ray
 from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
@@ -59,6 +58,7 @@ from kvserve.cluster.frontend_errors import (
 from kvserve.cluster.grpc_auth import authorization_header
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.metrics import FrontendMetrics
+from kvserve.cluster.output_poll import POLL_TIMEOUT_S, OutputPoll
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
 from kvserve.cluster.request_conversion import RequestConversion, to_response
 from kvserve.cluster.ray_errors import remote_error_message
@@ -74,9 +74,6 @@ DRAIN_TIMEOUT_S = 5.0
 # Text prompts longer than this are tokenized in a thread: a megabyte takes the
 # tokenizer about a second, which on the event loop stalled every stream.
 _TOKENIZE_IN_THREAD_CHARS = 1 << 16
-_POLL_TIMEOUT_S = 1.0
-# How long ``stop()`` waits for its cancelled poll to end (it ends by itself after _POLL_TIMEOUT_S).
-_POLL_END_TIMEOUT_S = _POLL_TIMEOUT_S + 1.0
 
 
 # What a client is told once the scheduler actor is gone (the details go to the log).
@@ -134,8 +131,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self._adder: asyncio.Task[None] | None = None
         self._scheduler_error: str | None = None
         self._dispatcher: asyncio.Task[None] | None = None
-        # The dispatcher's poll_outputs call in flight (a Ray ObjectRef), until it returns.
-        self._poll: Any | None = None
+        self._poll = OutputPoll(scheduler)
         self.metrics = FrontendMetrics()
 
     def start(self) -> None:
@@ -148,7 +144,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._dispatcher = self._adder = None
-        await self._end_poll()
+        # The stopped dispatcher's poll goes on in the actor unless ended (output_poll.py).
+        last = await self._poll.end()
+        if last is not None:
+            self._route(last)
 
     # -- RPCs ------------------------------------------------------------------
 
@@ -388,46 +387,17 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         while True:
             poll_start = loop.time()
             try:
-                # NOTE: still set if this task is cancelled while it waits: stop() ends the call.
-                self._poll = self._scheduler.poll_outputs.remote(_POLL_TIMEOUT_S)
-                batch: OutputBatch = await self._poll
+                batch = await self._poll.next()
             except RayActorError as exc:
-                self._poll = None
                 await self._lose_scheduler(f"the scheduler is gone: {remote_error_message(exc)}")
                 return
             except Exception:  # noqa: BLE001 - keep serving; the next poll may succeed
-                self._poll = None
                 logger.exception("fetching outputs from the scheduler failed")
-                await asyncio.sleep(_POLL_TIMEOUT_S)
+                await asyncio.sleep(POLL_TIMEOUT_S)
                 continue
-            self._poll = None
             self._route(batch)
             await self._note_health(batch.num_healthy_replicas)
             await self._pause_fetching(poll_start)
-
-    async def _end_poll(self) -> None:
-        """End the poll the stopped dispatcher left in flight, and route what it returned, if anything.
-
-        NOTE: cancelling the dispatcher does not cancel its remote call.  The actor went on
-        waiting and handed the next outputs to a caller that was gone: the first tokens of
-        the requests of the front end started next on the cluster (two pollers split the
-        outputs, see ``SchedulerActor``).  ``ray.cancel`` interrupts the waiting poll.
-        """
-        poll, self._poll = self._poll, None
-        if poll is None:
-            return
-        if isinstance(poll, ray.ObjectRef):
-            ray.cancel(poll)
-        else:  # an awaitable that is not a Ray call (a stand-in for the actor): cancel it itself
-            poll.cancel()
-        ending = asyncio.ensure_future(poll)
-        await asyncio.wait({ending}, timeout=_POLL_END_TIMEOUT_S)
-        if not ending.done():
-            ending.cancel()
-            logger.warning("the last poll of the stopped front end did not end in %.1f s", _POLL_END_TIMEOUT_S)
-        elif not ending.cancelled() and ending.exception() is None:
-            # It had taken its outputs before the cancel came: they are this front end's.
-            self._route(ending.result())
 
     def _route(self, batch: OutputBatch) -> None:
         streams = self._streams
