@@ -180,7 +180,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             raise UnauthenticatedError(str(exc)) from None
 
     def responses(
-        self, request: generate_pb2.GenerateRequest, *, tenant: Tenant | None = None
+        self, request: generate_pb2.GenerateRequest, *, tenant: Tenant | None = None, measured: bool = True
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """``Generate``'s stream of ``request`` without gRPC: every front door's one request pipeline.
 
@@ -188,9 +188,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         ``FrontendError`` (``InvalidRequestError``, ``OverloadedError``,
         ``UnavailableError``), whose type says what to answer.  Leaving the
         iteration before its last message (close it: ``contextlib.aclosing``)
-        aborts the request.  Measured in ``metrics``.
+        aborts the request.  Measured in ``metrics`` as one request, unless ``measured`` is false: then
+        it is one choice of a request that the caller measures (``FrontendMetrics.track_choices``).
         """
-        return self.metrics.track(self._responses(request, tenant))
+        responses = self._responses(request, tenant)
+        return self.metrics.track(responses) if measured else responses
 
     async def _responses(
         self, request: generate_pb2.GenerateRequest, tenant: Tenant | None

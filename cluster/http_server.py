@@ -18,6 +18,7 @@ import uvicorn
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.frontend import Frontend
 from kvserve.cluster.openai_api import create_app
+from kvserve.cluster.openai_protocol import choice_limit
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,10 @@ async def start_http_server(
     sock = bind_socket(host, config.http_port)
     bound_port = sock.getsockname()[1]
     uvicorn_config = uvicorn.Config(
-        create_app(frontend, chat_template=chat_template, max_body_bytes=config.max_message_bytes),
+        create_app(
+            frontend, chat_template=chat_template, max_body_bytes=config.max_message_bytes,
+            max_choices=choice_limit(config.max_concurrent_requests),
+        ),
         lifespan="off",
         log_config=None,  # kvserve's logging configuration, not uvicorn's
         access_log=False,

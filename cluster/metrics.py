@@ -1,11 +1,14 @@
 """Prometheus metrics of the front end, served at ``GET /metrics`` on the HTTP port.
 
 Request metrics are measured where both front doors meet, on the request
-pipeline (``track`` wraps ``Frontend.responses``): every request counts once in
-``kvserve_requests_total{code}`` with the HTTP status it is answered with
-(200, 400, 429, 503; 499 when the client left first), and a served request
-adds its prompt and generated tokens and its latencies (time to first token,
-time per output token after the first, end to end).  The replica gauges are
+pipeline (``track`` wraps ``Frontend.responses`` for a gRPC call,
+``track_choices`` the ``n`` pipelines of one HTTP request): every request
+counts once in ``kvserve_requests_total{code}`` with the HTTP status it is
+answered with (200, 400, 404, 413, 429, 503; 499 when the client left first;
+the HTTP API counts those it refuses before the pipeline itself), and a
+served request adds its prompt and generated tokens, as its ``usage`` counts
+them, and its latencies (time to first token, time per output token after
+the first, end to end).  The replica gauges are
 the scheduler's own figures, read at each scrape (``GetStats``), and so are its
 counters (preemptions, prefix-cache queried and hit tokens per replica; routing
 decisions by policy and outcome: the chosen replica held all of the prompt a
@@ -81,37 +84,56 @@ class FrontendMetrics:
     async def track(
         self, responses: AsyncIterator[generate_pb2.GenerateResponse]
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """``responses``, measured: one request's pipeline, closed when this is."""
-        arrival = previous = time.monotonic()
-        first_token_time: float | None = None
+        """``responses``, measured as a request of one choice: one gRPC call's pipeline, closed when this is."""
+        async with aclosing(self.track_choices(_one_choice(responses), 1)) as choices:
+            async for _, response in choices:
+                yield response
+
+    async def track_choices(
+        self, choices: AsyncIterator[tuple[int, generate_pb2.GenerateResponse]], num_choices: int
+    ) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
+        """``choices`` (each message with its choice's index, ``openai_choices.interleave``), measured as one
+        request: counted once, with its prompt once (as its usage counts it) and the tokens of every choice;
+        its first token is the first of any choice, its end the end of the last one.  Closed when this is."""
+        arrival = time.monotonic()
+        last_token_times: dict[int, float] = {}  # each choice that has tokens: when its latest came
+        num_ended = 0
         code = CLIENT_LEFT
         try:
-            async with aclosing(responses):
-                async for response in responses:
+            async with aclosing(choices):
+                async for index, response in choices:
                     num_tokens = len(response.token_ids)
                     if num_tokens:
                         now = time.monotonic()
-                        if first_token_time is None:
-                            # NOTE: tokens that came with the first one tell no interval.
-                            first_token_time = now
-                            self.time_to_first_token.observe(now - arrival)
+                        previous = last_token_times.get(index)
+                        if previous is None:
+                            # NOTE: tokens that came with a choice's first one tell no interval.
+                            if not last_token_times:
+                                self.time_to_first_token.observe(now - arrival)
                         else:
                             # A message carries the tokens of several steps: each took its share.
                             per_token = (now - previous) / num_tokens
                             for _ in range(num_tokens):
                                 self.inter_token_latency.observe(per_token)
-                        previous = now
+                        last_token_times[index] = now
                     if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                        code = "200"
-                        self.prompt_tokens.inc(response.usage.prompt_tokens)
+                        num_ended += 1
+                        if num_ended == 1:
+                            self.prompt_tokens.inc(response.usage.prompt_tokens)
                         self.generation_tokens.inc(response.usage.completion_tokens)
-                        self.e2e_request_latency.observe(time.monotonic() - arrival)
-                    yield response
+                        if num_ended == num_choices:
+                            code = "200"
+                            self.e2e_request_latency.observe(time.monotonic() - arrival)
+                    yield index, response
         except FrontendError as exc:
             code = str(exc.http_status)
             raise
         finally:
-            self.requests.labels(code=code).inc()
+            self.count_request(code)
+
+    def count_request(self, code: int | str) -> None:
+        """One request answered with the HTTP status ``code``; ``track`` counts those it measures."""
+        self.requests.labels(code=str(code)).inc()
 
     def set_replica_stats(self, stats: Sequence[ReplicaStatsInfo]) -> None:
         for s in stats:
@@ -129,6 +151,14 @@ class FrontendMetrics:
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""
         return generate_latest(self.registry)
+
+
+async def _one_choice(
+    responses: AsyncIterator[generate_pb2.GenerateResponse],
+) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
+    async with aclosing(responses):
+        async for response in responses:
+            yield 0, response
 
 
 class _SchedulerCounters:

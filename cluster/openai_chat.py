@@ -20,13 +20,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvserve.cluster.frontend import InvalidRequestError
-from kvserve.cluster.openai_protocol import (
-    CompletionUsage,
-    SamplingRequest,
-    TokenText,
-    finish_reason,
-    to_usage,
-)
+from kvserve.cluster.openai_protocol import ChoiceOutput, CompletionUsage, SamplingRequest, TokenText
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
 
@@ -186,7 +180,7 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ChatCompletionShape:
-    """The messages of ``/v1/chat/completions``: the whole answer, its chunks (the first says the role)."""
+    """The messages of ``/v1/chat/completions``: the whole answer, its chunks (each choice's first says the role)."""
 
     def __init__(self, model: str, token_text: TokenText) -> None:
         self.model = model
@@ -195,15 +189,22 @@ class ChatCompletionShape:
     def logprobs_encoder(self) -> ChatLogprobsEncoder:
         return ChatLogprobsEncoder(self._token_text)
 
-    def whole(
-        self, request_id: str, text: str, last: generate_pb2.GenerateResponse, logprobs: ChatLogprobs | None = None
-    ) -> ChatCompletion:
-        message = AssistantMessage(content=text)
-        choice = ChatChoice(message=message, logprobs=logprobs, finish_reason=finish_reason(last))
-        return ChatCompletion(id=f"chatcmpl-{request_id}", model=self.model, choices=[choice], usage=to_usage(last))
+    def whole(self, request_id: str, choices: Sequence[ChoiceOutput], usage: CompletionUsage) -> ChatCompletion:
+        return ChatCompletion(
+            id=f"chatcmpl-{request_id}",
+            model=self.model,
+            choices=[
+                ChatChoice(
+                    index=index, message=AssistantMessage(content=c.text), logprobs=c.logprobs,
+                    finish_reason=c.finish_reason,
+                )
+                for index, c in enumerate(choices)
+            ],
+            usage=usage,
+        )
 
     def chunk(
-        self, request_id: str, created: int, text: str, reason: str | None, first: bool,
+        self, request_id: str, created: int, index: int, text: str, reason: str | None, first: bool,
         logprobs: ChatLogprobs | None = None,
     ) -> ChatCompletionChunk | None:
         if not text and reason is None and not first and logprobs is None:
@@ -213,10 +214,10 @@ class ChatCompletionShape:
             id=f"chatcmpl-{request_id}",
             created=created,
             model=self.model,
-            choices=[ChatChunkChoice(delta=delta, logprobs=logprobs, finish_reason=reason)],
+            choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)],
         )
 
-    def usage_chunk(self, request_id: str, created: int, last: generate_pb2.GenerateResponse) -> ChatCompletionChunk:
+    def usage_chunk(self, request_id: str, created: int, usage: CompletionUsage) -> ChatCompletionChunk:
         return ChatCompletionChunk(
-            id=f"chatcmpl-{request_id}", created=created, model=self.model, choices=[], usage=to_usage(last)
+            id=f"chatcmpl-{request_id}", created=created, model=self.model, choices=[], usage=usage
         )

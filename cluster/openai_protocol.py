@@ -15,8 +15,13 @@ Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
 ``cache_salt`` and ``stop_token_ids``.  ``stop`` strings are matched on the
 detokenized text by the shared pipeline and never sent.  OpenAI fields that kvserve does not
 implement yet are refused with a 400 naming them unless they have their
-neutral value (``n`` 1, ``echo`` false, penalties 0, ...), so that a client
+neutral value (``echo`` false, penalties 0, ...), so that a client
 never gets silently different semantics.
+
+``n`` choices are ``n`` requests of the pipeline (``to_generate_requests``):
+choice ``i`` samples with ``seed + i``, so each choice is reproducible and the
+choices differ; the usage counts the prompt once and sums the completions.
+A batch of prompts is refused, with ``n`` or without.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -38,6 +44,9 @@ _FINISH_REASONS = {
 }
 # OpenAI's default, not kvserve's gRPC default (which is the same today).
 DEFAULT_MAX_TOKENS = 16
+# The most choices (``n``) one request may ask for; each is one of the server's concurrent requests.
+MAX_CHOICES = 16
+_MAX_SEED = 2**63 - 1  # the gRPC API's int64
 
 
 class StreamOptions(BaseModel):
@@ -60,8 +69,8 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     stop: str | list[str] | None = None
-    # Neutral values only, for now.
     n: int = 1
+    # Neutral values only, for now.
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -78,7 +87,6 @@ class SamplingRequest(BaseModel):
     def unsupported_fields(self) -> dict[str, bool]:
         """Each field kvserve does not implement yet, and whether this request sets it."""
         return {
-            "n": self.n != 1,
             "presence_penalty": self.presence_penalty != 0,
             "frequency_penalty": self.frequency_penalty != 0,
             "logit_bias": bool(self.logit_bias),
@@ -160,19 +168,61 @@ def error_body(message: str, *, type_: str, code: str | None = None, param: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def to_generate_request(
+def choice_limit(max_concurrent_requests: int) -> int:
+    """The largest ``n`` a server with this limit of concurrent requests serves: a larger one never could."""
+    return min(MAX_CHOICES, max_concurrent_requests)
+
+
+def to_generate_requests(
     request: SamplingRequest,
     prompt: str | list[int] | list[str] | list[list[int]],
     max_tokens: int | None,
     logprobs: int | None = None,
-) -> generate_pb2.GenerateRequest:
-    """``request`` as the gRPC API's request; ``InvalidRequestError`` for what kvserve cannot serve.
+    *,
+    request_id: str,
+    max_choices: int,
+) -> list[generate_pb2.GenerateRequest]:
+    """``request`` as the gRPC API's requests, one per choice; ``InvalidRequestError`` for what kvserve
+    cannot serve, ``n`` over ``max_choices`` included.
 
-    ``logprobs``: how many alternatives per token the endpoint's own fields ask for (``None``: no logprobs).
+    Choice ``i``'s request id is ``{request_id}-{i}`` (``request_id`` itself when ``n`` is 1) and its
+    seed, when the request has one, ``seed + i``.  ``logprobs``: how many alternatives per token the
+    endpoint's own fields ask for (``None``: no logprobs).
     """
+    n = request.n
+    if not 1 <= n <= max_choices:
+        message = f"n: must be an integer in [1, {max_choices}], got {n}"
+        if max_choices < MAX_CHOICES:
+            message += f" (each choice is a request, and this server runs {max_choices} at a time)"
+        raise InvalidRequestError(message)
+    generate = _to_generate_request(request, prompt, max_tokens, logprobs)
+    params = generate.sampling_params
+    if params.HasField("seed") and params.seed > _MAX_SEED - (n - 1):
+        raise InvalidRequestError(
+            f"seed: choice i samples with seed + i, so with n={n} it must be at most {_MAX_SEED - (n - 1)}"
+        )
+    choices = []
+    for index in range(n):
+        choice = generate_pb2.GenerateRequest()
+        choice.CopyFrom(generate)
+        choice.request_id = request_id if n == 1 else f"{request_id}-{index}"
+        if params.HasField("seed"):
+            choice.sampling_params.seed = params.seed + index
+        choices.append(choice)
+    return choices
+
+
+def _to_generate_request(
+    request: SamplingRequest,
+    prompt: str | list[int] | list[str] | list[list[int]],
+    max_tokens: int | None,
+    logprobs: int | None,
+) -> generate_pb2.GenerateRequest:
     for name, used in request.unsupported_fields().items():
         if used:
             raise InvalidRequestError(f"{name}: not supported by kvserve yet; leave it out or at its default")
+    if request.stream_options is not None and not request.stream:
+        raise InvalidRequestError("stream_options: only allowed with stream: true")
     generate = generate_pb2.GenerateRequest()
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -206,14 +256,32 @@ def finish_reason(response: generate_pb2.GenerateResponse) -> str | None:
     return _FINISH_REASONS.get(response.finish_reason)
 
 
-def to_usage(response: generate_pb2.GenerateResponse) -> CompletionUsage:
-    usage = response.usage
+def to_usage(lasts: Sequence[generate_pb2.GenerateResponse]) -> CompletionUsage:
+    """The usage of one request's choices, from each one's last message.
+
+    The prompt is counted once, as OpenAI counts it, and the completions are summed; the cached
+    tokens are the fewest any choice found cached, so that they never claim a saving that some
+    choice did not make.
+    """
+    prompt_tokens = lasts[0].usage.prompt_tokens
+    completion_tokens = sum(last.usage.completion_tokens for last in lasts)
     return CompletionUsage(
-        prompt_tokens=usage.prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        total_tokens=usage.prompt_tokens + usage.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=min(last.usage.cached_prompt_tokens for last in lasts)
+        ),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceOutput:
+    """One choice's whole completion: its text, finish reason and logprobs (in its endpoint's shape)."""
+
+    text: str
+    finish_reason: str | None
+    logprobs: BaseModel | None = None
 
 
 TokenText = Callable[[int], str]
@@ -270,19 +338,19 @@ class TextCompletionShape:
     def logprobs_encoder(self) -> CompletionLogprobsEncoder:
         return CompletionLogprobsEncoder(self._token_text)
 
-    def whole(
-        self, request_id: str, text: str, last: generate_pb2.GenerateResponse,
-        logprobs: CompletionLogprobs | None = None,
-    ) -> Completion:
+    def whole(self, request_id: str, choices: Sequence[ChoiceOutput], usage: CompletionUsage) -> Completion:
         return Completion(
             id=f"cmpl-{request_id}",
             model=self.model,
-            choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=finish_reason(last))],
-            usage=to_usage(last),
+            choices=[
+                CompletionChoice(index=index, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason)
+                for index, c in enumerate(choices)
+            ],
+            usage=usage,
         )
 
     def chunk(
-        self, request_id: str, created: int, text: str, reason: str | None, first: bool,
+        self, request_id: str, created: int, index: int, text: str, reason: str | None, first: bool,
         logprobs: CompletionLogprobs | None = None,
     ) -> Completion | None:
         if not text and reason is None and logprobs is None:
@@ -291,8 +359,8 @@ class TextCompletionShape:
             id=f"cmpl-{request_id}",
             created=created,
             model=self.model,
-            choices=[CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)],
+            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)],
         )
 
-    def usage_chunk(self, request_id: str, created: int, last: generate_pb2.GenerateResponse) -> Completion:
-        return Completion(id=f"cmpl-{request_id}", created=created, model=self.model, choices=[], usage=to_usage(last))
+    def usage_chunk(self, request_id: str, created: int, usage: CompletionUsage) -> Completion:
+        return Completion(id=f"cmpl-{request_id}", created=created, model=self.model, choices=[], usage=usage)

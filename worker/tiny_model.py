@@ -366,6 +366,13 @@ def _trained_tokenizer_json() -> str:
     return tokenizer.to_str()
 
 
+# A chat template of role markers, so that the OpenAI chat API works on the tiny models as on real ones.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
 def _write_tokenizer_config(path: Path, model_max_length: int) -> None:
     # NOTE: written by hand rather than by save_pretrained so that the file is
     # the same under transformers 4 and 5.  "PreTrainedTokenizerFast" loads
@@ -379,6 +386,7 @@ def _write_tokenizer_config(path: Path, model_max_length: int) -> None:
         "unk_token": None,
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
     }
     text = json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n"
     (path / "tokenizer_config.json").write_text(text, encoding="utf-8")

@@ -253,7 +253,7 @@ def test_serve_refuses_a_tp_that_cannot_split_the_model_before_starting_ray(caps
 def test_serve_on_cuda_without_a_gpu_says_so_at_once(capsys, model_dir):
     # It waited out the 60 s placement timeout of each replica before saying anything.
     start = time.monotonic()
-    assert main(["serve", "--model", str(model_dir), "--port", "0", "--device", "cuda", "--replicas", "2"]) == 1
+    assert main(["serve", "--model", str(model_dir), "--port", "0", "--http-port", "0", "--device", "cuda", "--replicas", "2"]) == 1
     assert time.monotonic() - start < 10.0
     captured = capsys.readouterr()
     assert "--device cuda needs 2 GPU(s) (2 replica(s) x TP 1), and this machine has 0" in captured.err

@@ -35,13 +35,11 @@ MAX_BODY_BYTES = 64 * 1024
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 # Several seconds of decoding (~3 ms a token here): still running long after a test leaves it.
 LONG = {"max_tokens": 1500, "temperature": 0.0, "ignore_eos": True}
-ABORT_TIMEOUT_S = 1.5
+# Under the ~4.5 s that LONG takes to end by itself, with room for a loaded machine.
+ABORT_TIMEOUT_S = 3.0
 TIMEOUT_S = 60.0
-# The tiny model's tokenizer ships no chat template: the server is given this one.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+# A template given with --chat-template, in place of the model's own.
+OTHER_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
 
 
 @dataclass
@@ -65,7 +63,8 @@ def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
             max_message_bytes=MAX_BODY_BYTES,
         )
         server = ServerThread(handle, config)
-        http: HttpServer = server._run(start_http_server(server.server.frontend, config, chat_template=CHAT_TEMPLATE))
+        # The tiny model's tokenizer ships its chat template (worker/tiny_model.py), as real ones do.
+        http: HttpServer = server._run(start_http_server(server.server.frontend, config))
         yield Served(
             f"http://127.0.0.1:{http.port}", f"127.0.0.1:{server.server.port}", "tiny-llama", server,
             load_tokenizer(model_dir), model_dir,
@@ -99,6 +98,13 @@ def test_models_lists_the_served_model(served: Served, sdk: openai.OpenAI):
 
     assert [m.id for m in models.data] == [served.model]
     assert models.data[0].owned_by == "kvserve"
+
+
+def test_a_model_is_retrieved_by_its_id(served: Served, sdk: openai.OpenAI):
+    assert sdk.models.retrieve(served.model).id == served.model
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk.models.retrieve("gpt-4")
+    assert info.value.body["code"] == "model_not_found"
 
 
 def test_health_is_ok_while_the_replica_serves(served: Served):
@@ -233,10 +239,9 @@ MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content
 
 def rendered(served: Served, messages: list[dict]) -> list[int]:
     """The prompt the chat template makes of ``messages``, as the server must tokenize it."""
-    text = served.tokenizer.apply_chat_template(
-        messages, chat_template=CHAT_TEMPLATE, tokenize=False, add_generation_prompt=True
-    )
-    assert text == "<s><|system|>be brief\n<|user|>hello there\n<|assistant|>"
+    text = served.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if messages == MESSAGES:
+        assert text == "<s><|system|>be brief\n<|user|>hello there\n<|assistant|>"
     return served.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -300,13 +305,34 @@ def test_a_bad_chat_request_is_a_400_naming_the_field(served: Served, fields, me
     assert message in response.json()["error"]["message"]
 
 
-def test_chat_without_a_template_is_a_400_that_says_how_to_give_one(served: Served):
-    http = served.server._run(start_http_server(served.server.server.frontend, ServerConfig(port=0, http_port=0)))
+def chat_on_a_server_of_its_own(served: Served, chat_template: str | None) -> httpx.Response:
+    """``MESSAGES`` sent to a second HTTP server of the same front end, started with ``chat_template``."""
+    config = ServerConfig(port=0, http_port=0)
+    http = served.server._run(start_http_server(served.server.server.frontend, config, chat_template=chat_template))
     try:
-        body = {"model": served.model, "messages": MESSAGES}
-        response = httpx.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+        body = {"model": served.model, "messages": MESSAGES, "max_tokens": 2}
+        return httpx.post(f"http://127.0.0.1:{http.port}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
     finally:
         served.server._run(http.stop(grace_s=1.0))
+
+
+def test_a_chat_template_given_to_the_server_replaces_the_models(served: Served):
+    response = chat_on_a_server_of_its_own(served, OTHER_CHAT_TEMPLATE)
+
+    assert response.status_code == 200, response.text
+    text = "system: be brief\nuser: hello there\nassistant:"
+    assert text != served.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    # As rendered: the template, not the tokenizer, adds special tokens (here none).
+    assert response.json()["usage"]["prompt_tokens"] == len(served.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_chat_without_a_template_is_a_400_that_says_how_to_give_one(served: Served):
+    tokenizer = served.server.server.frontend.tokenizer
+    own, tokenizer.chat_template = tokenizer.chat_template, None  # a model that ships none
+    try:
+        response = chat_on_a_server_of_its_own(served, None)
+    finally:
+        tokenizer.chat_template = own
 
     assert response.status_code == 400
     assert "this model has no chat template; start the server with --chat-template FILE" in response.text
@@ -356,6 +382,57 @@ def test_metrics_count_exactly_the_requests_sent_and_their_tokens(served: Served
     assert moved(before, after, "kvserve_e2e_request_latency_seconds_sum") > 0
 
 
+def test_metrics_count_a_request_of_n_choices_once_with_its_usage(served: Served, sdk: openai.OpenAI):
+    before = scrape(served)
+    whole = sdk.completions.create(model=served.model, prompt="many ways", n=3, max_tokens=4, **GREEDY)
+    *_, last = sdk.completions.create(
+        model=served.model, prompt="many ways", n=2, max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, **GREEDY,
+    )
+
+    after = scrape(served)
+
+    assert moved(before, after, "kvserve_requests_total", code="200") == 2
+    assert moved(before, after, "kvserve_prompt_tokens_total") == whole.usage.prompt_tokens + last.usage.prompt_tokens
+    assert moved(before, after, "kvserve_generation_tokens_total") == 3 * 4 + 2 * 4
+    assert moved(before, after, "kvserve_time_to_first_token_seconds_count") == 2
+    assert moved(before, after, "kvserve_e2e_request_latency_seconds_count") == 2
+    # Every token after each choice's first: its time per output token.
+    assert moved(before, after, "kvserve_inter_token_latency_seconds_count") == 3 * 3 + 2 * 3
+
+
+def test_metrics_count_a_grpc_call_as_one_request_too(served: Served, grpc_client: Client):
+    before = scrape(served)
+    result = grpc_client.generate("over grpc", max_tokens=3, temperature=0.0, ignore_eos=True)
+
+    after = scrape(served)
+
+    assert moved(before, after, "kvserve_requests_total", code="200") == 1
+    assert moved(before, after, "kvserve_prompt_tokens_total") == result.usage.prompt_tokens
+    assert moved(before, after, "kvserve_generation_tokens_total") == 3
+
+
+def test_metrics_count_the_requests_refused_before_the_pipeline(served: Served, sdk: openai.OpenAI):
+    before = scrape(served)
+    url = f"{served.base_url}/v1/completions"
+    refusals = [
+        httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}),
+        httpx.post(url, json={"model": served.model, "prompt": "x", "max_tokns": 3}),
+        httpx.post(url, json={"model": served.model, "prompt": "x", "n": 0}),
+        httpx.post(url, json={"model": "gpt-4", "prompt": "x"}),
+        httpx.post(url, json={"model": served.model, "prompt": "x" * MAX_BODY_BYTES}),
+        httpx.post(f"{served.base_url}/v1/chat/completions", json={"model": served.model, "messages": []}),
+    ]
+
+    after = scrape(served)
+
+    assert [r.status_code for r in refusals] == [400, 400, 400, 404, 413, 400]
+    assert moved(before, after, "kvserve_requests_total", code="400") == 4
+    assert moved(before, after, "kvserve_requests_total", code="404") == 1
+    assert moved(before, after, "kvserve_requests_total", code="413") == 1
+    assert moved(before, after, "kvserve_requests_total", code="200") == 0
+
+
 def test_metrics_report_each_replicas_state(served: Served):
     samples = scrape(served)
 
@@ -374,7 +451,8 @@ def test_metrics_report_each_replicas_state(served: Served):
         ({"top_p": 2.0}, "top_p"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"temperature": -1.0}, "temperature"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": MAX_CONCURRENT_REQUESTS + 1}, "n"),
         ({"stop": [""]}, "stop"),
         ({"stop": ["x"] * 17}, "stop"),
         ({"logprobs": 21}, "logprobs"),
@@ -415,25 +493,39 @@ def test_an_unknown_model_is_a_404(sdk: openai.OpenAI):
     assert "gpt-4" in info.value.body["message"]
 
 
+NOT_AN_OBJECT = "the request body must be a JSON object, sent with Content-Type: application/json"
+
+
 @pytest.mark.parametrize(
-    "content, message",
+    "content, content_type, message, param",
     [
-        (b'{"model": "tiny-llama", "prompt": "x", "max_tokns": 3}', "max_tokns: Extra inputs are not permitted"),
-        (b'{"model": "tiny-llama"}', "prompt: Field required"),
-        (b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}', "max_tokens: "),
-        (b"{not json", "the request body is not valid JSON"),
+        (b'{"model": "tiny-llama", "prompt": "x", "max_tokns": 3}', "application/json",
+         "max_tokns: Extra inputs are not permitted", "max_tokns"),
+        (b'{"model": "tiny-llama"}', "application/json", "prompt: Field required", "prompt"),
+        (b'{"model": "tiny-llama", "prompt": "x", "max_tokens": "many"}', "application/json", "max_tokens: ",
+         "max_tokens"),
+        (b"{not json", "application/json", "the request body is not valid JSON", None),
+        (b'{"model": "tiny-llama", "prompt": "x"}', "text/plain", NOT_AN_OBJECT, None),
+        (b'["tiny-llama", "x"]', "application/json", NOT_AN_OBJECT, None),
+        (b"", "application/json", NOT_AN_OBJECT, None),
     ],
 )
-def test_a_malformed_body_is_a_400_in_openais_error_shape(served: Served, content, message):
-    response = httpx.post(
-        f"{served.base_url}/v1/completions", content=content, headers={"content-type": "application/json"}
-    )
+def test_a_malformed_body_is_a_400_in_openais_error_shape(served: Served, content, content_type, message, param):
+    response = httpx.post(f"{served.base_url}/v1/completions", content=content, headers={"content-type": content_type})
 
     assert response.status_code == 400
     error = response.json()["error"]
     assert message in error["message"]
     assert error["type"] == "invalid_request_error"
+    assert error["param"] == param
     assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_stream_options_without_stream_is_a_400(served: Served, sdk: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=served.model, prompt="hello", stream_options={"include_usage": True})
+
+    assert info.value.body["param"] == "stream_options"
 
 
 def test_a_body_over_the_limit_is_a_413(served: Served):
@@ -639,3 +731,162 @@ def test_the_grpc_client_returns_one_logprob_per_token_up_to_a_stop_string(serve
     assert stopped.finish_reason == "stop"
     assert stopped.logprobs == whole.logprobs[: len(stopped.token_ids)]
     assert grpc_client.generate("stop here", max_tokens=2).logprobs is None
+
+
+# -- n choices -------------------------------------------------------------------
+
+# Random sampling, seeded: choice i of a request samples as one request with seed + i.
+SAMPLED = {"temperature": 1.0, "seed": 1234, "max_tokens": 16, "extra_body": {"ignore_eos": True}}
+
+
+def test_n_completions_are_indexed_seeded_one_by_one_and_differ(served: Served, sdk: openai.OpenAI):
+    completion = sdk.completions.create(model=served.model, prompt="many ways", n=3, **SAMPLED)
+    again = sdk.completions.create(model=served.model, prompt="many ways", n=3, **SAMPLED)
+    second_seed = sdk.completions.create(model=served.model, prompt="many ways", **{**SAMPLED, "seed": 1235})
+
+    texts = [choice.text for choice in completion.choices]
+    assert [choice.index for choice in completion.choices] == [0, 1, 2]
+    assert [choice.text for choice in again.choices] == texts
+    assert len(set(texts)) == 3
+    assert second_seed.choices[0].text == texts[1]
+    assert all(choice.finish_reason == "length" for choice in completion.choices)
+
+
+def test_the_usage_of_n_choices_counts_the_prompt_once_and_sums_the_completions(served: Served, sdk: openai.OpenAI):
+    prompt = list(range(600, 600 + 3 * BLOCK_SIZE + 2))
+    one = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=5, **GREEDY)
+
+    three = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=5, n=3, **GREEDY)
+
+    assert three.usage.prompt_tokens == len(prompt)
+    assert three.usage.completion_tokens == 3 * 5
+    assert three.usage.total_tokens == len(prompt) + 3 * 5
+    # Every choice found the first request's whole blocks cached.
+    assert three.usage.prompt_tokens_details.cached_tokens == 3 * BLOCK_SIZE
+    # Greedy: every choice is the one completion.
+    assert [choice.text for choice in three.choices] == [one.choices[0].text] * 3
+
+
+def test_streamed_n_completions_carry_their_index_and_add_up_to_the_whole_ones(served: Served, sdk: openai.OpenAI):
+    whole = sdk.completions.create(model=served.model, prompt="many ways", n=3, **SAMPLED)
+
+    *chunks, usage = sdk.completions.create(
+        model=served.model, prompt="many ways", n=3, stream=True, stream_options={"include_usage": True}, **SAMPLED
+    )
+
+    assert all(len(chunk.choices) == 1 for chunk in chunks)
+    by_index = {i: [c.choices[0] for c in chunks if c.choices[0].index == i] for i in range(3)}
+    assert {i: "".join(c.text for c in by_index[i]) for i in range(3)} == {i: whole.choices[i].text for i in range(3)}
+    for choices in by_index.values():
+        assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + ["length"]
+    assert usage.choices == []
+    assert usage.usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.usage.completion_tokens == whole.usage.completion_tokens == 3 * SAMPLED["max_tokens"]
+
+
+def test_n_chat_answers_are_indexed_seeded_and_differ(served: Served, sdk: openai.OpenAI):
+    chat = sdk.chat.completions.create(model=served.model, messages=MESSAGES, n=3, **SAMPLED)
+    again = sdk.chat.completions.create(model=served.model, messages=MESSAGES, n=3, **SAMPLED)
+
+    answers = [choice.message.content for choice in chat.choices]
+    assert [choice.index for choice in chat.choices] == [0, 1, 2]
+    assert [choice.message.content for choice in again.choices] == answers
+    assert len(set(answers)) == 3
+    assert chat.usage.prompt_tokens == len(rendered(served, MESSAGES))
+    assert chat.usage.completion_tokens == 3 * SAMPLED["max_tokens"]
+
+
+def test_a_streamed_chat_of_n_choices_says_each_ones_role_first_and_ends_once(served: Served, sdk: openai.OpenAI):
+    whole = sdk.chat.completions.create(model=served.model, messages=MESSAGES, n=3, **SAMPLED)
+    body = {
+        "model": served.model, "messages": MESSAGES, "n": 3, "stream": True, "stream_options": {"include_usage": True},
+        "temperature": 1.0, "seed": SAMPLED["seed"], "max_tokens": SAMPLED["max_tokens"], "ignore_eos": True,
+    }
+
+    with httpx.stream("POST", f"{served.base_url}/v1/chat/completions", json=body, timeout=TIMEOUT_S) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+
+    assert events.count("[DONE]") == 1 and events[-1] == "[DONE]"
+    *chunks, usage = [json.loads(event) for event in events[:-1]]
+    for i in range(3):
+        choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"][0]["index"] == i]
+        assert [c["delta"].get("role") for c in choices] == ["assistant"] + [None] * (len(choices) - 1)
+        assert "".join(c["delta"]["content"] or "" for c in choices) == whole.choices[i].message.content
+        assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3 * SAMPLED["max_tokens"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_strings_and_logprobs_apply_to_each_choice(served: Served, sdk: openai.OpenAI, stream):
+    whole = sdk.completions.create(model=served.model, prompt="stop here", max_tokens=24, logprobs=1, **GREEDY)
+    text, expected = whole.choices[0].text, whole.choices[0].logprobs
+    stop = text[len(text) // 2 :][:3]
+
+    answer = sdk.completions.create(
+        model=served.model, prompt="stop here", max_tokens=24, logprobs=1, n=2, stop=stop, stream=stream, **GREEDY
+    )
+
+    chunks = [c for c in answer if c.choices] if stream else [answer]
+    for i in range(2):
+        choices = [c for chunk in chunks for c in chunk.choices if c.index == i]
+        assert "".join(c.text for c in choices) == text[: text.index(stop)]
+        assert choices[-1].finish_reason == "stop"
+        tokens = [t for c in choices if c.logprobs is not None for t in c.logprobs.tokens]
+        offsets = [o for c in choices if c.logprobs is not None for o in c.logprobs.text_offset]
+        assert 0 < len(tokens) < 24
+        assert tokens == expected.tokens[: len(tokens)]
+        assert offsets == expected.text_offset[: len(tokens)]  # each choice's offsets start at 0
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize("n", [MAX_CONCURRENT_REQUESTS + 1, 17])
+def test_n_over_the_limit_is_a_400_in_openais_error_shape(served: Served, endpoint, n):
+    body = {"model": served.model, "prompt": "x", "messages": MESSAGES, "n": n}
+    body.pop("messages" if endpoint == "completions" else "prompt")
+
+    response = httpx.post(f"{served.base_url}/v1/{endpoint}", json=body, timeout=TIMEOUT_S)
+
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == "n"
+    assert error["message"].startswith(f"n: must be an integer in [1, {MAX_CONCURRENT_REQUESTS}], got {n}")
+
+
+def test_a_batch_of_prompts_is_refused_with_n_too(served: Served, sdk: openai.OpenAI):
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk.completions.create(model=served.model, prompt=["one", "two"], n=2, max_tokens=1)
+
+    assert info.value.body["param"] == "prompt"
+    assert "one prompt per request, got a batch of 2" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_choice_refused_for_the_limit_of_concurrent_requests_aborts_the_others(
+    served: Served, sdk: openai.OpenAI, grpc_client: Client, stream
+):
+    busy = grpc_client.stream("busy", **LONG)
+    try:
+        next(busy)
+        # Two choices are admitted, the third is refused: the two must not run on for 1500 tokens.
+        with pytest.raises(openai.RateLimitError):
+            sdk.completions.create(
+                model=served.model, prompt="three", n=3, stream=stream, max_tokens=LONG["max_tokens"], **GREEDY
+            )
+    finally:
+        busy.close()
+    wait_until_idle(grpc_client, ABORT_TIMEOUT_S)
+
+
+def test_leaving_a_stream_of_n_choices_aborts_them_all_and_frees_their_blocks(served: Served, grpc_client: Client):
+    body = {"model": served.model, "prompt": "leave us", "stream": True, "n": 3, **LONG}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        lines = response.iter_lines()
+        seen: set[int] = set()
+        while len(seen) < 3:
+            if line := next(lines):
+                seen.add(json.loads(line.removeprefix("data: "))["choices"][0]["index"])
+        assert grpc_client.get_stats()[0].num_running == 3
+
+    wait_until_idle(grpc_client, ABORT_TIMEOUT_S)
