@@ -15,6 +15,14 @@ NOTE: RPCs are therefore served one at a time.  The scheduler of the rank's
 replica keeps one ``ExecuteSteps`` stream open and ends it before it calls
 ``Shutdown``; any other call waits until that stream ends.
 
+A runner whose launches return before the device ran the step (a CUDA worker,
+``launches_ahead``) gets the stream's plans through a second thread, which
+only reads them: a plan already sent (overlapped scheduling sends step N+1
+before step N's result came back) is launched before step N's result is
+waited for, so the device goes from one step to the next without waiting for
+the host.  A CPU worker computes the step in ``launch`` itself: it would gain
+nothing, and keeps the one thread.
+
 A malformed plan ends its stream with ``INVALID_ARGUMENT``, a failing step
 with ``INTERNAL``; neither takes the server down.
 """
@@ -23,9 +31,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import grpc
 
@@ -49,7 +60,12 @@ GRPC_OPTIONS = (
 
 
 class StepRunner(Protocol):
-    """What the servicer drives: a ``kvserve.worker.worker.Worker`` (or a stand-in in benchmarks)."""
+    """What the servicer drives: a ``kvserve.worker.worker.Worker`` (or a stand-in in benchmarks).
+
+    A runner whose ``launches_ahead`` is true (a CUDA worker) also has ``launch(plan)``,
+    which returns before the device ran the step: ``wait()`` on it blocks until the
+    device ran it (from any thread), ``result()`` (on the worker thread) gives its result.
+    """
 
     def determine_num_blocks(self) -> int: ...
 
@@ -88,17 +104,80 @@ class StepWorkerServicer(step_pb2_grpc.StepWorkerServicer):
     def ExecuteSteps(
         self, request_iterator: Iterable[step_pb2.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[step_pb2.StepResult]:
+        if getattr(self._runner, "launches_ahead", False):
+            yield from self._execute_launching_ahead(request_iterator, context)
+            return
         execute = self._runner.execute
         for request in request_iterator:
-            try:
-                plan = decode_plan(request)
-            except ValueError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {exc}")
+            plan = _decode(request, context)
             yield encode_result(plan.step_id, self._run(context, execute, plan))
+
+    def _execute_launching_ahead(
+        self, request_iterator: Iterable[step_pb2.StepPlan], context: grpc.ServicerContext
+    ) -> Iterator[step_pb2.StepResult]:
+        """``ExecuteSteps`` for a runner whose ``launch`` returns before the device ran the step.
+
+        Two helper threads turn the stream's plans and the device's progress into one queue of
+        events: a plan that comes while a step runs is launched at once, and a step is answered
+        as soon as the device ran it.  Every call into the runner stays on this thread.
+        """
+        events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        to_wait: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=_read_into, args=(request_iterator, events), daemon=True, name="step-reader").start()
+        threading.Thread(target=_wait_into, args=(to_wait, events), daemon=True, name="step-waiter").start()
+        launch = self._runner.launch  # type: ignore[attr-defined]
+        in_flight: deque[tuple[int, Any]] = deque()  # launched steps not yet answered, oldest first
+        ended = False
+        try:
+            while not (ended and not in_flight):
+                kind, request = events.get()
+                if kind == "plan":
+                    plan = _decode(request, context)
+                    launched = self._run(context, launch, plan)
+                    in_flight.append((plan.step_id, launched))
+                    to_wait.put(launched)
+                elif kind == "ran":
+                    step_id, launched = in_flight.popleft()
+                    yield encode_result(step_id, self._run(context, launched.result))
+                else:  # the stream ended: answer what is still in flight
+                    ended = True
+        finally:
+            to_wait.put(None)
 
     def Shutdown(self, request: step_pb2.Empty, context: grpc.ServicerContext) -> step_pb2.Empty:
         self._run(context, self._runner.shutdown)
         return step_pb2.Empty()
+
+
+def _decode(request: step_pb2.StepPlan, context: grpc.ServicerContext) -> StepPlan:
+    """The plan of ``request``; a malformed one ends the stream with ``INVALID_ARGUMENT``."""
+    try:
+        return decode_plan(request)
+    except ValueError as exc:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {exc}")
+        raise  # context.abort raises; for the type checker
+
+
+def _read_into(request_iterator: Iterable[step_pb2.StepPlan], events: queue.SimpleQueue) -> None:
+    """Put ("plan", plan) into ``events`` for every plan of the stream as it comes, then ("end", None)."""
+    try:
+        for request in request_iterator:
+            events.put(("plan", request))
+    except Exception:  # noqa: BLE001 - a cancelled or broken stream ends like a finished one
+        pass
+    finally:
+        events.put(("end", None))
+
+
+def _wait_into(to_wait: queue.SimpleQueue, events: queue.SimpleQueue) -> None:
+    """For each launched step of ``to_wait`` (until ``None``), in order: wait until the device ran
+    it, then put ("ran", None) into ``events``; its ``result()``, on the worker thread, raises any failure."""
+    while (launched := to_wait.get()) is not None:
+        try:
+            launched.wait()
+        except Exception:  # noqa: BLE001 - result() raises it where it is answered
+            pass
+        events.put(("ran", None))
 
 
 class StepServer:

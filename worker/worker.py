@@ -183,6 +183,12 @@ class Worker:
         self._last_sampled: tuple[StepPlan, torch.Tensor | None] | None = None
 
     @property
+    def launches_ahead(self) -> bool:
+        """Whether ``launch`` returns before the device ran the step (CUDA): a server of the
+        step protocol then launches the next plan before it waits for this one's result."""
+        return self.device.type == "cuda"
+
+    @property
     def is_driver(self) -> bool:
         """Rank 0 samples and returns tokens."""
         return self.config.rank == 0
@@ -369,6 +375,11 @@ class LaunchedStep:
         ready = torch.cuda.Event()
         ready.record()
         return cls(step_id, True, sampled, host_packed, ready)
+
+    def wait(self) -> None:
+        """Block until the device ran the step (from any thread); ``result()`` then waits no more."""
+        if self.ready is not None:
+            self.ready.synchronize()
 
     def result(self) -> StepResult | None:
         """The sampled tokens (rank 0) after one wait for the device; ``None`` on other ranks."""

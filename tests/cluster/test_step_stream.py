@@ -290,3 +290,75 @@ def test_a_rank_failing_with_two_steps_in_flight_fails_both() -> None:
             assert executor.failed
 
     asyncio.run(scenario())
+
+
+class AsyncRank(Rank):
+    """A rank whose ``launch`` returns at once and runs the step meanwhile, as a CUDA worker's does."""
+
+    launches_ahead = True
+
+    def __init__(self, step_s: float) -> None:
+        super().__init__(sample=True)
+        self.step_s = step_s
+        self.events: list[str] = []
+        self.runner_threads: set[str] = set()  # the threads that called launch() or result()
+        self._device = ThreadPoolExecutor(max_workers=1)  # runs the steps in order, as a CUDA stream
+
+    def launch(self, plan: StepPlan):
+        self.runner_threads.add(threading.current_thread().name)
+        self.events.append(f"launch {plan.step_id}")
+        done = self._device.submit(lambda: (time.sleep(self.step_s), self.execute(plan))[1])
+        rank = self
+
+        class Launched:
+            def wait(self) -> None:  # from any thread
+                done.result()
+
+            def result(self) -> StepResult | None:
+                rank.runner_threads.add(threading.current_thread().name)
+                rank.events.append(f"result {plan.step_id}")
+                return done.result()
+
+        return Launched()
+
+
+def test_a_rank_that_launches_ahead_starts_the_next_step_before_it_waits_for_the_last() -> None:
+    """With a plan already sent, a CUDA-like rank launches it before it waits for the step
+    running: its device never waits for the host between the two.  Answers stay in order."""
+    rank = AsyncRank(step_s=0.2)
+
+    async def scenario() -> list[StepResult]:
+        async with replica(rank) as executor:
+            first = await executor.launch(plan(0))
+            second = await executor.launch(plan(1))
+            results = [await first.result(), await second.result()]
+            # Nothing sent ahead: the rank answers the step without waiting for another.
+            return results + [await executor.execute(plan(2))]
+
+    results = asyncio.run(scenario())
+    assert [(r.step_id, r.sampled_token_ids) for r in results] == [(0, [0, 0]), (1, [1, 1]), (2, [2, 2])]
+    assert rank.events == ["launch 0", "launch 1", "result 0", "result 1", "launch 2", "result 2"]
+    # launch() and result() on the worker thread: the helper threads only read the stream and wait.
+    assert rank.runner_threads == {f"{WORKER_THREAD}_0"}
+
+
+def test_a_step_that_fails_on_the_device_of_a_rank_that_launches_ahead_fails_the_replica() -> None:
+    rank = AsyncRank(step_s=0.05)
+    execute = rank.execute
+
+    def execute_failing_step_1(p: StepPlan) -> StepResult | None:
+        if p.step_id == 1:
+            raise RuntimeError("illegal memory access")
+        return execute(p)
+
+    rank.execute = execute_failing_step_1  # runs on the stand-in's device thread
+
+    async def scenario() -> None:
+        async with replica(rank) as executor:
+            first = await executor.launch(plan(0))
+            second = await executor.launch(plan(1))
+            assert (await first.result()).sampled_token_ids == [0, 0]
+            with pytest.raises(ReplicaFailedError, match="failed at step 1: INTERNAL: RuntimeError: illegal memory"):
+                await second.result()
+
+    asyncio.run(scenario())
