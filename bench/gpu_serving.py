@@ -14,7 +14,13 @@ c. the end-to-end workloads of ``bench.serving_workloads`` through ``LLM.generat
    with async scheduling, in output tokens/s, against the workload's floor and transformers'
    ``generate`` (static batches of
    ``--hf-batch`` left-padded prompts, the first ``--hf-prompts`` of each workload);
-d. the ``mixed`` workload through ``kvserve serve`` (a local Ray cluster) and gRPC, against (c).
+d. the ``mixed`` workload through ``kvserve serve`` (a local Ray cluster) and gRPC, against (c);
+e. the ``mixed`` workload through the step protocol over gRPC on loopback, plain and with async
+   scheduling, against in-process (the same run): ``EngineCore`` over ``GrpcReplicaExecutor`` here,
+   a StepWorker server with a ``Worker`` in a child process (``bench.grpc_replica``).  That is the
+   cluster replica's data path (scheduler, step codec, gRPC stream, worker) without Ray and without
+   the client-facing front end: not ``kvserve serve`` (that is (d)), and it runs where Ray does not.
+   Outputs must equal in-process's token for token.
 
 Greedy, EOS ignored, bfloat16, random weights (timing depends on shapes, not values).
 ``--parts`` picks parts; ``--scale`` shrinks the workloads (a CPU smoke run).
@@ -205,20 +211,81 @@ def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, 
     return "\n".join(lines)
 
 
-def run_kvserve(llm, workload: Workload, async_scheduling: bool = False) -> float:
+def run_kvserve(llm, workload: Workload, async_scheduling: bool = False) -> tuple[float, list[list[int]]]:
+    """Seconds for ``workload`` through ``llm.generate``, and every request's output tokens."""
+    return _timed_run(llm.engine, lambda prompts, params: [o.token_ids for o in llm.generate(prompts, params)],
+                      workload, async_scheduling)
+
+
+def _timed_run(engine, generate, workload: Workload, async_scheduling: bool) -> tuple[float, list[list[int]]]:
+    """``generate(prompts, params)`` of ``workload`` on ``engine``, greedy, from a cold prefix cache."""
     from kvserve import SamplingParams
 
-    llm.engine.async_scheduling = async_scheduling  # nothing is in flight between generate() calls
+    engine.async_scheduling = async_scheduling  # nothing is in flight between runs
     # Every run starts from a cold prefix cache: the runs share their prompts.
-    if not llm.engine.scheduler.kv_cache_manager.reset_prefix_cache():
+    if not engine.scheduler.kv_cache_manager.reset_prefix_cache():
         raise RuntimeError("the prefix cache could not be reset: blocks are still in use")
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.max_tokens]
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
+    token_ids = generate(workload.prompts, params)
     elapsed = time.perf_counter() - start
-    if [len(o.token_ids) for o in outputs] != workload.max_tokens:
+    if [len(t) for t in token_ids] != workload.max_tokens:
         raise RuntimeError(f"{workload.name}: kvserve generated a different number of tokens than asked")
-    return elapsed
+    return elapsed, token_ids
+
+
+def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Workload,
+                      in_process: dict[bool, tuple[float, list[list[int]]]]) -> list[list[str]]:
+    """Rows of part (e): ``workload`` through a replica over the step protocol (``bench.grpc_replica``),
+    plain and with async scheduling, against ``in_process[async_scheduling]`` = (seconds, outputs).
+
+    The worker has the in-process replica's settings and block count, so the scheduler makes the
+    same plans; ``RuntimeError`` unless every output equals in-process's token for token.
+    """
+    import dataclasses
+
+    from kvserve.bench.grpc_replica import StepProtocolReplica, worker_server
+    from kvserve.worker.worker import WorkerConfig
+
+    worker_config = dataclasses.replace(WorkerConfig.for_engine(llm_config, model_config.max_model_len),
+                                        num_blocks=num_kv_blocks)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the child sizes nothing from free memory, but needs room for the same cache
+    over_grpc = {}
+    with worker_server(worker_config) as address:
+        replica = StepProtocolReplica(address, llm_config, model_config)
+        try:
+            for async_scheduling in (False, True):
+                _timed_run(replica.engine, replica.generate, warm_up(workload), async_scheduling)
+                over_grpc[async_scheduling] = _timed_run(replica.engine, replica.generate, workload, async_scheduling)
+        finally:
+            replica.close()
+    rows = []
+    for async_scheduling, name in ((False, "plain"), (True, "async sched.")):
+        (local_s, local_ids), (grpc_s, grpc_ids) = in_process[async_scheduling], over_grpc[async_scheduling]
+        check_same_outputs(local_ids, grpc_ids, f"{workload.name}, {name}")
+        tokens = workload.num_output_tokens
+        rows.append([f"in-process, {name}", f"{local_s:.2f}", f"{tokens / local_s:.0f}", "1.00", "-"])
+        rows.append([f"step protocol, {name}", f"{grpc_s:.2f}", f"{tokens / grpc_s:.0f}", f"{local_s / grpc_s:.2f}",
+                     "equal"])
+    return rows
+
+
+def warm_up(workload: Workload) -> Workload:
+    """Eight new tokens for each of ``workload``'s first eight prompts."""
+    prompts = workload.prompts[:8]
+    return Workload("warm-up", prompts, [8] * len(prompts), [0] * len(prompts))
+
+
+def check_same_outputs(expected: list[list[int]], actual: list[list[int]], what: str) -> None:
+    """``RuntimeError`` naming the first request whose tokens differ from ``expected``'s."""
+    if len(actual) != len(expected):
+        raise RuntimeError(f"{what}: {len(actual)} outputs, expected {len(expected)}")
+    for i, (want, got) in enumerate(zip(expected, actual)):
+        if list(got) != list(want):
+            at = next((j for j, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+            raise RuntimeError(f"{what}: request {i}'s output differs from in-process's at token {at} "
+                               f"(in-process {list(want)[at:at + 4]}, step protocol {list(got)[at:at + 4]})")
 
 
 def run_transformers(model_dir: Path, workloads: list[Workload], count: int, batch: int, device: str) -> dict[str, float]:
@@ -304,7 +371,7 @@ def run_grpc(model_dir: Path, workload: Workload, port: int, device: str, timeou
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
-    parser.add_argument("--parts", default="abcd", help="which parts to run (default: abcd)")
+    parser.add_argument("--parts", default="abcde", help="which parts to run (default: abcde)")
     parser.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default: 1,16,64,256)")
     parser.add_argument("--decode-context", type=int, default=1024, help="prompt tokens of each decode request")
     parser.add_argument("--decode-steps", type=int, default=20, help="timed steps per batch and mode")
@@ -328,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print("\n(b) prefill attention, 32/8 heads x 128, bf16\n")
         print(prefill_table([run_case(cached, new) for cached, new in CASES]), flush=True)
-    if not set(args.parts) & set("acd"):
+    if not set(args.parts) & set("acde"):
         return 0
 
     from kvserve import LLM
@@ -341,10 +408,13 @@ def main(argv: list[str] | None = None) -> int:
 
         cost = model_cost(AutoConfig.from_pretrained(model_dir), dtype_bytes=2 if on_gpu else 4)
         workloads = make_workloads(config.vocab_size, args.scale, args.seed)
+        mixed = workloads[0]
         kvserve_s: dict[str, float] = {}
         overlapped_s: dict[str, float] = {}
+        in_process: dict[bool, tuple[float, list[list[int]]]] = {}  # mixed's, for (e)
         start = time.perf_counter()
         llm = LLM(model_dir, device=device, max_num_seqs=256, num_blocks=None if on_gpu else 4096)
+        replica_settings = (llm.config, llm.model_config, llm.engine.executor.num_kv_blocks)
         print(f"\nLLM started in {time.perf_counter() - start:.1f} s", flush=True)
         try:
             if "a" in args.parts:
@@ -356,13 +426,15 @@ def main(argv: list[str] | None = None) -> int:
                                    rows), flush=True)
                 if on_gpu and args.profile_batch:
                     print(kernel_breakdown(llm, args.profile_batch, args.decode_context, config.vocab_size), flush=True)
-            if "c" in args.parts:
-                run_kvserve(llm, Workload("warm-up", workloads[0].prompts[:8], [8] * 8, [0] * 8))
-                for workload in workloads:
-                    kvserve_s[workload.name] = run_kvserve(llm, workload)
-                    overlapped_s[workload.name] = run_kvserve(llm, workload, async_scheduling=True)
-                    print(f"  {workload.name}: {kvserve_s[workload.name]:.2f} s, with async scheduling "
-                          f"{overlapped_s[workload.name]:.2f} s", flush=True)
+            end_to_end = workloads if "c" in args.parts else [mixed] if "e" in args.parts else []
+            if end_to_end:
+                run_kvserve(llm, warm_up(mixed))
+            for workload in end_to_end:
+                plain, overlapped = run_kvserve(llm, workload), run_kvserve(llm, workload, async_scheduling=True)
+                kvserve_s[workload.name], overlapped_s[workload.name] = plain[0], overlapped[0]
+                if workload is mixed:
+                    in_process = {False: plain, True: overlapped}
+                print(f"  {workload.name}: {plain[0]:.2f} s, with async scheduling {overlapped[0]:.2f} s", flush=True)
         finally:
             llm.shutdown()
             del llm
@@ -383,7 +455,6 @@ def main(argv: list[str] | None = None) -> int:
                                 "async tok/s", "transformers tok/s", "best vs transformers", "floor s",
                                 "best / floor"], rows), flush=True)
         if "d" in args.parts:
-            mixed = workloads[0]
             grpc_s = run_grpc(model_dir, mixed, args.grpc_port, device, timeout_s=300)
             local = kvserve_s.get(mixed.name)
             print(f"\n(d) the mixed workload through kvserve serve --device {device} and gRPC\n")
@@ -393,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{local / grpc_s:.2f}" if local else "-"]]
                 + ([["in-process", f"{local:.2f}", f"{mixed.num_output_tokens / local:.0f}", "1.00"]] if local else []),
             ), flush=True)
+        if "e" in args.parts:
+            rows = run_step_protocol(*replica_settings, mixed, in_process)
+            print(f"\n(e) the mixed workload through the step protocol over gRPC on loopback, --device {device}: "
+                  f"EngineCore + GrpcReplicaExecutor here, a StepWorker server and Worker in a child process; "
+                  f"no Ray, no front end, not kvserve serve (that is (d)); greedy\n")
+            print(format_table(["path", "s", "tok/s", "vs in-process (same scheduling)", "outputs vs in-process"],
+                               rows), flush=True)
     return 0
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from kvserve.bench import gpu_serving
 from kvserve.bench.serving_workloads import make_workloads, model_cost, workload_floor_s
 from kvserve.worker.full_size_model import SHAPES
@@ -24,6 +26,31 @@ def test_the_cpu_smoke_run_prints_every_part(capsys) -> None:
     assert "(a) decode step" in out and "|     3 |" in out
     assert "(c) end to end" in out and "shared_prefix" in out
     assert "(d) the mixed workload through kvserve serve --device cpu and gRPC" in out and "in-process" in out
+
+
+def test_the_step_protocol_part_serves_the_mixed_workload_with_in_process_outputs(capsys) -> None:
+    # Part (e) alone still runs the mixed workload in-process (plain and async) to compare against;
+    # it raises unless the outputs over gRPC equal those token for token.
+    assert gpu_serving.main(["--device", "cpu", "--parts", "e", "--scale", "0.03"]) == 0
+    out = capsys.readouterr().out
+    assert "(e) the mixed workload through the step protocol over gRPC on loopback" in out
+    assert "no Ray, no front end, not kvserve serve" in out
+    table = out[out.index("(e) the mixed"):]
+    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("|")]
+    rows = {row[0]: row[1:] for row in cells[2:]}
+    assert list(rows) == ["in-process, plain", "step protocol, plain", "in-process, async sched.",
+                          "step protocol, async sched."]
+    for name in ("plain", "async sched."):
+        _, tok_s, ratio, outputs = rows[f"step protocol, {name}"]
+        assert outputs == "equal" and float(tok_s) > 0 and float(ratio) > 0
+
+
+def test_outputs_that_differ_from_in_process_fail_naming_the_request_and_token() -> None:
+    gpu_serving.check_same_outputs([[1, 2, 3]], [[1, 2, 3]], "same")
+    with pytest.raises(RuntimeError, match="request 1's output differs from in-process's at token 2"):
+        gpu_serving.check_same_outputs([[1, 2], [4, 5, 6]], [[1, 2], [4, 5, 7]], "mixed, plain")
+    with pytest.raises(RuntimeError, match="1 outputs, expected 2"):
+        gpu_serving.check_same_outputs([[1], [2]], [[1]], "mixed, plain")
 
 
 def test_workloads_have_the_issue_shapes_and_floors_add_up() -> None:
