@@ -146,10 +146,17 @@ class GrpcReplicaExecutor:
         deadline = asyncio.get_running_loop().call_later(self.step_timeout_s, self._expire, what)
         step = _StepInFlight(plan.step_id, what, deadline)
         self._in_flight.append(step)
-        if len(streams) == 1:
-            await self._on_rank_0(what, _write(streams[0], self._channels[0], data))
-        else:
-            await self._call_all(what, [_write(stream, channel, data) for stream, channel in zip(streams, self._channels)])
+        try:
+            if len(streams) == 1:
+                await self._on_rank_0(what, _write(streams[0], self._channels[0], data))
+            else:
+                await self._call_all(
+                    what, [_write(stream, channel, data) for stream, channel in zip(streams, self._channels)]
+                )
+        except BaseException:
+            deadline.cancel()
+            self._in_flight.remove(step)
+            raise
         return step
 
     async def _receive(self, step: _StepInFlight) -> StepResult:
