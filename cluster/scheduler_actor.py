@@ -140,6 +140,7 @@ class SchedulerActor:
             self._scheduler_config,
             self.config.cache_config(num_kv_blocks, self.model_config.model_id),
             observer=self._router.observer_for(replica_id),
+            queue_observer=self._router.queue_observer_for(replica_id),
         )
         # A replacement's counters go on from its predecessor's.
         retired = previous.counts() if previous is not None else (0, 0, 0)

@@ -32,6 +32,7 @@ from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.scheduler_load import (
+    SchedulerEventObserver,
     SchedulerLoad,
     SchedulerStats,
     queued_prefill_tokens,
@@ -45,13 +46,18 @@ _NO_BLOCKS: list[KVCacheBlock] = []  # never appended to
 
 
 class Scheduler:
-    """Decides, step by step, which tokens of which requests one replica computes."""
+    """Decides, step by step, which tokens of which requests one replica computes.
+
+    ``observer`` receives the pool's KV-cache events, ``queue_observer`` the
+    scheduler's queue and step events (both: the router, in a fleet).
+    """
 
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         observer: KVCacheEventObserver | None = None,
+        queue_observer: SchedulerEventObserver | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -62,6 +68,7 @@ class Scheduler:
             model_id=cache_config.model_id,
             observer=observer,
         )
+        self.queue_observer = queue_observer
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -71,11 +78,7 @@ class Scheduler:
         # NOTE: kept incrementally so that get_load() is O(1) for a router
         # that reads the load of every replica on every request.
         self._num_queued_prefill_tokens = 0
-        self._num_inflight_prefill_tokens = 0
         self._num_running_tokens = 0
-        # Cached prompt tokens of each waiting request, as found when it was queued.
-        self._waiting_cached_tokens: dict[str, int] = {}
-        self._num_queued_cached_tokens = 0
         # Requests preempted since the start (a counter, for monitoring).
         self.num_preemptions = 0
 
@@ -123,7 +126,8 @@ class Scheduler:
         self.requests[request.req_id] = request
         self.waiting.append(request)
         self._num_queued_prefill_tokens += request.num_tokens
-        self._note_waiting(request)
+        if self.queue_observer is not None:
+            self.queue_observer.request_queued(request.req_id, request.block_hashes, request.num_tokens)
 
     def prompt_fits_pool(self, request: Request) -> bool:
         """Whether ``request``'s prompt alone fits in the pool's usable blocks."""
@@ -143,11 +147,12 @@ class Scheduler:
             if request is None:
                 continue
             self._num_queued_prefill_tokens -= queued_prefill_tokens(request)
-            self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(req_id, 0)
             if request.status is RequestStatus.RUNNING:
                 self._num_running_tokens -= request.num_computed_tokens
                 self.kv_cache_manager.free(request)
                 self._finished_req_ids.append(req_id)
+            elif self.queue_observer is not None:
+                self.queue_observer.request_dequeued(req_id)
             request.finish(FinishReason.ABORT)
             aborted.append(request)
         if aborted:
@@ -276,12 +281,14 @@ class Scheduler:
             budget -= num_new
             # From waiting (all its tokens queued) to running (its prompt's rest queued).
             self._num_queued_prefill_tokens -= request.num_tokens - queued_prefill_tokens(request)
-            self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(request.req_id, 0)
             self._num_running_tokens += start
+            if self.queue_observer is not None:
+                self.queue_observer.request_dequeued(request.req_id)
 
         self._num_running_tokens += len(token_ids)
-        # Rows of one token are decodes, as the step cost model counts them.
-        self._num_inflight_prefill_tokens = len(token_ids) - num_scheduled.count(1)
+        if self.queue_observer is not None:
+            # Rows of one token are decodes, as the step cost model counts them.
+            self.queue_observer.step_planned(len(token_ids) - num_scheduled.count(1))
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         plan = StepPlan(
             step_id=self._next_step_id,
@@ -335,7 +342,8 @@ class Scheduler:
             )
         if logprobs is not None and len(logprobs) != num_sampled:
             raise ValueError(f"got {len(logprobs)} logprobs for {num_sampled} sampled tokens")
-        self._num_inflight_prefill_tokens = 0
+        if self.queue_observer is not None:
+            self.queue_observer.step_applied()
         requests = self.requests
         max_model_len = self.scheduler_config.max_model_len
         outputs: list[RequestOutput] = []
@@ -396,7 +404,8 @@ class Scheduler:
         reason = _finish_reason(request, token_id, self.scheduler_config.max_model_len)
         if reason is not None:
             self._num_queued_prefill_tokens -= request.num_tokens - request.num_computed_tokens
-            self._num_queued_cached_tokens -= self._waiting_cached_tokens.pop(request.req_id, 0)
+            if self.queue_observer is not None:
+                self.queue_observer.request_dequeued(request.req_id)
             self.waiting = deque(r for r in self.waiting if r is not request)
             del self.requests[request.req_id]
             request.finish(reason)
@@ -423,7 +432,8 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
-        self._note_waiting(request)
+        if self.queue_observer is not None:
+            self.queue_observer.request_queued(request.req_id, request.block_hashes, request.num_tokens)
         logger.debug("preempted %s after %d output tokens", request.req_id, request.num_output_tokens)
 
     # -- introspection ---------------------------------------------------------
@@ -455,25 +465,7 @@ class Scheduler:
             num_running_tokens=self._num_running_tokens,
             num_free_blocks=pool.free_block_queue.num_free_blocks,
             num_total_blocks=pool.num_blocks - 1,
-            num_queued_cached_tokens=self._num_queued_cached_tokens,
-            num_inflight_prefill_tokens=self._num_inflight_prefill_tokens,
         )
-
-    def _note_waiting(self, request: Request) -> None:
-        """Record how much of a newly waiting request the prefix cache holds now (from its block hashes)."""
-        kv = self.kv_cache_manager
-        if not kv.enable_caching or not request.block_hashes:
-            return
-        get_cached = kv.block_pool.cached_block_hash_to_block.get_one_block
-        num_blocks = 0
-        for block_hash in request.block_hashes[: (request.num_tokens - 1) // kv.block_size]:
-            if get_cached(block_hash) is None:
-                break
-            num_blocks += 1
-        if num_blocks:
-            num_cached = num_blocks * kv.block_size
-            self._waiting_cached_tokens[request.req_id] = num_cached
-            self._num_queued_cached_tokens += num_cached
 
 
 def _finish_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:

@@ -1,12 +1,36 @@
 """One replica's load as its scheduler counts it: the snapshot a router reads
 (``SchedulerLoad``, in O(1) from counters kept as requests come and go), the fuller one
-for monitoring (``SchedulerStats``), and how a request adds to the queued prefill."""
+for monitoring (``SchedulerStats``), how a request adds to the queued prefill, and the
+queue events a scheduler reports to an observer (``SchedulerEventObserver``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from kvserve.scheduler.block_hash import BlockHash
 from kvserve.scheduler.request import Request, RequestStatus
+
+
+class SchedulerEventObserver(Protocol):
+    """Receives a scheduler's queue and step events, as they happen (the router's load tracker does).
+
+    ``request_queued``: a request joined the waiting queue, new or preempted; its
+    ``block_hashes`` (those of its full blocks so far) and ``num_tokens`` are passed
+    as they are at that moment.  ``request_dequeued``: a waiting request left the
+    queue (admitted, aborted, or ended by a token that came after its preemption).
+    ``step_planned``: ``schedule()`` planned a step with that many prompt tokens
+    (rows of more than one token); ``step_applied``: ``update()`` applied a step.
+    """
+
+    def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None: ...
+
+    def request_dequeued(self, req_id: str) -> None: ...
+
+    def step_planned(self, num_prefill_tokens: int) -> None: ...
+
+    def step_applied(self) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,15 +51,11 @@ class SchedulerLoad:
 
     ``num_queued_prefill_tokens`` has ``get_stats``'s meaning: tokens not yet
     computed of waiting requests and of running requests still in their
-    prompt.  ``num_queued_cached_tokens`` is the part of it the prefix cache
-    held when the waiting requests were queued (an estimate of what they will
-    not compute: they are looked up again when scheduled).
-    ``num_running_tokens`` is the KV context of the running requests (their
+    prompt.  ``num_running_tokens`` is the KV context of the running requests (their
     computed tokens): what a step's attention reads.  ``num_total_blocks``
-    counts the usable blocks (the null block excluded).
-    ``num_inflight_prefill_tokens`` are the prompt tokens of the
-    step in flight (scheduled, not yet updated): no longer queued, not yet
-    computed, and the step that computes them delays every later token.
+    counts the usable blocks (the null block excluded).  What only a router
+    needs (the cached part of the queue, the step in flight's prefill) it
+    counts itself from ``SchedulerEventObserver`` events.
     """
 
     num_running: int
@@ -44,9 +64,6 @@ class SchedulerLoad:
     num_running_tokens: int
     num_free_blocks: int
     num_total_blocks: int
-    num_queued_cached_tokens: int = 0
-    num_inflight_prefill_tokens: int = 0
-
 
 
 def queued_prefill_tokens(request: Request) -> int:

@@ -3,12 +3,13 @@
 For each replica the step cost model (``a + b * prefill tokens + c * decodes
 + d * context tokens`` per step) prices the prefill work ahead of the
 request's first token there: the prompt tokens the replica has queued (less
-those its prefix cache held when they were queued) plus the request's own
-uncached tokens (its prompt less the prefix that replica caches).  The
-replica computes that work in steps of at most ``max_num_batched_tokens``
-tokens, less one per running decode, and each step also pays the fixed cost
-and its running decodes; a replica that is running requests is, on average,
-half-way through a step::
+those its prefix cache held when they were queued, as the router's
+``QueueTracker`` counts them) plus the request's own uncached tokens (its
+prompt less the prefix that replica caches).  The replica computes that
+work in steps of at most ``max_num_batched_tokens`` tokens, less one per
+running decode, and each step also pays the fixed cost and its running
+decodes; a replica that is running requests is, on average, half-way
+through a step::
 
     step      = a + c * running + d * running context
     work      = queued uncached prompt tokens + the request's uncached tokens

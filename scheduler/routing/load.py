@@ -31,6 +31,8 @@ class ReplicaLoad:
     ``num_queued_cached_tokens`` were in the prefix cache when queued.
     ``num_running_tokens``: KV context of the running requests.
     ``num_inflight_prefill_tokens``: prompt tokens the step in flight computes.
+    The two figures of the queue's cache and the step in flight come from the
+    router's ``QueueTracker``, the others from ``Scheduler.get_load()``.
     ``available``: whether the replica may be chosen at all.
     """
 
@@ -56,7 +58,7 @@ class NoAvailableReplicaError(RuntimeError):
 
 
 class LoadSnapshot(Protocol):
-    """Anything with a replica's load fields (``SchedulerLoad``, ``ReplicaLoad``)."""
+    """Anything with a replica's load fields as its scheduler counts them (``SchedulerLoad``, ``ReplicaLoad``)."""
 
     @property
     def num_running(self) -> int: ...
@@ -70,10 +72,6 @@ class LoadSnapshot(Protocol):
     def num_total_blocks(self) -> int: ...
     @property
     def num_running_tokens(self) -> int: ...
-    @property
-    def num_queued_cached_tokens(self) -> int: ...
-    @property
-    def num_inflight_prefill_tokens(self) -> int: ...
 
 
 _COLUMNS = (
@@ -123,13 +121,19 @@ class LoadTable(Sequence[ReplicaLoad]):
                 raise ValueError(
                     f"replicas[{position}] has replica_id {load.replica_id}: ids must be 0..n-1 in order"
                 )
-            table.set(position, load)
+            table.set(position, load, load.num_queued_cached_tokens, load.num_inflight_prefill_tokens)
             if not load.available:
                 table.set_available(position, False)
         return table
 
-    def set(self, replica_id: int, load: LoadSnapshot) -> None:
-        """Record ``replica_id``'s current load."""
+    def set(
+        self,
+        replica_id: int,
+        load: LoadSnapshot,
+        num_queued_cached_tokens: int = 0,
+        num_inflight_prefill_tokens: int = 0,
+    ) -> None:
+        """Record ``replica_id``'s current load, with the router's figures of its queue (``QueueTracker``)."""
         rows = self._rows
         outstanding = load.num_running + load.num_waiting
         if self._available[replica_id]:
@@ -142,8 +146,8 @@ class LoadTable(Sequence[ReplicaLoad]):
             load.num_free_blocks,
             load.num_total_blocks,
             load.num_running_tokens,
-            load.num_queued_cached_tokens,
-            load.num_inflight_prefill_tokens,
+            num_queued_cached_tokens,
+            num_inflight_prefill_tokens,
         )
 
     def set_available(self, replica_id: int, available: bool) -> None:

@@ -127,6 +127,18 @@ class GlobalPrefixIndex:
             matched[replica_id] = num_blocks
         return matched
 
+    def num_leading_blocks(self, replica_id: int, block_hashes: Sequence[BlockHash]) -> int:
+        """How many leading blocks of ``block_hashes`` replica ``replica_id`` caches (one replica's ``match``)."""
+        copies = self._copies.get(replica_id)
+        if not copies:
+            return 0
+        num_blocks = 0
+        for block_hash in block_hashes:
+            if block_hash not in copies:
+                break
+            num_blocks += 1
+        return num_blocks
+
     def replicas_holding(self, block_hash: BlockHash) -> frozenset[int]:
         return frozenset(_bits(self._holders.get(block_hash, 0)))
 

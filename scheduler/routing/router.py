@@ -1,8 +1,10 @@
 """The router: hashes a request's prompt once, then lets the policy pick a replica.
 
 It owns the global prefix index (fed by every replica pool through
-``observer_for``), the replicas' load table (fed by ``update_load`` whenever
-a replica's scheduler changes, and by ``set_available`` when a replica starts
+``observer_for``), a ``QueueTracker`` per replica (fed by its scheduler's
+queue and step events through ``queue_observer_for``), the replicas' load
+table (fed by ``update_load`` whenever a replica's scheduler changes, merged
+with its tracker's figures, and by ``set_available`` when a replica starts
 or fails), and the policy.  The hashes it computes are stored on the
 ``Request``, so the chosen replica's cache manager reuses them.
 """
@@ -17,6 +19,7 @@ from kvserve.scheduler.request import Request
 from kvserve.scheduler.routing.load import LoadSnapshot, LoadTable, NoAvailableReplicaError
 from kvserve.scheduler.routing.policy import RoutingPolicy, RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
+from kvserve.scheduler.routing.queue_tracker import QueueTracker
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +45,7 @@ class Router:
         self.hasher = BlockHasher(block_size, model_id)
         self.index = GlobalPrefixIndex()
         self.loads = LoadTable(num_replicas)
+        self._trackers = [QueueTracker(self.index, r, block_size) for r in range(num_replicas)]
 
     @property
     def num_replicas(self) -> int:
@@ -53,9 +57,21 @@ class Router:
             raise ValueError(f"replica_id must be in [0, {self.num_replicas}), got {replica_id}")
         return self.index.observer_for(replica_id)
 
+    def queue_observer_for(self, replica_id: int) -> QueueTracker:
+        """The ``SchedulerEventObserver`` to give replica ``replica_id``'s new ``Scheduler``.
+
+        A new scheduler queues nothing: the tracker of an earlier one is forgotten.
+        """
+        if not 0 <= replica_id < self.num_replicas:
+            raise ValueError(f"replica_id must be in [0, {self.num_replicas}), got {replica_id}")
+        tracker = self._trackers[replica_id] = QueueTracker(self.index, replica_id, self.hasher.block_size)
+        return tracker
+
     def update_load(self, replica_id: int, load: LoadSnapshot) -> None:
-        """Record replica ``replica_id``'s load (``Scheduler.get_load()``) after it changed."""
-        self.loads.set(replica_id, load)
+        """Record replica ``replica_id``'s load (``Scheduler.get_load()``) after it changed,
+        with what its ``QueueTracker`` counted."""
+        tracker = self._trackers[replica_id]
+        self.loads.set(replica_id, load, tracker.num_queued_cached_tokens, tracker.num_inflight_prefill_tokens)
 
     def set_available(self, replica_id: int, available: bool) -> None:
         """Whether requests may be routed to ``replica_id``.
@@ -100,12 +116,7 @@ class Router:
         """How much of ``request``'s prompt ``replica_id`` held when it was routed there: "hit",
         every block a cache can serve (all but a last token's); "partial", some; "miss", none."""
         cacheable = (request.num_tokens - 1) // self.hasher.block_size
-        held = 0
-        num_copies = self.index.num_copies
-        for block_hash in request.block_hashes[:cacheable]:  # the chosen replica's run of held blocks only
-            if not num_copies(replica_id, block_hash):
-                break
-            held += 1
+        held = self.index.num_leading_blocks(replica_id, request.block_hashes[:cacheable])
         return "hit" if cacheable and held == cacheable else "partial" if held else "miss"
 
     def hash_prompt(self, request: Request) -> None:

@@ -8,8 +8,9 @@ of the replicas each (``SimulatedReplicas``) and, for each arrival at ``t``:
     main                                   each shard process
     send (requests routed to it, t)  --->  add them (at their arrival times)
     advance its own replicas to t          advance its replicas to t
-    apply the shards' events         <---  pool events and load changes since
-    route the request at t                 the last message, in order
+    apply the shards' events         <---  pool and queue events, the steps in
+    route the request at t                 flight and load changes since the last
+                                           message, in order
 
 After the last arrival every process runs its replicas to completion on its
 own, the shards sending their counts of finished requests as they go.
@@ -51,8 +52,9 @@ from kvserve.scheduler.simulation.admission import Admission
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord, SimulatedRequest
 from kvserve.scheduler.simulation.simulated_replicas import SimulatedReplicas
 
-# Event codes: a replica's pool stored blocks, removed blocks, or cleared its prefix cache.
-STORED, REMOVED, CLEARED = 0, 1, 2
+# Event codes: a replica's pool stored blocks, removed blocks, or cleared its prefix cache;
+# its scheduler queued a request (req_id, block hashes, num_tokens) or took one out of the queue (req_id).
+STORED, REMOVED, CLEARED, QUEUED, DEQUEUED = 0, 1, 2, 3, 4
 
 # Messages to a shard, and from it.
 _STEP, _FINISH = "step", "finish"
@@ -62,8 +64,9 @@ _pack_load = operator.attrgetter(*(field.name for field in dataclasses.fields(Sc
 
 # What the main process sends of a request routed to a shard: (index in the workload, replica, block hashes).
 RoutedRequest = tuple[int, int, list[BlockHash]]
-# A shard's report: [(replica, event code, block hashes)], [(replica, load fields)], requests finished.
-StepReport = tuple[list[tuple[int, int, list[BlockHash]]], list[tuple[int, tuple[int, ...]]], int]
+# A shard's report: [(replica, event code, payload)], [(replica, prefill tokens of the step in flight)],
+# [(replica, load fields)], requests finished.
+StepReport = tuple[list[tuple[int, int, Any]], list[tuple[int, int]], list[tuple[int, tuple[int, ...]]], int]
 
 _EXCEPTIONS: dict[str, type[Exception]] = {"ValueError": ValueError, "RuntimeError": RuntimeError}
 
@@ -200,13 +203,20 @@ def _serve(
     # The fleet makes no reference cycles per step (see simulator._cyclic_gc_paused).
     gc.disable()
     try:
-        events: list[tuple[int, int, list[BlockHash]]] = []
+        events: list[tuple[int, int, Any]] = []
+        inflight: dict[int, int] = {}
         loads: dict[int, SchedulerLoad] = {}
+        block_size = config.cache_config.block_size
         replicas = SimulatedReplicas(
-            config, replica_ids, lambda replica_id: _EventBuffer(replica_id, events), loads.__setitem__,
+            config,
+            replica_ids,
+            lambda replica_id: _EventBuffer(replica_id, events),
+            lambda replica_id: _QueueEventBuffer(replica_id, events, inflight, block_size),
+            loads.__setitem__,
         )
         conn.send((_OK, _drain_loads(loads)))
         events.clear()
+        inflight.clear()
         admission = Admission(config)
         wait = _Waiter(conn, spin)
         while True:
@@ -228,8 +238,9 @@ def _serve(
                 conn.send((_OK, (replicas.records, totals, replicas.now)))
                 return
             replicas.advance(until_or_every)
-            conn.send((_OK, (events.copy(), _drain_loads(loads), replicas.num_finished)))
+            conn.send((_OK, (events.copy(), list(inflight.items()), _drain_loads(loads), replicas.num_finished)))
             events.clear()
+            inflight.clear()
     except Exception as exc:  # noqa: BLE001  # reported to the main process, which raises it
         conn.send((_ERROR, (type(exc).__name__, str(exc))))
     finally:
@@ -305,7 +316,7 @@ class _EventBuffer:
 
     __slots__ = ("replica_id", "events")
 
-    def __init__(self, replica_id: int, events: list[tuple[int, int, list[BlockHash]]]) -> None:
+    def __init__(self, replica_id: int, events: list[tuple[int, int, Any]]) -> None:
         self.replica_id = replica_id
         self.events = events
 
@@ -317,3 +328,35 @@ class _EventBuffer:
 
     def all_blocks_cleared(self) -> None:
         self.events.append((self.replica_id, CLEARED, []))
+
+
+class _QueueEventBuffer:
+    """A replica scheduler's queue observer in a shard process: its events wait for the next report.
+
+    A queued request travels with the block hashes a lookup can use (never its
+    last token's block); of the steps planned and applied only the last state
+    counts, so it is kept per replica (``inflight``), not as events.
+    """
+
+    __slots__ = ("replica_id", "events", "inflight", "block_size")
+
+    def __init__(
+        self, replica_id: int, events: list[tuple[int, int, Any]], inflight: dict[int, int], block_size: int
+    ) -> None:
+        self.replica_id = replica_id
+        self.events = events
+        self.inflight = inflight
+        self.block_size = block_size
+
+    def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        cacheable = list(block_hashes[: (num_tokens - 1) // self.block_size])
+        self.events.append((self.replica_id, QUEUED, (req_id, cacheable, num_tokens)))
+
+    def request_dequeued(self, req_id: str) -> None:
+        self.events.append((self.replica_id, DEQUEUED, req_id))
+
+    def step_planned(self, num_prefill_tokens: int) -> None:
+        self.inflight[self.replica_id] = num_prefill_tokens
+
+    def step_applied(self) -> None:
+        self.inflight[self.replica_id] = 0

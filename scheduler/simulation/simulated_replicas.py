@@ -15,8 +15,9 @@ synthetic tokens::
 
 Requests added while a step runs join the next one (continuous batching).
 Step completions come from a heap, so each costs O(log replicas).  The
-replicas' pools report to the observers given, and each replica's load, as
-it changes, to ``report_load``: that is all a router learns of them.
+replicas' pools and schedulers report to the observers given (KV-cache
+events, queue events), and each replica's load, as it changes, to
+``report_load``: that is all a router learns of them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Callable, Sequence
 from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.scheduler_load import SchedulerLoad
+from kvserve.scheduler.scheduler_load import SchedulerEventObserver, SchedulerLoad
 from kvserve.scheduler.simulation.admission import TrackedRequest
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord
 from kvserve.scheduler.simulation.simulated_executor import synthetic_output_token_array
@@ -46,6 +47,7 @@ class SimulatedReplicas:
         config: FleetConfig,
         replica_ids: Sequence[int],
         observer_for: Callable[[int], KVCacheEventObserver],
+        queue_observer_for: Callable[[int], SchedulerEventObserver],
         report_load: Callable[[int, SchedulerLoad], None],
     ) -> None:
         num_replicas = config.num_replicas
@@ -58,7 +60,12 @@ class SimulatedReplicas:
         # Indexed by replica id, None for the fleet's other replicas.
         self._engines: list[EngineCore | None] = [None] * num_replicas
         for replica_id in replica_ids:
-            scheduler = Scheduler(config.scheduler_config, config.cache_config, observer=observer_for(replica_id))
+            scheduler = Scheduler(
+                config.scheduler_config,
+                config.cache_config,
+                observer=observer_for(replica_id),
+                queue_observer=queue_observer_for(replica_id),
+            )
             self._engines[replica_id] = EngineCore(scheduler)
             report_load(replica_id, scheduler.get_load())
         self._plans: list[StepPlan | None] = [None] * num_replicas

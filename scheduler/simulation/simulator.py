@@ -35,14 +35,16 @@ import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from kvserve.scheduler.block_hash import BlockHash
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.simulation.admission import Admission
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord, SimulatedRequest
 from kvserve.scheduler.simulation.replica_shard import (
     CLEARED,
+    QUEUED,
+    REMOVED,
     STORED,
     ReplicaShard,
     unpack_load,
@@ -96,12 +98,13 @@ class FleetSimulator:
                 config,
                 range(0, config.num_replicas, self.processes),
                 self.router.observer_for,
+                self.router.queue_observer_for,
                 self.router.update_load,
             )
-        # The observers that forward the shard processes' events to the index.
-        self._shard_observers = {
-            r: self.router.observer_for(r) for r in range(config.num_replicas) if self._owner[r]
-        }
+        # The observers that forward the shard processes' events to the index and the queue trackers.
+        shard_replicas = [r for r in range(config.num_replicas) if self._owner[r]]
+        self._shard_observers = {r: self.router.observer_for(r) for r in shard_replicas}
+        self._shard_queue_observers = {r: self.router.queue_observer_for(r) for r in shard_replicas}
         self._used = False
 
     def run(
@@ -209,8 +212,8 @@ class FleetSimulator:
                 request = admission.request(index, item)
                 router.hash_prompt(request)
                 for process, shard in enumerate(shards, 1):
-                    events, loads, shard_finished[process] = shard.receive_step()
-                    self._apply_shard_report(events, loads)
+                    events, inflight, loads, shard_finished[process] = shard.receive_step()
+                    self._apply_shard_report(events, inflight, loads)
                 if progress is not None:
                     report()
                 replica_id = router.route(request)
@@ -257,18 +260,31 @@ class FleetSimulator:
         return _in_input_order(records, len(requests)), end_time
 
     def _apply_shard_report(
-        self, events: list[tuple[int, int, list[BlockHash]]], loads: list[tuple[int, tuple[int, ...]]]
+        self,
+        events: list[tuple[int, int, Any]],
+        inflight: list[tuple[int, int]],
+        loads: list[tuple[int, tuple[int, ...]]],
     ) -> None:
-        """Tell the router what a shard's replicas did since its last report."""
+        """Tell the router what a shard's replicas did since its last report.
+
+        NOTE: pool and queue events in the order they happened, so that a queued
+        request is looked up in the index as its replica's pool was at that moment.
+        """
         observers = self._shard_observers
-        for replica_id, code, block_hashes in events:
-            observer = observers[replica_id]
+        queue_observers = self._shard_queue_observers
+        for replica_id, code, payload in events:
             if code == STORED:
-                observer.blocks_stored(block_hashes, [])
+                observers[replica_id].blocks_stored(payload, [])
+            elif code == REMOVED:
+                observers[replica_id].blocks_removed(payload, [])
             elif code == CLEARED:
-                observer.all_blocks_cleared()
-            else:
-                observer.blocks_removed(block_hashes, [])
+                observers[replica_id].all_blocks_cleared()
+            elif code == QUEUED:
+                queue_observers[replica_id].request_queued(*payload)
+            else:  # DEQUEUED
+                queue_observers[replica_id].request_dequeued(payload)
+        for replica_id, num_prefill_tokens in inflight:
+            queue_observers[replica_id].step_planned(num_prefill_tokens)
         for replica_id, load in loads:
             self.router.update_load(replica_id, unpack_load(load))
 
