@@ -85,9 +85,17 @@ class FrontendMetrics:
         self, responses: AsyncIterator[generate_pb2.GenerateResponse]
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """``responses``, measured as a request of one choice: one gRPC call's pipeline, closed when this is."""
-        async with aclosing(self.track_choices(_one_choice(responses), 1)) as choices:
-            async for _, response in choices:
-                yield response
+        measure = _RequestMeasure(self, 1)
+        try:
+            async with aclosing(responses):
+                async for response in responses:
+                    measure.observe(0, response)
+                    yield response
+        except FrontendError as exc:
+            measure.code = str(exc.http_status)
+            raise
+        finally:
+            self.count_request(measure.code)
 
     async def track_choices(
         self, choices: AsyncIterator[tuple[int, generate_pb2.GenerateResponse]], num_choices: int
@@ -95,41 +103,17 @@ class FrontendMetrics:
         """``choices`` (each message with its choice's index, ``openai_choices.interleave``), measured as one
         request: counted once, with its prompt once (as its usage counts it) and the tokens of every choice;
         its first token is the first of any choice, its end the end of the last one.  Closed when this is."""
-        arrival = time.monotonic()
-        last_token_times: dict[int, float] = {}  # each choice that has tokens: when its latest came
-        num_ended = 0
-        code = CLIENT_LEFT
+        measure = _RequestMeasure(self, num_choices)
         try:
             async with aclosing(choices):
                 async for index, response in choices:
-                    num_tokens = len(response.token_ids)
-                    if num_tokens:
-                        now = time.monotonic()
-                        previous = last_token_times.get(index)
-                        if previous is None:
-                            # NOTE: tokens that came with a choice's first one tell no interval.
-                            if not last_token_times:
-                                self.time_to_first_token.observe(now - arrival)
-                        else:
-                            # A message carries the tokens of several steps: each took its share.
-                            per_token = (now - previous) / num_tokens
-                            for _ in range(num_tokens):
-                                self.inter_token_latency.observe(per_token)
-                        last_token_times[index] = now
-                    if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
-                        num_ended += 1
-                        if num_ended == 1:
-                            self.prompt_tokens.inc(response.usage.prompt_tokens)
-                        self.generation_tokens.inc(response.usage.completion_tokens)
-                        if num_ended == num_choices:
-                            code = "200"
-                            self.e2e_request_latency.observe(time.monotonic() - arrival)
+                    measure.observe(index, response)
                     yield index, response
         except FrontendError as exc:
-            code = str(exc.http_status)
+            measure.code = str(exc.http_status)
             raise
         finally:
-            self.count_request(code)
+            self.count_request(measure.code)
 
     def count_request(self, code: int | str) -> None:
         """One request answered with the HTTP status ``code``; ``track`` counts those it measures."""
@@ -153,12 +137,45 @@ class FrontendMetrics:
         return generate_latest(self.registry)
 
 
-async def _one_choice(
-    responses: AsyncIterator[generate_pb2.GenerateResponse],
-) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
-    async with aclosing(responses):
-        async for response in responses:
-            yield 0, response
+class _RequestMeasure:
+    """One request's latencies and tokens as its messages come (``FrontendMetrics.track``); ``code`` is the
+    HTTP status it is counted with: 200 once every choice ended, 499 until then (the client left)."""
+
+    __slots__ = ("metrics", "num_choices", "arrival", "last_token_times", "num_ended", "code")
+
+    def __init__(self, metrics: FrontendMetrics, num_choices: int) -> None:
+        self.metrics = metrics
+        self.num_choices = num_choices
+        self.arrival = time.monotonic()
+        self.last_token_times: dict[int, float] = {}  # each choice that has tokens: when its latest came
+        self.num_ended = 0
+        self.code = CLIENT_LEFT
+
+    def observe(self, index: int, response: generate_pb2.GenerateResponse) -> None:
+        """Choice ``index``'s next message."""
+        metrics = self.metrics
+        num_tokens = len(response.token_ids)
+        if num_tokens:
+            now = time.monotonic()
+            previous = self.last_token_times.get(index)
+            if previous is None:
+                # NOTE: tokens that came with a choice's first one tell no interval.
+                if not self.last_token_times:
+                    metrics.time_to_first_token.observe(now - self.arrival)
+            else:
+                # A message carries the tokens of several steps: each took its share.
+                per_token = (now - previous) / num_tokens
+                for _ in range(num_tokens):
+                    metrics.inter_token_latency.observe(per_token)
+            self.last_token_times[index] = now
+        if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
+            self.num_ended += 1
+            if self.num_ended == 1:
+                metrics.prompt_tokens.inc(response.usage.prompt_tokens)
+            metrics.generation_tokens.inc(response.usage.completion_tokens)
+            if self.num_ended == self.num_choices:
+                self.code = "200"
+                metrics.e2e_request_latency.observe(time.monotonic() - self.arrival)
 
 
 class _SchedulerCounters:

@@ -19,10 +19,9 @@ and its next plan hide behind the ranks' work.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from typing import NoReturn, TypeVar
 
@@ -280,30 +279,38 @@ async def _write(stream: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel, d
     if stream.done():
         # It ended between two steps (the rank stopped or died): its status says why.
         raise _StreamBroken(f"{(await stream.code()).name}: {await stream.details()}")
-    async with _lost_connection_named(channel):
+    try:
         await stream.write(data)
+    except grpc.aio.AioRpcError as exc:
+        lost = _lost_connection(exc, channel)
+        if lost is None:
+            raise
+        raise lost from exc
 
 
 async def _read(stream: grpc.aio.StreamStreamCall, channel: grpc.aio.Channel) -> step_pb2.StepResult:
     """The next result on ``stream`` (of ``channel``)."""
-    async with _lost_connection_named(channel):
+    try:
         reply = await stream.read()
+    except grpc.aio.AioRpcError as exc:
+        lost = _lost_connection(exc, channel)
+        if lost is None:
+            raise
+        raise lost from exc
     if reply is grpc.aio.EOF:
         raise _StreamBroken("UNAVAILABLE: the rank ended its step stream")
     return reply
 
 
-@contextlib.asynccontextmanager
-async def _lost_connection_named(channel: grpc.aio.Channel) -> AsyncIterator[None]:
-    try:
-        yield
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() is grpc.StatusCode.INTERNAL and channel.get_state() is not grpc.ChannelConnectivity.READY:
-            # NOTE: a write that races the loss of the connection fails with
-            # grpc's own INTERNAL "Internal error from Core": the cause is the
-            # lost connection.
-            raise _StreamBroken(f"UNAVAILABLE: the connection to the rank was lost ({exc.details()})") from exc
-        raise
+def _lost_connection(exc: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> _StreamBroken | None:
+    """What ``exc`` means when the connection is gone, else ``None``.
+
+    NOTE: a write that races the loss of the connection fails with grpc's own
+    INTERNAL "Internal error from Core": the cause is the lost connection.
+    """
+    if exc.code() is grpc.StatusCode.INTERNAL and channel.get_state() is not grpc.ChannelConnectivity.READY:
+        return _StreamBroken(f"UNAVAILABLE: the connection to the rank was lost ({exc.details()})")
+    return None
 
 
 @dataclass(slots=True)

@@ -64,7 +64,7 @@ class TorchReferenceBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        return reference.paged_attention(query, key_cache, value_cache, metadata, scale)
+        return reference.attend_checked(query, key_cache, value_cache, metadata, scale)
 
     def __repr__(self) -> str:
         return "TorchReferenceBackend()"

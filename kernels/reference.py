@@ -72,6 +72,17 @@ def paged_attention(
     in ``query``'s dtype; half-precision inputs are computed in float32.
     """
     check_inputs(query, key_cache, value_cache, metadata, scale)
+    return attend_checked(query, key_cache, value_cache, metadata, scale)
+
+
+def attend_checked(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """``paged_attention`` of inputs that ``check_inputs`` passed (a backend checks them once)."""
     output = torch.empty_like(query)
     decode_reqs, prefill_reqs = split_decode_and_prefill(metadata)
     if decode_reqs:

@@ -58,6 +58,7 @@ class Served:
     stub: generate_pb2_grpc.GenerationStub
     channel: grpc.Channel
     model_dir: Path
+    overlapped: bool
 
 
 # A window under the model's 2048 positions (Mistral 7B v0.1's kind of config): the
@@ -95,7 +96,9 @@ def served(request, ray_cluster, model_dir: Path) -> Iterator[Served]:
         )
         server = ServerThread(handle, server_config)
         with grpc.insecure_channel(f"127.0.0.1:{server.server.port}") as channel:
-            yield Served(handle, server, generate_pb2_grpc.GenerationStub(channel), channel, model_dir)
+            yield Served(
+                handle, server, generate_pb2_grpc.GenerationStub(channel), channel, model_dir, request.param
+            )
     finally:
         if server is not None:
             server.stop()
@@ -216,6 +219,33 @@ def _to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
     return proto
 
 
+def record_launches(served: Served) -> None:
+    """From now on, each replica's executor notes the placeholder rows of every step it launches."""
+
+    def install(actor) -> None:
+        for replica in actor._replicas.values():
+            executor, launches = replica.engine.executor, []
+            launch = executor.launch
+
+            async def recording(plan, launch=launch, launches=launches):
+                launches.append(len(plan.placeholder_rows))
+                return await launch(plan)
+
+            executor.launch, executor.launches = recording, launches
+
+    ray.get(served.handle.scheduler.__ray_call__.remote(install), timeout=RPC_TIMEOUT_S)
+
+
+def launched_placeholder_rows(served: Served) -> list[list[int]]:
+    """Per replica, the placeholder rows of each step launched since ``record_launches``."""
+    return ray.get(
+        served.handle.scheduler.__ray_call__.remote(
+            lambda actor: [r.engine.executor.launches for _, r in sorted(actor._replicas.items())]
+        ),
+        timeout=RPC_TIMEOUT_S,
+    )
+
+
 def test_concurrent_streams_generate_exactly_what_the_in_process_engine_does(served: Served):
     workload = _parity_workload()
     with LLM(
@@ -228,6 +258,7 @@ def test_concurrent_streams_generate_exactly_what_the_in_process_engine_does(ser
     ) as llm:
         expected = llm.generate([prompt for prompt, _ in workload], [params for _, params in workload])
 
+    record_launches(served)
     with ThreadPoolExecutor(NUM_STREAMS) as pool:
         streams = list(
             pool.map(
@@ -235,6 +266,12 @@ def test_concurrent_streams_generate_exactly_what_the_in_process_engine_does(ser
                 workload,
             )
         )
+    # Overlapped, the replicas sent steps ahead of their samples (placeholder rows); plain, they never launched.
+    placeholders = launched_placeholder_rows(served)
+    if served.overlapped:
+        assert all(sum(rows) > 0 for rows in placeholders), placeholders
+    else:
+        assert placeholders == [[], []]
 
     replicas = []
     for want, messages in zip(expected, streams, strict=True):
