@@ -36,6 +36,10 @@ class AttentionMetadata:
     * ``block_tables``: int32 ``[num_reqs, max_blocks_per_req]``, padded with 0 (the null block).
     * ``slot_mapping``: int64 ``[num_tokens]``, cache slot of each new token
       (``block_id * block_size + offset_in_block``).
+    * ``captured``: the batch is being captured into a CUDA graph that will replay it
+      over other contexts; the host copies (``seq_lens_cpu``, ``max_seq_len``) are then
+      upper bounds of the replayed contexts, and the device's ``seq_lens`` the real ones.
+      Kernels that plan on the host size each request's share of the work on the device.
     """
 
     query_start_loc: torch.Tensor
@@ -46,6 +50,7 @@ class AttentionMetadata:
     seq_lens_cpu: tuple[int, ...]
     max_query_len: int
     max_seq_len: int
+    captured: bool = False
 
     @property
     def num_reqs(self) -> int:

@@ -164,6 +164,10 @@ class CudaAttentionBackend(AttentionBackend):
             plan.split_tokens,
             plan.num_decode_splits,
             plan.num_prefill_splits,
+            # A captured launch is planned for the longest contexts it may replay; its
+            # split count then cuts each request's real context evenly (the kernels'
+            # split_tokens_of), so a short context still fills as many CTAs.
+            metadata.captured,
         )
 
     def split_plan(

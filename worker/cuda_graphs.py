@@ -19,7 +19,9 @@ first, sharing one memory pool.  A step whose requests each have one new token,
 no more of them than the largest size and no context longer than
 ``max_seq_len`` replays the graph of the smallest size that holds it; any other
 step runs eagerly.  The attention kernels' split plan is fixed at capture for
-contexts up to ``max_seq_len`` (splits past a request's context exit at once).
+contexts up to ``max_seq_len``; each replay cuts every request's real context
+evenly into the captured split count (``AttentionMetadata.captured``), so a step of
+short contexts keeps as many CTAs busy as an eager launch planned for it.
 Logits and sampling run after the replay, outside the graph.
 """
 
@@ -145,7 +147,7 @@ class DecodeGraphs:
         """Attention metadata over the first ``padded_size`` rows of the static buffers.
 
         Its host copies (from which kernels plan their launch) describe ``seq_lens``,
-        or, for a capture, every row at ``max_seq_len``.
+        or, for a capture, every row at ``max_seq_len`` (``captured``: upper bounds).
         """
         host_seq_lens = tuple(seq_lens) if seq_lens is not None else (self.max_seq_len,) * padded_size
         return AttentionMetadata(
@@ -157,6 +159,7 @@ class DecodeGraphs:
             seq_lens_cpu=host_seq_lens,
             max_query_len=1,
             max_seq_len=max(host_seq_lens),
+            captured=seq_lens is None,
         )
 
     def capture(self) -> float:

@@ -22,6 +22,8 @@ constexpr int kMaxDecodeRows = 8;
 constexpr int kMaxSplitTokens = 8192;
 // Splits start on a block boundary for every supported block size.
 constexpr int kSplitTokensMultiple = 64;
+// The smallest split worth a CTA's start-up (kvserve.kernels.cuda_plan.MIN_SPLIT_TOKENS).
+constexpr int kMinSplitTokens = 128;
 
 constexpr bool is_supported_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
 constexpr bool is_supported_block_size(int64_t block_size) { return block_size == 16 || block_size == 32; }
@@ -56,6 +58,12 @@ struct AttentionParams {
   int32_t block_size;
   int32_t max_blocks_per_req;
   int32_t split_tokens;        // context tokens per split, a multiple of kSplitTokensMultiple
+  // 0: every request's splits are split_tokens long.  1: each request's context is cut into
+  // its launch's split count of even splits (split_tokens_of in paged_attention_kernels.cuh),
+  // read from seq_lens on the device: a launch captured in a CUDA graph for long contexts
+  // then keeps as many CTAs busy on short ones as a launch planned for them.  The split
+  // counts must then cover every context in splits of at most kMaxSplitTokens.
+  int32_t even_splits;
   int32_t max_splits;          // max(num_decode_splits, num_prefill_splits)
   int32_t num_decode_splits;   // 0: no request has a single new token
   int32_t num_prefill_splits;  // 0: no request has several new tokens

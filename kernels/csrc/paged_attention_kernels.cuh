@@ -12,9 +12,10 @@
 //   query rows   (token, head) pairs that read the same kv head: the GQA group of one
 //                decode token, or 8 consecutive pairs of a prefill chunk.  Every K/V row a
 //                CTA loads serves all of them.
-//   split        context positions [z * S, (z + 1) * S), S = split_tokens.  A row whose
-//                context fits in one split (position < S) writes its output directly; the
-//                others write an unnormalised partial (acc, max, sum) per split that
+//   split        context positions [z * S, (z + 1) * S), S = split_tokens, or with
+//                even_splits the request's own S (split_tokens_of).  A row whose context
+//                fits in one split (position < S) writes its output directly; the others
+//                write an unnormalised partial (acc, max, sum) per split that
 //                combine_splits_kernel merges.
 //
 // Inside a CTA (4 warps), a "thread group" of head_dim * sizeof(T) / 16 lanes owns one key
@@ -201,6 +202,20 @@ constexpr int min_ctas_per_sm() {
   return kRows <= 4 ? 3 : 2;
 }
 
+// Context positions per split of a request whose context is seq_len tokens (after this
+// step), in the decode launch or the prefill one.  With p.even_splits, the context cut into
+// the launch's split count, rounded up to kSplitTokensMultiple, no smaller than
+// kMinSplitTokens and no larger than kMaxSplitTokens (the shared block-id array's bound; the
+// host guarantees that count * kMaxSplitTokens covers every context).  The attention and
+// combine kernels call it with the same values, so they agree on which rows were split.
+__device__ __forceinline__ int split_tokens_of(const AttentionParams& p, int seq_len, bool decode) {
+  if (!p.even_splits) return p.split_tokens;
+  const int splits = decode ? p.num_decode_splits : p.num_prefill_splits;
+  const int even = (seq_len + splits - 1) / splits;
+  const int rounded = (even + kSplitTokensMultiple - 1) / kSplitTokensMultiple * kSplitTokensMultiple;
+  return min(max(rounded, kMinSplitTokens), kMaxSplitTokens);
+}
+
 // decode: grid (num_kv_heads * head_tiles, num_reqs, splits), the requests with one new
 // token; else grid (prefill tiles, num_kv_heads, splits), the requests with several.
 template <typename T, int kHeadDim, int kBlockSize, int kRows>
@@ -248,8 +263,9 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   const int seq_len = __ldg(p.seq_lens + req);
   // (token, head-in-group) pairs are ordered token-major, so the last row is the latest token.
   const int last_position = seq_len - query_len + (first_pair + num_rows - 1) / group;
-  const int kv_begin = split * p.split_tokens;
-  const int kv_end = min(kv_begin + p.split_tokens, last_position + 1);
+  const int split_tokens = split_tokens_of(p, seq_len, decode);
+  const int kv_begin = split * split_tokens;
+  const int kv_end = min(kv_begin + split_tokens, last_position + 1);
   if (kv_begin >= kv_end) return;
 
   const int tid = threadIdx.x;
@@ -450,7 +466,7 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
       out1 = fmaf(s_acc[w][r][d + 1], factor, out1);
     }
     const int64_t row_index = static_cast<int64_t>(row.token) * p.num_heads + row.head;
-    if (row.position < p.split_tokens) {  // the row's whole context is in this split
+    if (row.position < split_tokens) {  // the row's whole context is in this split
       const float inv_sum = 1.f / sum;
       store_pair(static_cast<T*>(p.out) + row_index * kHeadDim + d, out0 * inv_sum, out1 * inv_sum);
     } else {
@@ -477,8 +493,9 @@ __global__ void __launch_bounds__(kNumThreads) combine_splits_kernel(const Atten
   const int req = find_request_of_token(p.query_start_loc, p.num_reqs, token);
   const int query_start = __ldg(p.query_start_loc + req);
   const int query_len = __ldg(p.query_start_loc + req + 1) - query_start;
-  const int position = __ldg(p.seq_lens + req) - query_len + (token - query_start);
-  const int num_splits = position / p.split_tokens + 1;
+  const int seq_len = __ldg(p.seq_lens + req);
+  const int position = seq_len - query_len + (token - query_start);
+  const int num_splits = position / split_tokens_of(p, seq_len, query_len == 1) + 1;
   if (num_splits == 1) return;  // written by the attention kernel
 
   const int64_t first = (static_cast<int64_t>(token) * p.num_heads + head) * p.max_splits;

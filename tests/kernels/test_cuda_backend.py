@@ -203,6 +203,42 @@ def test_prefill_with_32_token_blocks_and_gqa_8_at_head_dim_128_matches_referenc
     assert_matches_reference(attend(backend, batch), batch)
 
 
+def captured(batch: CudaBatch, bound: int) -> AttentionMetadata:
+    """``batch``'s metadata as a CUDA graph captures it: host copies at the upper bound ``bound``."""
+    meta = batch.metadata
+    return dataclasses.replace(meta, seq_lens_cpu=(bound,) * meta.num_reqs, max_seq_len=bound, captured=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bound", [4096, 8192])
+def test_a_captured_launch_cuts_each_real_context_into_its_planned_splits(backend, bound: int, dtype) -> None:
+    # Planned for contexts of `bound` (up to 43 splits here), read on the device at 1-3,001 tokens.
+    batch = make_batch([(context - 1, 1) for context in DECODE_CONTEXTS], group=4, dtype=dtype, seed=67)
+    meta = captured(batch, bound)
+    assert backend.split_plan(meta, 2, 4, 128).num_decode_splits > 8
+    output = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, meta, batch.scale)
+    assert_matches_reference(output, batch)
+
+
+def test_a_captured_decode_batch_of_64_in_the_benchmarks_shape_matches_reference(backend) -> None:
+    contexts = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(71)).tolist()
+    batch = make_batch([(cached, 1) for cached in contexts], num_kv_heads=8, group=4, dtype=torch.bfloat16, seed=71)
+    output = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, captured(batch, 8192),
+                                     batch.scale)
+    assert_matches_reference(output, batch)
+
+
+@pytest.mark.parametrize("group", [1, 8])
+def test_captured_prefill_rows_on_the_cuda_core_kernel_match_reference(group: int) -> None:
+    from kvserve.kernels.cuda_backend import CudaAttentionBackend
+
+    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=group, dtype=torch.bfloat16, seed=73 + group)
+    output = CudaAttentionBackend(flash_prefill=False).paged_attention(
+        batch.query, batch.key_cache, batch.value_cache, captured(batch, 8192), batch.scale
+    )
+    assert_matches_reference(output, batch)
+
+
 def test_int64_metadata_built_by_hand_gives_the_int32_result(backend) -> None:
     batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=4, dtype=torch.bfloat16, seed=59)
     meta = batch.metadata

@@ -30,6 +30,7 @@ def test_python_constants_match_the_kernel_header() -> None:
     assert cuda_plan.SPLIT_TOKENS_MULTIPLE == constant("kSplitTokensMultiple")
     assert cuda_plan.PREFILL_ROWS == constant("kPrefillRows")
     assert cuda_plan.MAX_DECODE_ROWS == constant("kMaxDecodeRows")
+    assert cuda_plan.MIN_SPLIT_TOKENS == constant("kMinSplitTokens")
 
 
 @pytest.mark.parametrize(("group", "rows"), [(1, 1), (2, 4), (3, 4), (4, 4), (5, 8), (8, 8), (16, 8)])

@@ -131,18 +131,22 @@ def test_a_request_longer_than_the_device_table_is_refused() -> None:
 
 
 @pytest.mark.gpu
-def test_graphed_decode_logits_equal_eager_ones_within_bf16_tolerance(tmp_path) -> None:
+@pytest.mark.parametrize("length", [40, 1500])
+def test_graphed_decode_logits_equal_eager_ones_within_bf16_tolerance(tmp_path, length: int) -> None:
+    # 1,500-token contexts span several of the splits planned at capture for 2,048.
     from kvserve import LLM
     from kvserve.worker.input_batch import DecodeBatch
     from kvserve.worker.tiny_model import create_tiny_model
 
     path = create_tiny_model(tmp_path / "m", "llama", seed=3, head_dim=128, num_attention_heads=8,
                              num_key_value_heads=2, hidden_size=256, intermediate_size=512)
-    with LLM(path, device="cuda", dtype="bfloat16", num_blocks=256, max_num_seqs=16, max_model_len=512) as llm:
+    n, block_size = 5, 16
+    per_req = -(-(length + 1) // block_size)
+    with LLM(path, device="cuda", dtype="bfloat16", num_blocks=512, max_num_seqs=16,
+             max_model_len=2048) as llm:
         worker = llm.engine.executor.worker
         assert worker.decode_graphs is not None and worker.decode_graphs.num_graphs == 5
-        n, length, block_size = 5, 40, 16
-        tables = [list(range(1 + 4 * r, 5 + 4 * r)) for r in range(n)]
+        tables = [list(range(1 + per_req * r, 1 + per_req * (r + 1))) for r in range(n)]
         generator = torch.Generator().manual_seed(0)
         with torch.inference_mode():
             prompt_ids = torch.randint(3, 900, (n * length,), generator=generator).cuda()
@@ -154,8 +158,8 @@ def test_graphed_decode_logits_equal_eager_ones_within_bf16_tolerance(tmp_path) 
                                     build_attention_metadata([1] * n, [length + 1] * n, tables, block_size, "cuda"))
             eager_logits = worker.model.compute_logits(eager)
             rows = np.arange(n, dtype=np.int64)
-            columns = np.tile(np.arange(4), n)
-            worker.input_batch.device_block_table.write(np.repeat(rows, 4), columns,
+            columns = np.tile(np.arange(per_req), n)
+            worker.input_batch.device_block_table.write(np.repeat(rows, per_req), columns,
                                                         np.array(tables, dtype=np.int32).ravel())
             positions = np.full(n, length, dtype=np.int64)
             decode = DecodeBatch(
