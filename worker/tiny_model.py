@@ -24,7 +24,7 @@ import os
 import shutil
 import tempfile
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from functools import lru_cache
@@ -43,6 +43,11 @@ EOS_TOKEN = "</s>"
 TOKENIZER_VOCAB_SIZE = 1000
 DEFAULT_FAMILY = "llama"
 DEFAULT_MODEL_NAME = "tiny-llama"
+# What the default model's directory is written as: raised whenever create_tiny_model
+# writes it differently (2: the chat template), so that a copy cached by an older kvserve
+# is written anew rather than served stale.  Kept in the directory's FORMAT_FILE.
+DEFAULT_MODEL_FORMAT = 2
+FORMAT_FILE = "kvserve-format"
 CACHE_DIR_ENV = "KVSERVE_CACHE_DIR"
 
 # NOTE: the same regex as transformers' Qwen2Tokenizer (see module docstring).
@@ -184,23 +189,39 @@ def ensure_default_tiny_model(cache_dir: str | os.PathLike[str] | None = None) -
     Creation is atomic: the model is written to a temporary sibling directory
     and renamed into place, so concurrent callers never see a partial model.
     When two processes race, one rename wins and the other's copy (identical,
-    since creation is deterministic) is discarded.
+    since creation is deterministic) is discarded.  A copy written by an older
+    kvserve (``DEFAULT_MODEL_FORMAT``) is replaced the same way.
     """
     final_path = default_tiny_model_path(cache_dir)
-    if (final_path / "config.json").is_file():
+    if _is_current_default_model(final_path):
         return final_path
-    with staged_model_directory(final_path) as staging:
+    if (final_path / "config.json").is_file():
+        logger.info("%s was written by an older kvserve; writing it anew", final_path)
+    with staged_model_directory(final_path, is_complete=_is_current_default_model) as staging:
         create_tiny_model(staging, DEFAULT_FAMILY, seed=0)
+        (staging / FORMAT_FILE).write_text(f"{DEFAULT_MODEL_FORMAT}\n", encoding="utf-8")
     return final_path
 
 
+def _is_current_default_model(path: Path) -> bool:
+    try:
+        return (path / FORMAT_FILE).read_text(encoding="utf-8").strip() == str(DEFAULT_MODEL_FORMAT)
+    except OSError:
+        return False
+
+
+def _has_config(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
 @contextmanager
-def staged_model_directory(final_path: Path) -> Iterator[Path]:
+def staged_model_directory(final_path: Path, is_complete: Callable[[Path], bool] = _has_config) -> Iterator[Path]:
     """A temporary sibling of ``final_path`` to write a model into, renamed to ``final_path`` after the block.
 
     Nothing is left behind when the block fails, so no directory looks like a
-    model without being one.  An empty ``final_path`` is replaced; one that
-    holds a model by then (another process renamed its copy first) is kept,
+    model without being one.  A ``final_path`` that is empty, or holds a model
+    that ``is_complete`` refuses (a stale copy), is replaced; one that holds a
+    complete model by then (another process renamed its copy first) is kept,
     and the staged copy discarded.
     """
     final_path.parent.mkdir(parents=True, exist_ok=True)
@@ -212,14 +233,38 @@ def staged_model_directory(final_path: Path) -> Iterator[Path]:
         try:
             os.rename(staging, final_path)
         except OSError:
-            if not (final_path / "config.json").is_file():
+            if is_complete(final_path):
+                return
+            if not final_path.is_dir():
                 raise
+            _replace_directory(final_path, staging, is_complete)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def _replace_directory(final_path: Path, staging: Path, is_complete: Callable[[Path], bool]) -> None:
+    """Put ``staging`` in the place of the stale directory ``final_path``.
+
+    The stale copy is first renamed aside (a process reading it keeps its open
+    files), then removed.  When another process put a complete copy there in
+    between, that one is kept.
+    """
+    aside = Path(tempfile.mkdtemp(prefix=f".{final_path.name}.stale-", dir=final_path.parent))
+    try:
+        with suppress(FileNotFoundError):  # another process moved it first
+            os.rename(final_path, aside / final_path.name)
+        try:
+            os.rename(staging, final_path)
+        except OSError:
+            if not is_complete(final_path):
+                raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
 def ensure_default_tiny_model_at(model_dir: str | os.PathLike[str]) -> None:
-    """Create the default tiny model if ``model_dir`` is this machine's default path and holds none.
+    """Create the default tiny model if ``model_dir`` is this machine's default path and
+    holds none (or a copy written by an older kvserve).
 
     NOTE: ``kvserve serve`` without ``--model`` creates it on its own node and
     passes its path on; a worker on another node (the KubeRay laptop demo's
@@ -228,7 +273,7 @@ def ensure_default_tiny_model_at(model_dir: str | os.PathLike[str]) -> None:
     is deterministic, so the copies are identical.
     """
     path = Path(model_dir).expanduser()
-    if path == default_tiny_model_path() and not (path / "config.json").is_file():
+    if path == default_tiny_model_path() and not _is_current_default_model(path):
         ensure_default_tiny_model()
 
 

@@ -18,6 +18,7 @@ from kvserve.cluster import cli
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tiny_model import (
     FAMILIES,
+    FORMAT_FILE,
     create_tiny_model,
     default_tiny_model_path,
     ensure_default_tiny_model,
@@ -239,7 +240,7 @@ def test_ensure_default_creates_once_and_atomically(monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     path = ensure_default_tiny_model()
     assert path == tmp_path / "models" / "tiny-llama"
-    assert {p.name for p in path.iterdir()} == MODEL_FILES
+    assert {p.name for p in path.iterdir()} == MODEL_FILES | {FORMAT_FILE}
     assert [p.name for p in path.parent.iterdir()] == ["tiny-llama"]  # no temporary directory left
     assert json.loads((path / "config.json").read_text())["model_type"] == "llama"
 
@@ -249,12 +250,31 @@ def test_ensure_default_creates_once_and_atomically(monkeypatch: pytest.MonkeyPa
 
 
 def test_ensure_default_keeps_the_winner_of_a_race(tmp_path: Path) -> None:
-    winner = create_tiny_model(default_tiny_model_path(tmp_path), "llama", seed=0)
+    winner = ensure_default_tiny_model(tmp_path)
     marker = winner / "written-by-winner"
     marker.touch()
     # The loser finds the directory in place before creating anything.
     assert ensure_default_tiny_model(tmp_path) == winner
     assert marker.exists()
+
+
+def test_a_default_model_cached_by_an_older_kvserve_is_written_anew(tmp_path: Path) -> None:
+    # A copy from before the chat template (no format file): the OpenAI chat API refused it.
+    stale = create_tiny_model(default_tiny_model_path(tmp_path), "llama", seed=0)
+    config_path = stale / "tokenizer_config.json"
+    config_path.write_text(json.dumps({k: v for k, v in json.loads(config_path.read_text()).items()
+                                       if k != "chat_template"}))
+    (stale / "left-by-the-old-copy").touch()
+
+    path = ensure_default_tiny_model(tmp_path)
+    assert path == stale
+    assert {p.name for p in path.iterdir()} == MODEL_FILES | {FORMAT_FILE}
+    assert [p.name for p in path.parent.iterdir()] == ["tiny-llama"]  # the stale copy and staging are gone
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<s><|user|>hi\n"
+    mtime_ns = (path / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_tiny_model(tmp_path) == path  # current now: left as it is
+    assert (path / "model.safetensors").stat().st_mtime_ns == mtime_ns
 
 
 def test_a_worker_actor_on_another_node_creates_the_default_model_the_front_end_named(
