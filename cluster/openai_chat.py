@@ -6,6 +6,13 @@ a template writes the ones it wants (``{{ bos_token }}``), and the tokenizer
 adding a BOS of its own would double it.  The token ids then take the same
 pipeline as any completion (``openai_protocol.to_generate_request``).
 
+A message's ``name`` reaches the template as transformers' ``apply_chat_template``
+passes it (``message['name']``, present only when given).  The messages' text
+(contents and names) is bounded by ``--max-prompt-bytes`` before it is
+rendered, as a completion's prompt is.  Without ``max_tokens`` (or
+``max_completion_tokens``) the answer may take the rest of the context, as
+OpenAI's and vLLM's do: it ends at EOS or at ``max_model_len``.
+
 ``logprobs: true`` (and ``top_logprobs: k``) gives each choice
 ``logprobs.content``: per token its text, log-probability, UTF-8 bytes and
 the ``k`` most likely tokens in the same shape.
@@ -15,12 +22,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from kvserve.cluster.frontend import InvalidRequestError
-from kvserve.cluster.openai_protocol import ChoiceOutput, CompletionUsage, SamplingRequest, TokenText
+from kvserve.cluster.openai_protocol import (
+    REQUEST_CONFIG,
+    ChoiceOutput,
+    CompletionUsage,
+    SamplingRequest,
+    TokenText,
+    one_of,
+)
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
 
@@ -31,28 +45,60 @@ NO_TEMPLATE = (
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     type: Literal["text"]
     text: str
 
 
+Content = Annotated[str | list[TextPart], one_of('a string or a list of {"type": "text", "text": ...} parts')]
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    content: Content
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
     """``POST /v1/chat/completions``; ``max_completion_tokens`` is the newer name of ``max_tokens``."""
 
+    # Tools, structured output, audio and reasoning are not implemented: only their neutral values pass.
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingRequest.NEUTRAL_VALUES,
+        "response_format": ({"type": "text"},),
+        "tools": ([],),
+        "tool_choice": ("none", "auto"),
+        "functions": ([],),
+        "function_call": ("none", "auto"),
+        "modalities": (["text"],),
+        "audio": (),
+        "prediction": (),
+        "reasoning_effort": (),
+        "web_search_options": (),
+        "verbosity": ("medium",),
+    }
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Without tools, whether they may be called in parallel changes nothing.
+    parallel_tool_calls: bool | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    verbosity: Any = None
 
     @property
     def num_logprobs(self) -> int | None:
@@ -68,11 +114,37 @@ class ChatCompletionRequest(SamplingRequest):
         return self.top_logprobs or 0
 
     @property
+    def max_tokens_field(self) -> str:
+        """The name the request gave its limit of output tokens by, for errors about it."""
+        only_new_name = self.max_tokens is None and self.max_completion_tokens is not None
+        return "max_completion_tokens" if only_new_name else "max_tokens"
+
+    @property
     def output_limit(self) -> int | None:
+        """The limit of output tokens the request gives (``None``: none, the rest of the context)."""
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             if self.max_tokens != self.max_completion_tokens:
                 raise InvalidRequestError("max_completion_tokens: differs from max_tokens; give one of them")
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def rest_of_context(num_prompt_tokens: int, max_model_len: int) -> int:
+    """The output limit of an answer that gives none: the context left after its prompt."""
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidRequestError(
+            f"messages: the conversation renders to {num_prompt_tokens} tokens, which leaves no room for an "
+            f"answer in max_model_len {max_model_len}"
+        )
+    return max_model_len - num_prompt_tokens
+
+
+def check_text_bytes(messages: list[ChatMessage], max_prompt_bytes: int) -> None:
+    """``InvalidRequestError`` when the messages' text (contents and names) is over ``max_prompt_bytes``."""
+    num_bytes = sum(len(_text(m.content).encode()) + len((m.name or "").encode()) for m in messages)
+    if num_bytes > max_prompt_bytes:
+        raise InvalidRequestError(
+            f"messages: {num_bytes} bytes of text, over the limit of {max_prompt_bytes} (max_prompt_bytes)"
+        )
 
 
 def render_prompt(tokenizer: Any | None, template: str | None, messages: list[ChatMessage]) -> list[int]:
@@ -85,7 +157,7 @@ def render_prompt(tokenizer: Any | None, template: str | None, messages: list[Ch
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError(NO_TEMPLATE)
-    conversation = [{"role": m.role, "content": _text(m.content)} for m in messages]
+    conversation = [_template_message(m) for m in messages]
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False, add_generation_prompt=True
@@ -93,6 +165,14 @@ def render_prompt(tokenizer: Any | None, template: str | None, messages: list[Ch
     except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception in a template) and type errors
         raise InvalidRequestError(f"messages: the chat template refused them: {exc}") from None
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _template_message(message: ChatMessage) -> dict[str, str]:
+    """``message`` as transformers gives it to a template: ``name`` only when the message has one."""
+    rendered = {"role": message.role, "content": _text(message.content)}
+    if message.name is not None:
+        rendered["name"] = message.name
+    return rendered
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -159,7 +239,8 @@ class ChatCompletion(BaseModel):
 
 
 class ChatDelta(BaseModel):
-    role: Literal["assistant"] | None = None
+    # NOTE: left out of the chunks after a choice's first, as OpenAI's are, not sent as null.
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=lambda role: role is None)
     content: str | None = None
 
 

@@ -15,8 +15,11 @@ Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
 ``cache_salt`` and ``stop_token_ids``.  ``stop`` strings are matched on the
 detokenized text by the shared pipeline and never sent.  OpenAI fields that kvserve does not
 implement yet are refused with a 400 naming them unless they have their
-neutral value (``echo`` false, penalties 0, ...), so that a client
-never gets silently different semantics.
+neutral value (``echo`` false, penalties 0, ``response_format`` text, no
+``tools``, ...), so that a client never gets silently different semantics;
+unknown fields are refused too.  Types are strict, as OpenAI's are
+(``"max_tokens": "5"`` or ``true`` is a 400), and an explicit ``null`` is
+the default of any field that has one, as OpenAI's nullable fields are.
 
 ``n`` choices are ``n`` requests of the pipeline (``to_generate_requests``):
 choice ``i`` samples with ``seed + i``, so each choice is reproducible and the
@@ -27,12 +30,22 @@ A batch of prompts is refused, with ``n`` or without.
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from kvserve.cluster.frontend import InvalidRequestError
 from kvserve.proto import generate_pb2
@@ -49,17 +62,53 @@ MAX_CHOICES = 16
 _MAX_SEED = 2**63 - 1  # the gRPC API's int64
 
 
+# Requests are validated strictly: OpenAI refuses "5" or true for an integer, and so does kvserve.
+REQUEST_CONFIG = ConfigDict(extra="forbid", strict=True)
+
+
+def one_of(what: str) -> WrapValidator:
+    """A union type's refusal in one sentence (``prompt: must be ...``), not one per branch named by its type
+    (``prompt.str: Input should be a valid string``)."""
+
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:
+            raise PydanticCustomError("one_of", "must be {what}", {"what": what}) from None
+
+    return WrapValidator(validate)
+
+
+Prompt = Annotated[
+    str | list[int] | list[str] | list[list[int]],
+    one_of("a string, a list of token ids (integers), or a list of one of those"),
+]
+Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = REQUEST_CONFIG
 
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """The fields that completions and chat completions share; unknown fields are refused (a typo would
-    otherwise change nothing)."""
+    otherwise change nothing).
 
-    model_config = ConfigDict(extra="forbid")
+    ``NEUTRAL_VALUES``: each field that kvserve accepts but does not implement, and the values that ask
+    for nothing it lacks; any other value is refused (``unsupported_fields``).
+    """
+
+    model_config = REQUEST_CONFIG
+
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "presence_penalty": (0,),
+        "frequency_penalty": (0,),
+        "logit_bias": ({},),
+        "store": (False,),
+        "service_tier": ("auto", "default"),
+    }
 
     model: str
     temperature: float | None = None
@@ -67,49 +116,76 @@ class SamplingRequest(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
-    stop: str | list[str] | None = None
+    stop: Stop | None = None
     n: int = 1
-    # Neutral values only, for now.
+    # Accepted, and without effect on the answer.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Neutral values only, for now (``NEUTRAL_VALUES``).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+    store: bool = False
+    service_tier: Any = None
     # kvserve's extras.
     top_k: int | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
     stop_token_ids: list[int] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """An explicit ``null`` for a field with a default is that default (OpenAI's nullable fields)."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            name: value for name, value in data.items()
+            if value is not None or name not in fields or fields[name].is_required()
+        }
+
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def unsupported_fields(self) -> dict[str, bool]:
-        """Each field kvserve does not implement yet, and whether this request sets it."""
-        return {
-            "presence_penalty": self.presence_penalty != 0,
-            "frequency_penalty": self.frequency_penalty != 0,
-            "logit_bias": bool(self.logit_bias),
-        }
+    def unsupported_fields(self) -> dict[str, str]:
+        """Each field kvserve does not implement that this request sets to a value other than a neutral one,
+        with what to do instead (``leave it out or send "auto"``)."""
+        refused = {}
+        for name, neutral in self.NEUTRAL_VALUES.items():
+            value = getattr(self, name)
+            if value is not None and not any(_same_json(value, allowed) for allowed in neutral):
+                spelled = " or ".join(json.dumps(allowed) for allowed in neutral)
+                refused[name] = f"leave it out or send {spelled}" if spelled else "leave it out"
+        return refused
+
+
+def _same_json(value: Any, neutral: Any) -> bool:
+    """Whether ``value`` is ``neutral`` as JSON values compare (``false`` is not ``0``)."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return value is neutral
+    return value == neutral
 
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        **SamplingRequest.NEUTRAL_VALUES,
+        "best_of": (1,),
+        "echo": (False,),
+        "suffix": ("",),
+    }
+
+    prompt: Prompt
     max_tokens: int | None = DEFAULT_MAX_TOKENS
     best_of: int | None = None
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
-
-    def unsupported_fields(self) -> dict[str, bool]:
-        return {
-            **super().unsupported_fields(),
-            "best_of": self.best_of not in (None, 1),
-            "echo": self.echo,
-            "suffix": bool(self.suffix),
-        }
 
 
 class PromptTokensDetails(BaseModel):
@@ -218,9 +294,8 @@ def _to_generate_request(
     max_tokens: int | None,
     logprobs: int | None,
 ) -> generate_pb2.GenerateRequest:
-    for name, used in request.unsupported_fields().items():
-        if used:
-            raise InvalidRequestError(f"{name}: not supported by kvserve yet; leave it out or at its default")
+    for name, instead in request.unsupported_fields().items():
+        raise InvalidRequestError(f"{name}: kvserve does not support this field yet; {instead}")
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError("stream_options: only allowed with stream: true")
     generate = generate_pb2.GenerateRequest()

@@ -1,0 +1,235 @@
+"""One OpenAI API answer: the choices' pipelines read into a whole completion, or into
+server-sent events.
+
+A request for ``n`` choices is ``n`` requests of the front end's pipeline, read
+together (``openai_choices``): a streamed answer interleaves their chunks, each
+naming its choice's ``index`` and ending with its own finish reason; the usage
+chunk comes once every choice has ended.  A client that disconnects aborts its
+requests, which frees their blocks, as a cancelled gRPC call does; so does an
+error in one of its choices.  How each endpoint's answers look is its
+``ResponseShape``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel
+
+from kvserve.cluster.frontend import Frontend, FrontendError
+from kvserve.cluster.openai_choices import interleave
+from kvserve.cluster.openai_errors import COMPLETION_FIELDS, FieldNames, error_type, frontend_error_response
+from kvserve.cluster.openai_kept_tokens import KeptTokens, kept_tokens
+from kvserve.cluster.openai_protocol import ChoiceOutput, CompletionUsage, error_body, finish_reason, to_usage
+from kvserve.proto import generate_pb2
+
+logger = logging.getLogger(__name__)
+
+# Set in a request's state once its pipelines measure it (``respond``): the refusals before are counted apart.
+MEASURED = "measured"
+
+
+class LogprobsEncoder(Protocol):
+    """One completion's logprobs in an endpoint's shape, one message after another."""
+
+    def encode(self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs]) -> BaseModel: ...
+
+
+class ResponseShape(Protocol):
+    """How one endpoint's answers look: the whole completion of its choices, a choice's chunk (``None``: send
+    none), the usage chunk, and the logprobs (of the requests that ask), encoded by a new
+    ``logprobs_encoder()`` per choice."""
+
+    def logprobs_encoder(self) -> LogprobsEncoder: ...
+
+    def whole(self, request_id: str, choices: Sequence[ChoiceOutput], usage: CompletionUsage) -> BaseModel: ...
+
+    def chunk(
+        self, request_id: str, created: int, index: int, text: str, reason: str | None, first: bool,
+        logprobs: BaseModel | None,
+    ) -> BaseModel | None: ...
+
+    def usage_chunk(self, request_id: str, created: int, usage: CompletionUsage) -> BaseModel: ...
+
+
+async def respond(
+    frontend: Frontend,
+    request_id: str,
+    generates: Sequence[generate_pb2.GenerateRequest],
+    shape: ResponseShape,
+    *,
+    stream: bool,
+    include_usage: bool,
+    request: Request,
+    fields: FieldNames = COMPLETION_FIELDS,
+) -> Response:
+    """The completion of ``generates`` (one request per choice) through the front end's pipeline, whole or as
+    server-sent events; ``request_id`` names the completion.  Measured as one request, whatever its ``n``.
+    Errors name the fields as the request did (``fields``)."""
+    setattr(request.state, MEASURED, True)
+    pipelines = [frontend.responses(generate, tenant=request.state.tenant, measured=False) for generate in generates]
+    choices = frontend.metrics.track_choices(interleave(pipelines), len(generates))
+    kept = [kept_tokens(generate, frontend.tokenizer) for generate in generates]
+    if stream:
+        return await _stream(request_id, choices, kept, shape, include_usage, fields)
+    return await _complete(request_id, choices, kept, shape, request, fields)
+
+
+def _tokens_to_send(
+    response: generate_pb2.GenerateResponse, kept: KeptTokens | None
+) -> tuple[Sequence[int], Sequence[generate_pb2.TokenLogprobs]]:
+    """The token ids and logprobs of ``response`` to send: those that its text keeps (``openai_kept_tokens``);
+    none when its choice asks for no logprobs."""
+    if kept is None:
+        return response.token_ids, response.logprobs
+    return kept.add(response)
+
+
+async def _complete(
+    request_id: str,
+    choices: AsyncIterator[tuple[int, generate_pb2.GenerateResponse]],
+    kept: Sequence[KeptTokens | None],
+    shape: ResponseShape,
+    request: Request,
+    fields: FieldNames,
+) -> Response:
+    """The whole completion, or an error; the requests are aborted if the client leaves first."""
+    collecting = asyncio.ensure_future(_collect(choices, kept))
+    watching = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait((collecting, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watching.cancel()
+        if not collecting.done():
+            collecting.cancel()  # the client left: closing the pipelines aborts the requests
+    try:
+        collected = await collecting
+    except asyncio.CancelledError:
+        logger.debug("a client left before its completion: aborted its requests")
+        return Response(status_code=499)
+    except FrontendError as exc:
+        return frontend_error_response(exc, fields)
+    outputs = [
+        ChoiceOutput(
+            "".join(choice.texts),
+            finish_reason(choice.last),
+            # A choice that asks for logprobs gets them, empty when a stop string cut all its text.
+            shape.logprobs_encoder().encode(choice.token_ids, choice.logprobs)
+            if choice.logprobs or kept_of_choice is not None else None,
+        )
+        for choice, kept_of_choice in zip(collected, kept, strict=True)
+    ]
+    whole = shape.whole(request_id, outputs, to_usage([choice.last for choice in collected]))
+    return Response(whole.model_dump_json(), media_type="application/json")
+
+
+@dataclass(slots=True)
+class _Collected:
+    """One choice's messages: the texts of all, the token ids and logprobs of those that carry logprobs."""
+
+    texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[generate_pb2.TokenLogprobs] = field(default_factory=list)
+    last: generate_pb2.GenerateResponse | None = None
+
+
+async def _collect(
+    choices: AsyncIterator[tuple[int, generate_pb2.GenerateResponse]], kept: Sequence[KeptTokens | None]
+) -> list[_Collected]:
+    """Every choice's messages, in index order."""
+    collected = [_Collected() for _ in kept]
+    async with aclosing(choices):
+        async for index, response in choices:
+            choice = collected[index]
+            choice.texts.append(response.text)
+            token_ids, logprobs = _tokens_to_send(response, kept[index])
+            if logprobs:
+                choice.token_ids.extend(token_ids)
+                choice.logprobs.extend(logprobs)
+            choice.last = response
+    if any(choice.last is None for choice in collected):  # a pipeline always ends with its last message, or raises
+        raise RuntimeError("a request ended without a response")
+    return collected
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # NOTE: with the body read, the server's next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(
+    request_id: str,
+    choices: AsyncIterator[tuple[int, generate_pb2.GenerateResponse]],
+    kept: Sequence[KeptTokens | None],
+    shape: ResponseShape,
+    include_usage: bool,
+    fields: FieldNames,
+) -> Response:
+    """Server-sent events; errors found before the first token are answered with their HTTP status.
+
+    NOTE: the choices are admitted or refused (429) as they start, before any of them can have a token
+    (but for a text prompt long enough to be tokenized in a thread), so a refused choice gets its status too.
+    """
+    try:
+        first = await anext(choices)
+    except FrontendError as exc:
+        return frontend_error_response(exc, fields)
+    except BaseException:
+        await choices.aclose()
+        raise
+    return StreamingResponse(
+        _events(request_id, first, choices, kept, shape, include_usage),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+async def _events(
+    request_id: str,
+    first: tuple[int, generate_pb2.GenerateResponse],
+    choices: AsyncIterator[tuple[int, generate_pb2.GenerateResponse]],
+    kept: Sequence[KeptTokens | None],
+    shape: ResponseShape,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    num_choices = len(kept)
+    encoders = [shape.logprobs_encoder() for _ in range(num_choices)]
+    started = [False] * num_choices
+    lasts: dict[int, generate_pb2.GenerateResponse] = {}  # each ended choice's last message
+    async with aclosing(choices):
+        index, response = first
+        try:
+            while True:
+                reason = finish_reason(response)
+                token_ids, token_logprobs = _tokens_to_send(response, kept[index])
+                logprobs = encoders[index].encode(token_ids, token_logprobs) if token_logprobs else None
+                chunk = shape.chunk(request_id, created, index, response.text, reason, not started[index], logprobs)
+                started[index] = True
+                if chunk is not None:
+                    yield f"data: {chunk.model_dump_json()}\n\n"
+                if reason is not None:
+                    lasts[index] = response
+                    if len(lasts) == num_choices:
+                        if include_usage:
+                            usage = to_usage([lasts[i] for i in range(num_choices)])
+                            yield f"data: {shape.usage_chunk(request_id, created, usage).model_dump_json()}\n\n"
+                        break
+                index, response = await anext(choices)
+        except StopAsyncIteration:  # the pipelines always end with a finish reason, or raise
+            pass
+        except FrontendError as exc:
+            status = exc.http_status
+            body = error_body(str(exc), type_=error_type(status, "internal_error"), code=str(status))
+            yield f"data: {json.dumps(body)}\n\n"
+    yield "data: [DONE]\n\n"
