@@ -72,15 +72,16 @@ class RequestConversion:
                 raise InvalidRequestError("text is empty")
             if self._tokenizer is None:
                 raise InvalidRequestError("text prompts need a tokenizer and this model has none: send token_ids")
-            if self._max_text_chars is not None and len(request.text) > self._max_text_chars:
-                raise InvalidRequestError(
-                    f"text: {len(request.text)} characters are far more than max_model_len "
-                    f"{model.max_model_len} tokens can hold"
-                )
+            # The operator's limit first, so that its refusal names it; both checks are cheap.
             num_bytes = len(request.text.encode())
             if num_bytes > limits.max_prompt_bytes:
                 raise InvalidRequestError(
                     f"text: {num_bytes} bytes, over the limit of {limits.max_prompt_bytes} (max_prompt_bytes)"
+                )
+            if self._max_text_chars is not None and len(request.text) > self._max_text_chars:
+                raise InvalidRequestError(
+                    f"text: {len(request.text)} characters are far more than max_model_len "
+                    f"{model.max_model_len} tokens can hold"
                 )
             prompt_token_ids = list(self._tokenizer(request.text)["input_ids"])
             if not prompt_token_ids:
@@ -94,7 +95,8 @@ class RequestConversion:
             # message of ids took the event loop 84 ms to copy).
             if num_ids >= model.max_model_len:
                 raise InvalidRequestError(
-                    f"token_ids: the prompt has {num_ids} tokens; max_model_len is {model.max_model_len}"
+                    f"token_ids: the prompt has {num_ids} tokens; max_model_len is {model.max_model_len}, "
+                    "which leaves no room for output"
                 )
             if limits.max_prompt_tokens is not None and num_ids > limits.max_prompt_tokens:
                 raise InvalidRequestError(
@@ -118,7 +120,8 @@ class RequestConversion:
             field = "text" if kind == "text" else "token_ids"
             if num_prompt_tokens >= model.max_model_len:
                 raise InvalidRequestError(
-                    f"{field}: the prompt has {num_prompt_tokens} tokens; max_model_len is {model.max_model_len}"
+                    f"{field}: the prompt has {num_prompt_tokens} tokens; max_model_len is {model.max_model_len}, "
+                    "which leaves no room for output"
                 )
             default = "" if request.sampling_params.HasField("max_tokens") else " (the default)"
             raise InvalidRequestError(
