@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvserve.cluster.cli_config_file import expand_config_file
+from kvserve.cluster.cli_config_file import parse_args_with_config_file
 from kvserve.cluster.cli_generate import add_generate_parser
 from kvserve.cluster.cli_serve import add_serve_parser
 
@@ -45,11 +45,10 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        argv = expand_config_file(_subcommand_parser(parser, "serve"), argv, "serve")
+        args = parse_args_with_config_file(parser, _subcommand_parser(parser, "serve"), argv, "serve")
     except ValueError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
-    args = parser.parse_args(argv)
     logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.handler(args)
 

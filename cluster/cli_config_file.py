@@ -9,34 +9,79 @@ dashes in front (``max-num-seqs``; ``max_num_seqs`` works too)::
     routing-arg: [cache_threshold=0.5]   # a repeatable flag takes a list
     simulated: true                       # a switch: true to set it
 
-It is read as the flags it stands for, placed before those of the command
-line, so the command line wins where both set a value, and every value is
-parsed and checked exactly as the flag's own.
+Each value is parsed and checked exactly as the flag's own.  A setting that the
+command line sets is taken from the command line: ``--no-http`` there turns off
+the file's ``http-port`` and ``--http-port`` there the file's ``no-http``, and a
+repeatable flag there replaces the file's whole list.  Flags that exclude each
+other are an error only when given together in one place.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 CONFIG_FLAG = "--config"
 
 
-def expand_config_file(subparser: argparse.ArgumentParser, argv: Sequence[str], command: str) -> list[str]:
-    """``argv`` with the flags of ``command``'s ``--config FILE`` put in place of it.
+def parse_args_with_config_file(
+    parser: argparse.ArgumentParser, subparser: argparse.ArgumentParser, argv: Sequence[str], command: str
+) -> argparse.Namespace:
+    """``parser.parse_args(argv)``, with the settings of ``command``'s ``--config FILE`` where
+    the command line does not set them (``subparser``: ``command``'s parser).
 
-    ``ValueError`` for a file that cannot be read, is not a mapping, or names
-    an unknown flag (the message says which).
+    ``ValueError`` for a file that cannot be read, is not a mapping, names an
+    unknown flag or gives a bad value (the message names the file).
     """
     argv = list(argv)
     if command not in argv:
-        return argv
+        return parser.parse_args(argv)
     start = argv.index(command) + 1
-    path, rest = _take_config_flag(argv[start:])
+    path, own_args = _take_config_flag(argv[start:])
     if path is None:
-        return argv
-    return [*argv[:start], *config_file_args(subparser, Path(path)), *rest]
+        return parser.parse_args(argv)
+    from_file = config_file_settings(subparser, Path(path))
+    args = parser.parse_args([*argv[:start], *own_args])
+    # NOTE: the command line is parsed as if there were no file (so that two flags that exclude
+    # each other are refused only when both are there), then the file fills in what it left unset.
+    given = _settings_given(subparser, own_args, on_error=parser.error)
+    for dest, value in from_file.items():
+        if dest not in given:
+            setattr(args, dest, value)
+    return args
+
+
+def config_file_settings(subparser: argparse.ArgumentParser, path: Path) -> dict[str, Any]:
+    """The settings (``dest`` -> parsed value) that the flags of ``path`` set, and only those."""
+
+    def fail(message: str) -> NoReturn:
+        raise ValueError(f"{CONFIG_FLAG} {path}: {message}")
+
+    return _settings_given(subparser, config_file_args(subparser, path), on_error=fail)
+
+
+def _settings_given(
+    parser: argparse.ArgumentParser, args: list[str], on_error: Callable[[str], NoReturn]
+) -> dict[str, Any]:
+    """The settings (``dest`` -> value) that the flags in ``args`` set, parsed by ``parser``; its
+    defaults left out.  ``on_error(message)`` for a bad flag or value, in place of argparse's exit."""
+    actions = parser._actions  # noqa: SLF001 - argparse has no public list of a parser's options
+    defaults = [action.default for action in actions]
+    # NOTE: argparse fills in only the defaults that are not suppressed, so with all of them
+    # suppressed the namespace holds just what ``args`` set.
+    for action in actions:
+        action.default = argparse.SUPPRESS
+    parser.error = on_error  # type: ignore[method-assign]
+    try:
+        namespace = parser.parse_args(args)
+    finally:
+        del parser.error
+        for action, default in zip(actions, defaults, strict=True):
+            action.default = default
+    dests = {action.dest for action in actions}
+    return {dest: value for dest, value in vars(namespace).items() if dest in dests}
 
 
 def config_file_args(subparser: argparse.ArgumentParser, path: Path) -> list[str]:
@@ -79,10 +124,11 @@ def _flag_args(flag: str, action: argparse.Action, value: object, path: Path) ->
     if isinstance(value, list):
         if not isinstance(action, argparse._AppendAction):  # noqa: SLF001
             raise ValueError(f"{CONFIG_FLAG} {path}: {flag[2:]} takes one value, got a list")
-        return [arg for item in value for arg in (flag, _scalar(item))]
+        return [f"{flag}={_scalar(item)}" for item in value]
     if isinstance(value, dict) or value is None:
         raise ValueError(f"{CONFIG_FLAG} {path}: {flag[2:]} needs a value, got {value!r}")
-    return [flag, _scalar(value)]
+    # NOTE: FLAG=VALUE, so that a value that starts with a dash is not read as a flag.
+    return [f"{flag}={_scalar(value)}"]
 
 
 def _scalar(value: object) -> str:

@@ -4,13 +4,34 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from pathlib import Path
 
+from kvserve.cluster.cli_values import check_utf8
 from kvserve.cluster.host_port import split_host_port
 
 # gRPC's name resolvers: a target that starts with one is not HOST:PORT.
 _GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
+# The request's fields that the server's errors start with -> the arguments that set them.
+_ARGUMENT_OF_FIELD = {
+    "text": "PROMPT",
+    "prompt": "PROMPT",
+    "cache_salt": "--cache-salt",
+    "max_tokens": "--max-tokens",
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "seed": "--seed",
+    "stop": "--stop",
+}
+_SERVER_FLAG_OF_LIMIT = {
+    "max_prompt_bytes": "the server's --max-prompt-bytes",
+    "max_prompt_tokens": "the server's --max-prompt-tokens",
+    "max_cache_salt_bytes": "the server's --max-cache-salt-bytes",
+}
+# Names that are only ever a field's or a limit's, wherever they stand in an error.
+_NAMES_IN_ERRORS = re.compile(r"\b(max_tokens|top_p|top_k|cache_salt|" + "|".join(_SERVER_FLAG_OF_LIMIT) + r")\b")
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -76,14 +97,32 @@ def _first_token(path: Path | None) -> str | None:
     if path is None:
         return None
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--auth-token-file: cannot read {path}: {exc}") from None
+        text = _read_file(path, "--auth-token-file").decode()
+    except UnicodeDecodeError:
+        raise ValueError(f"--auth-token-file: {path} is not UTF-8 text") from None
     for line in text.splitlines():
         fields = line.split("#", 1)[0].split()
         if fields:
+            # NOTE: an HTTP/2 header value; the client refuses any other token with a ValueError.
+            if not (fields[0].isascii() and fields[0].isprintable()):
+                raise ValueError(f"--auth-token-file: {path}: the token is not printable ASCII text")
             return fields[0]
     raise ValueError(f"--auth-token-file: {path} holds no token")
+
+
+def _tls_ca(path: Path | None) -> Path | None:
+    """``--tls-ca``'s file, checked to be readable and to hold a PEM certificate."""
+    if path is not None and b"-----BEGIN CERTIFICATE-----" not in _read_file(path, "--tls-ca"):
+        raise ValueError(f"--tls-ca: {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    return path
+
+
+def _read_file(path: Path, flag: str) -> bytes:
+    """The bytes of ``flag``'s file; ``ValueError`` naming the flag when it cannot be read."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _target(text: str) -> str:
@@ -145,22 +184,30 @@ def _generate(args: argparse.Namespace) -> int:
     names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
     sampling = {name: getattr(args, name) for name in names}
     try:
+        texts = [("PROMPT", args.prompt), ("--target", args.target), ("--cache-salt", args.cache_salt)]
+        for name, text in [*texts, *(("--stop", stop) for stop in args.stop or ())]:
+            check_utf8(text, name)
         token = _first_token(args.auth_token_file)
+        tls_ca = _tls_ca(args.tls_ca)
     except ValueError as exc:
         print(f"kvserve generate: error: {exc}", file=sys.stderr)
         return 2
-    with Client(args.target, token=token, tls_ca=args.tls_ca) as client:
+    with Client(args.target, token=token, tls_ca=tls_ca) as client:
         last = None
+        printed = False  # any text on stdout, whose line an error or the end must finish
         try:
             for delta in client.stream(
                 args.prompt, timeout=args.timeout, ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, **sampling
             ):
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
+                printed = printed or bool(delta.text)
                 last = delta
         except RequestError as exc:
-            print(file=sys.stdout if last is not None else sys.stderr)
-            print(f"kvserve generate: error: {exc.code}: {exc.message}", file=sys.stderr)
+            if printed:
+                print()
+            message = in_argument_terms(exc.message) if exc.code == "INVALID_ARGUMENT" else exc.message
+            print(f"kvserve generate: error: {exc.code}: {message}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print()
@@ -169,8 +216,25 @@ def _generate(args: argparse.Namespace) -> int:
     if last is not None and last.usage is not None:
         usage = last.usage
         print(
-            f"[{last.finish_reason}] prompt {usage.prompt_tokens} tokens ({usage.cached_prompt_tokens} cached), "
-            f"completion {usage.completion_tokens} tokens, replica {last.replica}",
+            f"[{last.finish_reason}] prompt {_tokens(usage.prompt_tokens)} ({usage.cached_prompt_tokens} cached), "
+            f"completion {_tokens(usage.completion_tokens)}, replica {last.replica}",
             file=sys.stderr,
         )
     return 0
+
+
+def _tokens(count: int) -> str:
+    return f"{count} token" if count == 1 else f"{count} tokens"
+
+
+def in_argument_terms(message: str) -> str:
+    """A server's refusal with the request's field names as ``generate``'s arguments:
+    ``sampling_params.top_p must be in (0, 1]`` -> ``--top-p must be in (0, 1]``."""
+    message = message.replace("sampling_params.", "")
+    field, space, rest = message.partition(" ")
+    name = field.removesuffix(":")
+    if name in _ARGUMENT_OF_FIELD:
+        message = f"{_ARGUMENT_OF_FIELD[name]}{field[len(name):]}{space}{rest}"
+    return _NAMES_IN_ERRORS.sub(
+        lambda match: _SERVER_FLAG_OF_LIMIT.get(match[1]) or _ARGUMENT_OF_FIELD[match[1]], message
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import math
 import os
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvserve.cluster.cli_values import add_cost_model_flag, cost_model_of_flag, key_value
+from kvserve.cluster.cli_values import add_cost_model_flag, check_utf8, cost_model_of_flag, key_value
 from kvserve.cluster.request_limits import (
     DEFAULT_MAX_CACHE_SALT_BYTES,
     DEFAULT_MAX_PROMPT_BYTES,
@@ -36,6 +37,9 @@ _WORKER_CPU_RESOURCE = "kvserve_worker_slot"
 # NOTE: kvserve.worker.worker.DEFAULT_CPU_KV_CACHE_BYTES in MiB, for the same
 # reason (a test keeps the two equal).
 _CPU_KV_CACHE_MIB = 512
+# NOTE: the shortest token kvserve.cluster.auth.TokenTable accepts, for the same reason
+# (a test keeps the two equal).
+_MIN_AUTH_TOKEN_CHARS = 16
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -57,7 +61,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--config", metavar="FILE.yaml", type=Path, default=None,
         help="read flags from a YAML mapping of long flag names (without the dashes) to values; "
-        "flags on the command line override it",
+        "flags on the command line override it (--no-http the file's http-port, --http-port its no-http, "
+        "a repeatable flag its whole list)",
     )
     parser.add_argument(
         "--model", metavar="DIR", type=Path, default=None,
@@ -137,7 +142,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     security.add_argument(
         "--auth-token-file", type=Path, default=None, metavar="FILE",
         help="require 'authorization: Bearer <token>' on every call but health: one token per line, optionally "
-        "'token tenant-name'; each tenant gets a prefix cache of its own (default: no authentication; "
+        f"'token tenant-name', each token at least {_MIN_AUTH_TOKEN_CHARS} characters long (e.g. from "
+        "`openssl rand -hex 24`); each tenant gets a prefix cache of its own (default: no authentication; "
         "binding a non-loopback --host without it logs a warning)",
     )
     security.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
@@ -224,11 +230,17 @@ def _routing_arg(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _routing_args(pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+def _routing_args(routing: str, pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+    """``--routing-arg``'s pairs as the keyword arguments of the policy ``routing``; ``ValueError``
+    for a key given twice or one the policy does not take (naming those it takes)."""
+    accepted = tuple(inspect.signature(POLICIES[routing]).parameters)
     routing_args: dict[str, Any] = {}
     for key, value in pairs:
         if key in routing_args:
             raise ValueError(f"--routing-arg {key} is given more than once")
+        if key not in accepted:
+            takes = f"takes {', '.join(accepted)}" if accepted else "takes no arguments"
+            raise ValueError(f"--routing-arg {key}: the routing policy {routing} has no argument {key!r}; it {takes}")
         routing_args[key] = value
     return routing_args
 
@@ -250,7 +262,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvserve serve: {line}", flush=True)
 
     try:
+        check_utf8(args.host, "--host")
         if args.address is not None:
+            check_utf8(args.address, "--address")
             from kvserve.cluster.ray_address import parse_gcs_address
 
             try:
@@ -302,7 +316,7 @@ def run_serve(args: argparse.Namespace) -> int:
         config = ClusterConfig(
             EngineConfig.from_kwargs(str(model_dir), **{k: v for k, v in settings.items() if v is not None}),
             routing=args.routing,
-            routing_args=_routing_args(args.routing_args),
+            routing_args=_routing_args(args.routing, args.routing_args),
             placement_timeout_s=_placement_timeout(args),
             simulation=simulation,
         )
@@ -441,11 +455,13 @@ def _flags_of_settings(parser: argparse.ArgumentParser) -> dict[str, str]:
 
 
 def _in_flag_terms(error: Exception, flags: dict[str, str]) -> str:
-    """``error``'s message with a leading settings field replaced by the flag that sets it."""
+    """``error``'s message with a leading settings field (``field ...`` or ``field: ...``)
+    replaced by the flag that sets it."""
     message = str(error)
     field, space, rest = message.partition(" ")
-    flag = flags.get(field)
-    return f"{flag}{space}{rest}" if flag else message
+    name = field.removesuffix(":")
+    flag = flags.get(name)
+    return f"{flag}{field[len(name):]}{space}{rest}" if flag else message
 
 
 

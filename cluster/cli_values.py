@@ -1,6 +1,6 @@
 """What more than one subcommand reads the same way: the values of ``KEY=VALUE`` settings
 (``kvserve serve --routing-arg``, ``kvserve experiment --policy-arg`` and ``--workload-arg``),
-and ``--cost-model`` (``serve --simulated``, ``experiment``)."""
+``--cost-model`` (``serve --simulated``, ``experiment``), and text that must be UTF-8."""
 
 from __future__ import annotations
 
@@ -10,6 +10,21 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.scheduler.cost_model import StepCostModel
+
+
+def check_utf8(text: str, name: str) -> None:
+    """``ValueError`` naming the argument ``name`` unless ``text`` is valid UTF-8.
+
+    NOTE: Python decodes the command line with ``surrogateescape``: each byte that is not
+    UTF-8 becomes a lone surrogate, which protobuf, the tokenizer and the sockets refuse
+    later with a traceback.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raw = text.encode("utf-8", "surrogateescape")
+        offset = len(text[: exc.start].encode("utf-8", "surrogateescape"))
+        raise ValueError(f"{name} is not valid UTF-8 text (byte 0x{raw[offset]:02x} at offset {offset})") from None
 
 
 def setting_value(text: str) -> Any:
