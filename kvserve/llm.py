@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,10 +14,10 @@ from typing import Any
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
-from kvserve.scheduler.request import Request
+from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.worker.model_config import ModelConfig
+from kvserve.worker.model_config import ModelConfig, sliding_window_of
 from kvserve.worker.tokenizer import load_tokenizer
 from kvserve.worker.worker import WorkerConfig
 
@@ -33,6 +34,8 @@ class GenerationOutput:
     cache; ``text`` is ``None`` when the model directory has no tokenizer.
     ``logprobs`` has one entry per token of ``token_ids`` when the request
     asked for them (``SamplingParams.logprobs``), else it is ``None``.
+    ``finish_reason`` is ``"stop"`` (a stop or EOS token, included in ``token_ids``)
+    or ``"length"`` (``max_tokens`` or ``max_model_len``).
     """
 
     prompt_token_ids: list[int]
@@ -53,6 +56,19 @@ class LLM:
     ``seed``, ``enforce_eager``, ``async_scheduling`` (plan each step while the device, or
     the tensor-parallel ranks, run the one before), ``attention_backend``, ``cpu_threads``;
     ``tensor_parallel_size``.
+
+    ``generate`` may be called from several threads: the calls run one after another.
+    An exception raised while it runs (Ctrl-C, a signal handler's timeout) aborts that
+    call's requests; the LLM stays usable.
+
+    With ``tensor_parallel_size > 1`` the ranks are processes started with the spawn
+    method, which imports the main module in each of them: a script must create the
+    LLM under ``if __name__ == "__main__":``.  A rank that dies makes every later call
+    raise ``WorkerProcessError``.
+
+    ``cpu_threads`` (CPU only) sets each rank's torch threads.  With
+    ``tensor_parallel_size=1`` the rank is the calling process: its torch thread count
+    (``torch.set_num_threads``) is ``cpu_threads`` until ``shutdown``, which restores it.
     """
 
     def __init__(self, model: str | Path, **settings: Any) -> None:
@@ -62,6 +78,7 @@ class LLM:
         self.config = config
         tensor_parallel_size = config.parallel.tensor_parallel_size
         self.model_config = ModelConfig.from_pretrained(model, config.scheduler.max_model_len)
+        self._max_model_len_reason = _max_model_len_reason(model, config.scheduler.max_model_len)
         self.tokenizer = load_tokenizer(model)
         worker_config = WorkerConfig.for_engine(config, self.model_config.max_model_len)
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
@@ -80,6 +97,8 @@ class LLM:
         self.engine = EngineCore(scheduler, executor, async_scheduling=config.runtime.async_scheduling)
         self._request_counter = itertools.count()
         self._shut_down = False
+        # One generate (or shutdown) at a time: the engine's requests and steps are shared.
+        self._lock = threading.Lock()
 
     def generate(
         self,
@@ -88,14 +107,34 @@ class LLM:
         *,
         cache_salt: str | None = None,
     ) -> list[GenerationOutput]:
-        """Generate for every prompt (text or token ids); results in prompt order."""
+        """Generate for every prompt (text or token ids); results in prompt order.
+
+        Calls from other threads wait for this one to end.
+        """
+        with self._lock:
+            return self._generate(prompts, sampling_params, cache_salt)
+
+    def _generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        cache_salt: str | None,
+    ) -> list[GenerationOutput]:
         if self._shut_down:
             raise RuntimeError("this LLM was shut down")
         prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
-            params_list = list(sampling_params)
+            not_a_list = TypeError(
+                f"sampling_params must be SamplingParams or a list of them, got {type(sampling_params).__name__}"
+            )
+            if isinstance(sampling_params, (Mapping, str)):
+                raise not_a_list
+            try:
+                params_list = list(sampling_params)
+            except TypeError:
+                raise not_a_list from None
             wrong = next((p for p in params_list if not isinstance(p, SamplingParams)), None)
             if wrong is not None:
                 raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {wrong!r}")
@@ -106,9 +145,15 @@ class LLM:
         requests: dict[str, Request] = {}
         try:
             for prompt, params in zip(prompt_list, params_list):
+                token_ids = self._tokenize(prompt)
+                if len(token_ids) > self.model_config.max_model_len and self._max_model_len_reason:
+                    raise ValueError(
+                        f"prompt has {len(token_ids)} tokens, more than max_model_len="
+                        f"{self.model_config.max_model_len} ({self._max_model_len_reason})"
+                    )
                 request = Request(
                     f"llm-{next(self._request_counter)}",
-                    self._tokenize(prompt),
+                    token_ids,
                     params,
                     eos_token_ids=self.model_config.eos_token_ids,
                     cache_salt=cache_salt,
@@ -142,6 +187,9 @@ class LLM:
         return token_ids
 
     def _result(self, request: Request, logprobs: list[TokenLogprobs] | None) -> GenerationOutput:
+        if request.finish_reason is None or request.finish_reason is FinishReason.ABORT:
+            # NOTE: cannot happen while generate calls are serialised; never hand back an empty result.
+            raise RuntimeError(f"request {request.req_id} was aborted while generate ran")
         text = None
         if self.tokenizer is not None:
             text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
@@ -149,7 +197,7 @@ class LLM:
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
             text=text,
-            finish_reason=request.finish_reason.value if request.finish_reason else "abort",
+            finish_reason=request.finish_reason.value,
             num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=logprobs,
         )
@@ -159,17 +207,36 @@ class LLM:
 
         Afterwards a new ``LLM`` in this process can use the whole device again.
         Calling it twice is harmless; ``generate`` afterwards raises ``RuntimeError``.
+        A ``generate`` running in another thread ends first.
         """
-        if self._shut_down:
-            return
-        self._shut_down = True
-        self.engine.shutdown()
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _max_model_len_reason(model: str | Path, requested: int | None) -> str | None:
+    """Why ``max_model_len`` is below the model's own limit when the user did not set it; ``None`` if it is not.
+
+    NOTE: the one such cap is the model's sliding window (``ModelConfig.from_pretrained``).
+    """
+    if requested is not None:
+        return None
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model)
+    window = sliding_window_of(hf_config)
+    if window is None or window >= int(getattr(hf_config, "max_position_embeddings", 0) or 0):
+        return None
+    return (f"capped to the model's sliding window of {window} tokens: attention here is full causal, "
+            "which equals a sliding window's only on sequences no longer than it")
 
 
 # Iterables of integers that are no prompt: unordered, or text in bytes.

@@ -4,6 +4,18 @@ Each rank is a spawned process holding a ``Worker``; they form a
 torch.distributed group among themselves.  The parent sends every plan to
 every rank over a pipe and collects one reply per rank (rank 0's carries the
 samples), so a rank that fails is noticed instead of hanging the others.
+
+After startup the pipes are touched by two threads of this executor only, never
+by the caller's::
+
+    caller:   launch(N) -> plans queue          result(N) <- results queue
+    sender:   plans queue -> every rank's pipe -> step ids sent
+    receiver: step ids sent -> every rank's reply -> results queue
+
+NOTE: an exception raised in the caller while it waits (Ctrl-C, a signal
+handler's timeout) then cannot leave half a message or an unread reply in a
+pipe: the ranks finish the step, the receiver reads its replies, and the
+caller's next ``result`` skips the results of the steps it gave up on.
 """
 
 from __future__ import annotations
@@ -11,9 +23,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing as mp
+import queue
+import signal
 import socket
+import threading
 import traceback
-from collections import deque
 from multiprocessing.connection import Connection
 
 from kvserve.scheduler.step_plan import StepPlan
@@ -24,6 +38,15 @@ logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 600.0
 _STEP_TIMEOUT_S = 600.0
+# How often a caller waiting for a result wakes up, so that an exception from
+# another thread (``_thread.interrupt_main``, a notebook's interrupt) reaches it.
+_WAKE_INTERVAL_S = 0.1
+
+_SPAWN_HINT = (
+    "it never started: a spawned rank imports the main module first, and that failed. With "
+    "tensor_parallel_size > 1, a script must create the LLM under `if __name__ == \"__main__\":` "
+    "(the rank's traceback is in stderr)"
+)
 
 
 class WorkerProcessError(RuntimeError):
@@ -38,7 +61,11 @@ def _free_port() -> int:
 
 def _rank_main(config: WorkerConfig, conn: Connection) -> None:
     """Entry point of one rank: start, agree on the cache size, then serve plans."""
+    # NOTE: Ctrl-C in a terminal reaches the whole process group; the parent
+    # decides what an interrupt means, and the ranks keep serving it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        conn.send(("ok", None))  # started: the main module imported
         worker = Worker(config)
         conn.send(("ok", worker.determine_num_blocks()))
         worker.initialize_cache(conn.recv())
@@ -49,7 +76,7 @@ def _rank_main(config: WorkerConfig, conn: Connection) -> None:
                 break
             conn.send(("ok", worker.execute(plan)))
         worker.shutdown()
-    except (EOFError, KeyboardInterrupt):
+    except EOFError:
         pass
     except BaseException:  # noqa: BLE001 - every failure is reported to the parent
         conn.send(("error", traceback.format_exc()))
@@ -58,13 +85,18 @@ def _rank_main(config: WorkerConfig, conn: Connection) -> None:
 
 
 class MultiprocExecutor:
-    """An ``Executor`` whose ``tp_size`` ranks run in separate processes."""
+    """An ``Executor`` whose ``tp_size`` ranks run in separate processes.
+
+    Once a rank fails or dies, every later call raises ``WorkerProcessError`` naming it.
+    """
 
     def __init__(self, config: WorkerConfig) -> None:
         init_method = config.distributed_init_method or f"tcp://127.0.0.1:{_free_port()}"
         ctx = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[mp.process.BaseProcess] = []
+        self._threads: list[threading.Thread] = []
+        self._failure: WorkerProcessError | None = None
         try:
             for rank in range(config.tp_size):
                 parent, child = ctx.Pipe()
@@ -75,6 +107,7 @@ class MultiprocExecutor:
                 child.close()
                 self._conns.append(parent)
                 self._procs.append(proc)
+            self._gather(_STARTUP_TIMEOUT_S, exit_hint=_SPAWN_HINT)
             num_blocks = min(self._gather(_STARTUP_TIMEOUT_S))
             for conn in self._conns:
                 conn.send(num_blocks)
@@ -83,26 +116,20 @@ class MultiprocExecutor:
             self.shutdown()
             raise
         self._num_blocks = num_blocks
-        # Step ids of the plans sent and not yet answered, oldest first.
-        self._in_flight: deque[int] = deque()
+        self._plans: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
+        self._sent_step_ids: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        # (step id, rank 0's result or the error), in the order the plans were sent.
+        self._results: queue.SimpleQueue[tuple[int, StepResult | WorkerProcessError]] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._send_plans, name="kvserve-plan-sender", daemon=True),
+            threading.Thread(target=self._receive_replies, name="kvserve-reply-receiver", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
     @property
     def num_kv_blocks(self) -> int:
         return self._num_blocks
-
-    def _gather(self, timeout_s: float) -> list:
-        replies = []
-        for rank, conn in enumerate(self._conns):
-            if not conn.poll(timeout_s):
-                raise WorkerProcessError(f"rank {rank} did not answer within {timeout_s:.0f} s")
-            try:
-                status, payload = conn.recv()
-            except EOFError:
-                raise WorkerProcessError(f"rank {rank} exited unexpectedly") from None
-            if status != "ok":
-                raise WorkerProcessError(f"rank {rank} failed:\n{payload}")
-            replies.append(payload)
-        return replies
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._send(plan)
@@ -118,31 +145,122 @@ class MultiprocExecutor:
         return PendingRankReplies(self, plan.step_id)
 
     def _send(self, plan: StepPlan) -> None:
-        for conn in self._conns:
-            conn.send(plan)
-        self._in_flight.append(plan.step_id)
+        self._check_ranks()
+        self._plans.put(plan)
 
     def _receive(self, step_id: int) -> StepResult:
-        """Rank 0's reply to step ``step_id``, the oldest in flight (after every rank's)."""
-        if not self._in_flight or self._in_flight[0] != step_id:
-            raise RuntimeError(f"step {step_id}'s result was asked for before those of {list(self._in_flight)}")
-        self._in_flight.popleft()
-        return self._gather(_STEP_TIMEOUT_S)[0]
+        """Rank 0's reply to step ``step_id`` (after every rank's).
 
-    def shutdown(self) -> None:
+        The results of earlier steps still queued are those of steps whose caller gave
+        up on them (an exception while it waited): they are dropped.
+        """
+        while True:
+            try:
+                result_step_id, outcome = self._results.get(timeout=_WAKE_INTERVAL_S)
+            except queue.Empty:
+                continue
+            if result_step_id < step_id:
+                continue
+            if isinstance(outcome, WorkerProcessError):
+                raise WorkerProcessError(str(outcome))
+            if result_step_id > step_id:
+                raise RuntimeError(f"step {step_id}'s result was asked for, but it was never sent")
+            return outcome
+
+    def _check_ranks(self) -> None:
+        """``WorkerProcessError`` if a rank failed or exited since startup."""
+        if self._failure is None:
+            for rank, proc in enumerate(self._procs):
+                if proc.exitcode is not None:
+                    self._failure = WorkerProcessError(
+                        f"rank {rank} exited unexpectedly (exit code {proc.exitcode})"
+                    )
+                    break
+        if self._failure is not None:
+            raise WorkerProcessError(f"{self._failure}; this replica cannot continue")
+
+    def _send_plans(self) -> None:
+        """The sender thread: every plan to every rank, in order."""
+        while (plan := self._plans.get()) is not None:
+            if self._failure is None:
+                try:
+                    for rank, conn in enumerate(self._conns):
+                        try:
+                            conn.send(plan)
+                        except OSError:  # BrokenPipeError: the rank is gone
+                            raise self._rank_exited(rank) from None
+                except Exception as exc:  # noqa: BLE001 - the caller gets it, as a WorkerProcessError
+                    self._failure = _as_worker_process_error(exc, f"sending step {plan.step_id}")
+            if self._failure is not None:
+                self._results.put((plan.step_id, self._failure))
+            else:
+                self._sent_step_ids.put(plan.step_id)
+        self._sent_step_ids.put(None)
         for conn in self._conns:
             try:
                 conn.send(None)
-            except (BrokenPipeError, OSError):
+            except OSError:
                 pass
+
+    def _receive_replies(self) -> None:
+        """The receiver thread: every rank's reply to every plan sent, in order."""
+        while (step_id := self._sent_step_ids.get()) is not None:
+            if self._failure is None:
+                try:
+                    result = self._gather(_STEP_TIMEOUT_S)[0]
+                    if result.step_id != step_id:
+                        raise WorkerProcessError(f"rank 0 answered step {result.step_id} to step {step_id}")
+                    self._results.put((step_id, result))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the caller gets it, as a WorkerProcessError
+                    self._failure = _as_worker_process_error(exc, f"receiving step {step_id}")
+            self._results.put((step_id, self._failure))
+
+    def _gather(self, timeout_s: float, exit_hint: str | None = None) -> list:
+        replies = []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(timeout_s):
+                raise WorkerProcessError(f"rank {rank} did not answer within {timeout_s:.0f} s")
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                raise self._rank_exited(rank, exit_hint) from None
+            if status != "ok":
+                raise WorkerProcessError(f"rank {rank} failed:\n{payload}")
+            replies.append(payload)
+        return replies
+
+    def _rank_exited(self, rank: int, hint: str | None = None) -> WorkerProcessError:
+        proc = self._procs[rank]
+        proc.join(timeout=1.0)  # its pipe closed as it exited: the exit code follows at once
+        message = f"rank {rank} exited unexpectedly (exit code {proc.exitcode})"
+        return WorkerProcessError(f"{message}: {hint}" if hint else message)
+
+    def shutdown(self) -> None:
+        if self._threads:
+            self._plans.put(None)  # the sender tells the ranks to stop, after the plans before it
+        else:
+            for conn in self._conns:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
         for proc in self._procs:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        for thread in self._threads:
+            thread.join(timeout=10)
         for conn in self._conns:
             conn.close()
-        self._conns, self._procs = [], []
+        self._conns, self._procs, self._threads = [], [], []
+
+
+def _as_worker_process_error(exc: Exception, doing: str) -> WorkerProcessError:
+    if isinstance(exc, WorkerProcessError):
+        return exc
+    return WorkerProcessError(f"{doing} failed: {exc!r}")
 
 
 @dataclasses.dataclass(slots=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 from kvserve.worker.worker import LaunchedStep, Worker, WorkerConfig
@@ -11,13 +13,21 @@ class UniprocExecutor:
     """An ``Executor`` for tensor-parallel size 1: the worker lives in this process.
 
     It is an ``OverlappingExecutor``: ``launch`` queues a step on the device and returns.
+    On CPU with ``cpu_threads`` set, this process's torch thread count is the worker's
+    until ``shutdown``, which gives back the count it found.
     """
 
     def __init__(self, config: WorkerConfig) -> None:
         if config.tp_size != 1:
             raise ValueError(f"UniprocExecutor runs one rank, got tp_size={config.tp_size}")
-        self.worker = Worker(config)
-        self.worker.initialize_cache(self.worker.determine_num_blocks())
+        # NOTE: torch's thread count is the process's; the worker sets it (cpu_threads).
+        self._caller_num_threads = torch.get_num_threads()
+        try:
+            self.worker = Worker(config)
+            self.worker.initialize_cache(self.worker.determine_num_blocks())
+        except BaseException:
+            torch.set_num_threads(self._caller_num_threads)
+            raise
 
     @property
     def num_kv_blocks(self) -> int:
@@ -33,4 +43,7 @@ class UniprocExecutor:
         return self.worker.launch(plan)
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        try:
+            self.worker.shutdown()
+        finally:
+            torch.set_num_threads(self._caller_num_threads)
