@@ -1,8 +1,9 @@
-"""argparse types the benchmarks share."""
+"""argparse types the benchmarks share: a bad number is a usage error naming the flag, before any work."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable
 
 
@@ -19,3 +20,29 @@ def int_at_least(minimum: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def float_above(minimum: float) -> Callable[[str], float]:
+    """An argparse ``type``: a finite number greater than ``minimum``, else a usage error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > minimum):
+            raise argparse.ArgumentTypeError(f"expected a finite number > {minimum:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: comma-separated integers >= 1, e.g. ``1,16,64``, else a usage error."""
+    try:
+        values = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
+    return values

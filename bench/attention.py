@@ -35,6 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvserve.bench.arg_types import int_at_least, positive_ints
 from kvserve.experiments.report import format_table
 from kvserve.kernels import AttentionMetadata, build_attention_metadata
 from kvserve.kernels.attention_metadata import attention_metadata_from_arrays
@@ -67,9 +68,11 @@ class DecodeResult:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default 1,16,64,256)")
-    parser.add_argument("--contexts", default="512,4096,16384", help="context lengths (default 512,4096,16384)")
-    parser.add_argument("--replays", type=int, default=30, help="timed replays per case (default 30)")
+    parser.add_argument("--batches", type=positive_ints, default="1,16,64,256",
+                        help="decode batch sizes (default 1,16,64,256)")
+    parser.add_argument("--contexts", type=positive_ints, default="512,4096,16384",
+                        help="context lengths (default 512,4096,16384)")
+    parser.add_argument("--replays", type=int_at_least(1), default=30, help="timed replays per case (default 30)")
     parser.add_argument("--prefill", action="store_true", help="also time chunked prefill against the reference")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
@@ -96,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
           f"device-to-device copy {copy_gbps:.0f} GB/s (read + write), sum reads {read_gbps:.0f} GB/s")
 
     results = []
-    for batch in parse_ints(args.batches):
-        for context in parse_ints(args.contexts):
+    for batch in args.batches:
+        for context in args.contexts:
             results.append(run_decode_case(backend, batch, context, l2_bytes, copy_gbps, args.replays))
             torch.cuda.empty_cache()
     print_decode_table(results, copy_gbps)
@@ -108,10 +111,6 @@ def main(argv: list[str] | None = None) -> int:
                        "decode": [asdict(r) for r in results],
                        "prefill": prefill_rows}, file, indent=2)
     return 0 if all(r.relative_error < 1e-2 for r in results) else 1
-
-
-def parse_ints(text: str) -> list[int]:
-    return [int(part) for part in text.split(",") if part]
 
 
 def time_us_per_call(calls: list[Callable[[], object]], replays: int, *, use_graph: bool = True) -> tuple[float, bool]:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvserve import LLM
-from kvserve.bench.arg_types import int_at_least
+from kvserve.bench.arg_types import int_at_least, positive_ints
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.experiments.report import format_table
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
@@ -37,16 +37,6 @@ from kvserve.scheduler.cost_model import StepCostModel, StepSample
 QUICK_GRID = CalibrationGrid(
     prefill_lengths=(16, 64, 256), decode_batches=(1, 4, 16), context_lengths=(32, 128), repeats=3
 )
-
-
-def _positive_ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
 
 
 def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
@@ -83,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, help_text in (("prefill_lengths", "prompt lengths timed as pure prefills"),
                             ("decode_batches", "decode batch sizes"),
                             ("context_lengths", "context lengths of the decode batches")):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=_positive_ints,
+        parser.add_argument(f"--{name.replace('_', '-')}", type=positive_ints,
                             help=f"{help_text}, comma-separated (default {','.join(map(str, getattr(defaults, name)))})")
     parser.add_argument("--repeats", type=int_at_least(1), metavar="N",
                         help=f"times each shape is measured (default {defaults.repeats})")

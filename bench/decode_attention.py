@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvserve.bench.arg_types import int_at_least
 from kvserve.experiments.report import format_table
 from kvserve.kernels import AttentionMetadata, build_attention_metadata
 from kvserve.kernels.cpu_backend import CpuAttentionBackend
@@ -59,9 +60,9 @@ def ms_per_call(fn: Callable[[], object], calls: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds per backend (default 15)")
-    parser.add_argument("--calls", type=int, default=20, help="calls per round (default 20)")
+    parser.add_argument("--threads", type=int_at_least(1), default=1, help="torch CPU threads (default 1)")
+    parser.add_argument("--rounds", type=int_at_least(1), default=15, help="timed rounds per backend (default 15)")
+    parser.add_argument("--calls", type=int_at_least(1), default=20, help="calls per round (default 20)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     query, key_cache, value_cache, metadata = decode_batch()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from typing import TYPE_CHECKING
 
+from kvserve.bench.arg_types import int_at_least
 from kvserve.experiments.report import format_table
 
 if TYPE_CHECKING:
@@ -49,12 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m kvserve.bench.http_throughput", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: the embedded tiny model)")
-    parser.add_argument("--streams", type=int, default=64, help="concurrent streams (default: %(default)s)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated per stream (default: %(default)s)")
-    parser.add_argument("--repeat", type=int, default=3, help="rounds; the best of each is kept (default: %(default)s)")
+    parser.add_argument("--streams", type=int_at_least(1), default=64, help="concurrent streams (default: %(default)s)")
+    parser.add_argument("--max-tokens", type=int_at_least(1), default=64,
+                        help="tokens generated per stream (default: %(default)s)")
+    parser.add_argument("--repeat", type=int_at_least(1), default=3,
+                        help="rounds; the best of each is kept (default: %(default)s)")
     args = parser.parse_args(argv)
-    if args.streams < 1 or args.max_tokens < 1 or args.repeat < 1:
-        parser.error("--streams, --max-tokens and --repeat must be positive")
     model_dir = args.model
     if model_dir is None:
         from kvserve.worker.tiny_model import ensure_default_tiny_model

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from kvserve.worker.full_size_model import SHAPES, create_full_size_model
-from kvserve.worker.tiny_model import create_tiny_model
+from kvserve.worker.model_config import ModelConfig
+from kvserve.worker.tiny_model import create_tiny_model, tiny_config
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,3 +39,15 @@ def model_dir_for(args: argparse.Namespace, scratch: Path, **tiny_overrides: Any
         print(f"writing a {args.shape} checkpoint with random weights to {scratch} ...", flush=True)
         return create_full_size_model(scratch / args.shape, args.shape, device=device, seed=args.seed)
     return create_tiny_model(scratch / "tiny", "llama", seed=args.seed, **tiny_overrides)
+
+
+def model_vocab_size(args: argparse.Namespace) -> int:
+    """The vocabulary of the model ``model_dir_for(args, ...)`` gives, known before it is written.
+
+    Raises ``ValueError`` when ``--model``'s config cannot be read.
+    """
+    if args.model is not None:
+        return ModelConfig.from_pretrained(args.model).vocab_size
+    if args.shape is not None:
+        return SHAPES[args.shape][1]["vocab_size"]
+    return tiny_config("llama").vocab_size

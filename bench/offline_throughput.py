@@ -30,6 +30,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
+from kvserve.bench.arg_types import int_at_least
 from kvserve.experiments.report import format_table
 from kvserve.worker.tiny_model import create_tiny_model
 
@@ -83,12 +84,16 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], max_new: list[int]) -> tuple
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch CPU threads")
-    parser.add_argument("--hf-batch-size", type=int, default=64, help="transformers batch size (default 64)")
+    parser.add_argument("--threads", type=int_at_least(1), default=torch.get_num_threads(),
+                        help="torch CPU threads of both engines (default here: %(default)s, torch's own)")
+    parser.add_argument("--hf-batch-size", type=int_at_least(1), default=64,
+                        help="transformers batch size (default 64)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or create_tiny_model(Path(tmp) / "tiny", "llama", seed=0)
+        # A temporary model is gone by the time the table is printed: it is named, not its path.
+        model_name = args.model or "a fresh tiny Llama (random weights)"
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         vocab = hf.config.vocab_size
         rows = []
@@ -108,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                 name, num_generated, f"{num_generated / hf_s:.0f}", f"{num_generated / kv_s:.0f}",
                 f"{hf_s / kv_s:.2f}x", f"{num_same} / {len(prompts)}", f"{num_prompt - num_cached} / {num_prompt}",
             ])
-    print(f"offline generation, greedy, float32 CPU, {args.threads} threads, model {model_dir}")
+    print(f"offline generation, greedy, float32 CPU, {args.threads} threads, model {model_name}")
     print(f"kvserve: {', '.join(f'{k} {v}' for k, v in KVSERVE_ARGS.items())}; "
           f"transformers: left-padded batches of {args.hf_batch_size}")
     print(format_table(

@@ -20,6 +20,7 @@ import argparse
 import random
 import time
 
+from kvserve.bench.arg_types import int_at_least
 from kvserve.experiments.report import format_table
 from kvserve.scheduler.block_hash import BlockHasher
 from kvserve.scheduler.kv_cache_manager import KVCacheManager
@@ -72,7 +73,7 @@ def run_hashing_only(prompts: list[list[int]]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=20_000, help="requests per run (default 20000)")
+    parser.add_argument("--requests", type=int_at_least(1), default=20_000, help="requests per run (default 20000)")
     args = parser.parse_args(argv)
     prompts = make_prompts(args.requests)
     hashing_us = min(run_hashing_only(prompts) for _ in range(3))

@@ -18,6 +18,7 @@ import argparse
 import random
 import time
 
+from kvserve.bench.arg_types import int_at_least
 from kvserve.experiments.report import format_table
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
@@ -84,8 +85,8 @@ def measure(num_steps: int, repeats: int, **kwargs: int) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=200, help="timed steps per run (default 200)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per scenario, best kept (default 3)")
+    parser.add_argument("--steps", type=int_at_least(1), default=200, help="timed steps per run (default 200)")
+    parser.add_argument("--repeats", type=int_at_least(1), default=3, help="runs per scenario, best kept (default 3)")
     args = parser.parse_args(argv)
     scenarios = [
         ("256 decodes, 1k context", dict(num_decodes=256, context_len=1024), 1000.0),

@@ -11,7 +11,18 @@ each run's figures and the simulated ones as ratios to the real run's.
         [--requests 300] [--qps 4] [--workload shared_prefix] [--workload-arg num_groups=8]
 
 Without ``--model`` or ``--shape`` a fresh tiny random Llama runs (on a CPU:
-useful to test the pipeline, its figures say nothing about a GPU).
+useful to test the pipeline, its figures say nothing about a GPU).  Token ids
+come from the model's vocabulary unless ``--workload-arg vocab_size=N`` (no
+larger) is given.  The default stream (556 requests of 2,176-token prompts)
+takes a CPU minutes; a short one tests the pipeline in seconds:
+
+    python -m kvserve.bench.sim_fidelity --cost-model llama-3-8b-h100 --device cpu --requests 20 \\
+        --workload-arg num_groups=2 --workload-arg system_prompt_len=64 --workload-arg output_len=16
+
+``--requests`` counts the measured requests, as ``kvserve experiment
+--num-requests`` does: the workload adds its warm-up (a shared_prefix stream
+the first requests of each group), which both runs serve and the figures
+leave out.
 
 Session workloads (multi_turn, agent_tools) put scripted answers into later
 prompts; the simulator caches those answers, the real replica its own, so
@@ -30,12 +41,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvserve import LLM
-from kvserve.bench.arg_types import int_at_least
-from kvserve.experiments.experiment_report import RunSummary, summarize
+from kvserve.bench.arg_types import float_above, int_at_least
+from kvserve.experiments.experiment_report import RunResult, RunSummary, replayed_counts, summarize
 from kvserve.experiments.experiment_setup import parse_key_values
-from kvserve.bench.model_source import add_model_arguments, model_dir_for
+from kvserve.bench.model_source import add_model_arguments, model_dir_for, model_vocab_size
 from kvserve.experiments.report import format_table
-from kvserve.experiments.workloads import WorkloadRequest, make_workload
+from kvserve.experiments.workloads import WORKLOADS, WorkloadRequest, make_workload
+from kvserve.experiments.workloads.registry import TRACE_WORKLOAD
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
@@ -143,24 +155,38 @@ def main(argv: list[str] | None = None) -> int:
                         help="the calibrated step cost model: a JSON file, or the name of a measured one "
                              f"({', '.join(measured_cost_models())})")
     add_model_arguments(parser)
-    parser.add_argument("--workload", default="shared_prefix")
+    workloads = sorted([*WORKLOADS, TRACE_WORKLOAD])
+    parser.add_argument("--workload", default="shared_prefix", choices=workloads, metavar="WORKLOAD",
+                        help=f"one of {', '.join(workloads)} (default shared_prefix)")
     parser.add_argument("--workload-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a parameter of the workload, e.g. num_groups=8 (repeatable)")
-    parser.add_argument("--requests", type=int_at_least(1), default=300, help="requests in the stream (default 300)")
-    parser.add_argument("--qps", type=float, default=4.0, help="mean arrival rate (default 4)")
+    parser.add_argument("--requests", type=int_at_least(1), default=300,
+                        help="measured requests (default 300); the workload's warm-up requests are added, served "
+                             "and left out of the figures (the mooncake trace: its records, warm-up included)")
+    parser.add_argument("--qps", type=float_above(0), default=4.0, help="mean arrival rate (default 4)")
     parser.add_argument("--num-blocks", type=int_at_least(2), default=4096,
                         help=f"KV blocks of {BLOCK_SIZE} tokens in the replica (default 4096)")
-    parser.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=2048)
-    parser.add_argument("--max-num-seqs", type=int_at_least(1), default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=2048,
+                        help="token budget of a step (default 2048)")
+    parser.add_argument("--max-num-seqs", type=int_at_least(1), default=256,
+                        help="requests in a step at most (default 256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the model's weights (default 0)")
     args = parser.parse_args(argv)
     try:
         cost_model = StepCostModel.load(args.cost_model)
     except (OSError, ValueError) as exc:
         parser.error(f"--cost-model {args.cost_model}: {getattr(exc, 'strerror', None) or exc}")
     try:
-        stream = make_workload(args.workload, args.requests, args.qps, seed=args.seed,
-                               **dict(parse_key_values(args.workload_arg, "--workload-arg")))
+        vocab_size = model_vocab_size(args)
+    except (OSError, ValueError) as exc:
+        parser.error(f"--model: {exc}")
+    try:
+        workload_args = dict(parse_key_values(args.workload_arg, "--workload-arg"))
+        # As kvserve experiment --live does: token ids from the model's vocabulary unless given.
+        given = workload_args.setdefault("vocab_size", vocab_size)
+        if isinstance(given, int) and given > vocab_size:
+            parser.error(f"--workload-arg vocab_size={given} exceeds the model's vocabulary of {vocab_size}")
+        stream = make_workload(args.workload, args.requests, args.qps, seed=args.seed, **workload_args)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     longest = max(len(r.prompt_token_ids) + r.output_len for r in stream)
@@ -170,10 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"the workload's longest request ({longest} tokens) needs {blocks_needed} KV blocks; "
                      f"give --num-blocks {blocks_needed + 1} or more")
     if args.model is not None:
-        try:
-            limit = ModelConfig.from_pretrained(args.model).max_model_len
-        except ValueError as exc:
-            parser.error(f"--model: {exc}")
+        limit = ModelConfig.from_pretrained(args.model).max_model_len  # read above: it does not fail here
         if longest > limit:
             parser.error(f"the workload's longest request ({longest} tokens) exceeds the {limit} tokens "
                          f"{args.model} serves: shorten the workload with --workload-arg")
@@ -187,18 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         try:
-            vocab_size = llm.model_config.vocab_size
-            if any(max(r.prompt_token_ids) >= vocab_size for r in stream):
-                parser.error(f"the workload's token ids exceed the model's vocabulary of {vocab_size}: "
-                             f"give --workload-arg vocab_size={vocab_size}")
             # Warm-up: first launches (kernel builds, library handles) stay out of the run.
             llm.generate([list(stream[0].prompt_token_ids)], SamplingParams(max_tokens=4, ignore_eos=True))
             if not llm.engine.scheduler.kv_cache_manager.reset_prefix_cache():
                 raise RuntimeError("the warm-up left blocks in use")
             scheduler_config = llm.engine.scheduler.scheduler_config
             cache_config = llm.engine.scheduler.cache_config
-            print(f"{args.workload}: {len(stream)} requests at {args.qps:g} qps on one replica "
-                  f"({cache_config.num_blocks} KV blocks of {cache_config.block_size} tokens)", flush=True)
+            print(f"{args.workload} at {args.qps:g} qps on one replica ({cache_config.num_blocks} KV blocks of "
+                  f"{cache_config.block_size} tokens): {replayed_counts({args.qps: [r.measured for r in stream]})}",
+                  flush=True)
 
             def report(finished: int, total: int) -> None:
                 if finished % max(1, total // 10) == 0 or finished == total:
@@ -212,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         simulate(stream, scheduler_config, cache_config, cost_model, "sim, calibrated"),
         simulate(stream, scheduler_config, cache_config, StepCostModel.default(), "sim, default()"),
     ]
-    summaries = [summarize(r, workload=args.workload, qps=args.qps, infinite_hit_rate=0.0) for r in results]
+    summaries = summarize_measured(results, stream, workload=args.workload, qps=args.qps)
     print(format_table(["run", *FIGURES, "busy s", "preempt"], [
         [s.policy, *(f"{getattr(s, name):.3f}" for name in FIGURES.values()), f"{r.replica_busy_time[0]:.1f}",
          s.num_preemptions] for s, r in zip(summaries, results)
@@ -220,6 +240,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(["ratio", *FIGURES], [_ratios(s, summaries[0]) for s in summaries[1:]]))
     return 0
+
+
+def summarize_measured(
+    results: Sequence[RunResult], stream: Sequence[WorkloadRequest], *, workload: str, qps: float
+) -> list[RunSummary]:
+    """Each run's figures over the stream's measured requests, as ``kvserve experiment`` gives them.
+
+    The warm-up (its cold prefills above all) is served in every run and left out of every figure but busy time.
+    """
+    measured = [r.measured for r in stream]
+    return [summarize(r, workload=workload, qps=qps, infinite_hit_rate=0.0, measured=measured) for r in results]
 
 
 # Column title -> RunSummary field.

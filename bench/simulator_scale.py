@@ -7,8 +7,11 @@ default), each replica offered ``--qps-per-replica`` requests per second
 value on 64 replicas) and holding ``--kv-blocks`` blocks (default 2,048: a
 quarter of the stream's prefix working set).
 
-The replicas are stepped by ``--processes`` processes (default two where two
-cores are free: ``FleetSimulator(processes=...)``, the same results as one).
+The replicas are stepped by ``--processes`` processes
+(``FleetSimulator(processes=...)``, the same results as one).  The default is
+two where this process may run on two or more cores, else one; whether those
+cores are busy with other work is not checked, and on a loaded machine, or at
+small sizes, one process can be the faster.
 
 Baselines, measured in the same run, on a tenth of the requests: one process,
 so ``speed-up`` shows what the other processes bring; and the full run's
@@ -19,22 +22,24 @@ The run is largely bound by memory latency (see ``kvserve.bench.memory_latency``
 so the table ends with this machine's time to read an uncached object: read
 a total beside it, not alone.
 
-    python -m kvserve.bench.simulator_scale [--replicas 1000] [--requests 100000] [--policy cost_ttft] [--processes 2]
+    python -m kvserve.bench.simulator_scale [--replicas 1000] [--requests 100000] [--policy cost_ttft] [--processes N]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
+from collections.abc import Sequence
 
-from kvserve.bench.arg_types import int_at_least
+from kvserve.bench.arg_types import float_above, int_at_least
 from kvserve.bench.memory_latency import object_read_times
 from kvserve.experiments.report import format_table
-from kvserve.experiments.workloads import make_workload
+from kvserve.experiments.workloads import WorkloadRequest, make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from kvserve.scheduler.routing.policies import DEFAULT_POLICY, make_policy
+from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES, make_policy
 from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, available_cores
 
@@ -42,8 +47,40 @@ TARGET_SECONDS = 300.0
 
 
 def default_processes() -> int:
-    """Two where this process may use two cores (the most this project's machines had to measure), else one."""
+    """Two where this process may run on two or more cores (not checked for load), else one.
+
+    Two is the most this project's machines had to measure the target with.
+    """
     return 2 if available_cores() >= 2 else 1
+
+
+def workload(args: argparse.Namespace, num_requests: int, **params: object) -> list[WorkloadRequest]:
+    """The shared-prefix stream of ``num_requests`` measured requests at the flags' rate (``params``: more)."""
+    return make_workload(
+        "shared_prefix", num_requests, args.qps_per_replica * args.replicas, seed=args.seed,
+        output_len=args.output_len, **params,
+    )
+
+
+def fleet_config(args: argparse.Namespace, requests: Sequence[WorkloadRequest]) -> FleetConfig:
+    """``--replicas`` replicas of ``--kv-blocks`` usable blocks each, long enough for every request."""
+    longest = max(r.num_prompt_tokens + r.output_len for r in requests)
+    return FleetConfig(
+        num_replicas=args.replicas,
+        scheduler_config=SchedulerConfig(max_model_len=longest),
+        cache_config=CacheConfig(block_size=16, num_blocks=args.kv_blocks + 1),  # one is the null block
+        cost_model=StepCostModel.default(),
+    )
+
+
+def check_fits(args: argparse.Namespace) -> None:
+    """Simulate one request on one replica: ``ValueError`` when a replica of ``--kv-blocks`` cannot serve it.
+
+    Every request of the stream is as long (a system prompt, a question, an answer of fixed lengths).
+    """
+    (request,) = workload(args, 1, warmup_per_group=0)
+    fleet = dataclasses.replace(fleet_config(args, [request]), num_replicas=1)
+    FleetSimulator(fleet, make_policy("round_robin")).run([request])
 
 
 def run(args: argparse.Namespace, num_requests: int, processes: int) -> list[object]:
@@ -51,18 +88,9 @@ def run(args: argparse.Namespace, num_requests: int, processes: int) -> list[obj
     # baseline run's before this one is timed.
     gc.collect()
     start = time.perf_counter()
-    requests = make_workload(
-        "shared_prefix", num_requests, args.qps_per_replica * args.replicas, seed=args.seed,
-        output_len=args.output_len,
-    )
+    requests = workload(args, num_requests)
     generated = time.perf_counter()
-    longest = max(r.num_prompt_tokens + r.output_len for r in requests)
-    fleet = FleetConfig(
-        num_replicas=args.replicas,
-        scheduler_config=SchedulerConfig(max_model_len=longest),
-        cache_config=CacheConfig(block_size=16, num_blocks=args.kv_blocks + 1),
-        cost_model=StepCostModel.default(),
-    )
+    fleet = fleet_config(args, requests)
     kwargs = {"cost_model": fleet.cost_model} if args.policy == "cost_ttft" else {}
     simulator = FleetSimulator(fleet, make_policy(args.policy, **kwargs), processes=processes)
     built = time.perf_counter()
@@ -85,20 +113,29 @@ def run(args: argparse.Namespace, num_requests: int, processes: int) -> list[obj
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--replicas", type=int, default=1000)
-    parser.add_argument("--requests", type=int, default=100_000)
-    parser.add_argument("--policy", default=DEFAULT_POLICY)
-    parser.add_argument("--qps-per-replica", type=float, default=3.83)
-    parser.add_argument("--kv-blocks", type=int, default=2048, help="KV blocks per replica")
-    parser.add_argument("--output-len", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--replicas", type=int_at_least(1), default=1000, help="replicas (default 1000)")
+    parser.add_argument("--requests", type=int_at_least(1), default=100_000,
+                        help="measured requests of the full-size run, after a warm-up of 4 per group (default 100000)")
+    parser.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES), metavar="POLICY",
+                        help=f"routing policy, one of {', '.join(sorted(POLICIES))} (default {DEFAULT_POLICY})")
+    parser.add_argument("--qps-per-replica", type=float_above(0), default=3.83,
+                        help="arrival rate per replica (default 3.83)")
+    parser.add_argument("--kv-blocks", type=int_at_least(1), default=2048,
+                        help="usable KV blocks of 16 tokens per replica (default 2048)")
+    parser.add_argument("--output-len", type=int_at_least(1), default=256, help="tokens per answer (default 256)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the workload (default 0)")
     parser.add_argument(
         "--processes", type=int_at_least(1), default=default_processes(),
-        help="processes that step the replicas (FleetSimulator(processes=...); default: %(default)s, "
-        "two where two cores are free)",
+        help="processes that step the replicas (FleetSimulator(processes=...); default here: %(default)s, "
+        "which is 2 where this process may run on two or more cores, else 1; their load is not checked, "
+        "and on a busy machine or at small sizes 1 can be faster)",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the 1/10-size baseline runs")
     args = parser.parse_args(argv)
+    try:
+        check_fits(args)
+    except ValueError as exc:
+        parser.error(f"--kv-blocks {args.kv_blocks}: a replica cannot serve one request: {exc}")
     reads = object_read_times()
     tenth = max(1, args.requests // 10)
     rows = []

@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
+from kvserve.bench.arg_types import int_at_least
 from kvserve.experiments.report import format_table
 from kvserve.cluster.replica_client import GrpcReplicaExecutor
 from kvserve.cluster.step_codec import decode_plan, encode_plan
@@ -345,8 +346,9 @@ def time_parts(plan: StepPlan, repeats: int) -> Parts:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=500, help="timed steps per path, plan and worker (default 500)")
-    parser.add_argument("--rounds", type=int, default=10, help="alternations of the two paths (default 10)")
+    parser.add_argument("--steps", type=int_at_least(1), default=500,
+                        help="timed steps per path, plan and worker (default 500)")
+    parser.add_argument("--rounds", type=int_at_least(1), default=10, help="alternations of the two paths (default 10)")
     args = parser.parse_args(argv)
     plans = {
         "256 decodes, 16 new block ids": decode_step_plan(),

@@ -56,6 +56,7 @@ from kvserve.experiments.experiment_report import (
     RunSummary,
     atomic_open,
     plot_summaries,
+    replayed_counts,
     summarize,
     summary_rows,
     write_request_rows,
@@ -407,10 +408,8 @@ def _run(args: argparse.Namespace) -> int:
         f"{rate:.3f} at {qps_label(qps, reference_stream):g} qps" for qps, rate in infinite_hit_rates.items()
     )
     mode = "live, simulated replicas" if args.live else "simulated"
-    replayed = (
-        count(num_measured, "request") if num_measured == len(reference_stream)
-        else f"{count(len(reference_stream), 'request')} replayed, {num_measured:,} measured (the rest warm-up)"
-    )
+    # The streams that ran: a session workload's is longer at a higher rate than at the reference rate.
+    replayed = replayed_counts({s.qps: measured[run.qps] for s, (run, _) in zip(summaries, results)})
     header = (
         f"{stream.workload} ({mode}): {replayed}, {count(fleet.num_replicas, 'replica')} x "
         f"{fleet.cache_config.num_usable_blocks} KV blocks of {fleet.cache_config.block_size} tokens; "

@@ -163,6 +163,36 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
     return rows
 
 
+def replayed_counts(measured_by_rate: dict[float, Sequence[bool]]) -> str:
+    """How many requests the runs replayed and how many of them were measured, for the table's header.
+
+    ``measured_by_rate``: for each rate that ran (as reported), which requests of its stream were
+    measured.  A session workload's stream, warm-up included, is longer at a higher rate: then the
+    replayed requests are counted per rate, e.g. "519 requests replayed at 8 qps, 615 at 16 qps;
+    400 measured (the rest warm-up)".
+    """
+    if not measured_by_rate:
+        raise ValueError("no run to count the requests of")
+    num_replayed = {qps: len(flags) for qps, flags in measured_by_rate.items()}
+    num_measured = {qps: sum(flags) for qps, flags in measured_by_rate.items()}
+    if len(set(num_measured.values())) > 1:  # no workload does this: each rate in full
+        return "; ".join(
+            f"{count(num_replayed[qps], 'request')} replayed at {qps:g} qps, {num_measured[qps]:,} measured"
+            for qps in num_replayed
+        ) + " (the rest warm-up)"
+    measured = next(iter(num_measured.values()))
+    lengths = set(num_replayed.values())
+    if lengths == {measured}:
+        return count(measured, "request")
+    if len(lengths) == 1:
+        return f"{count(lengths.pop(), 'request')} replayed, {measured:,} measured (the rest warm-up)"
+    (first_qps, first), *rest = num_replayed.items()
+    per_rate = [
+        f"{count(first, 'request')} replayed at {first_qps:g} qps", *(f"{n:,} at {qps:g} qps" for qps, n in rest)
+    ]
+    return f"{', '.join(per_rate)}; {measured:,} measured (the rest warm-up)"
+
+
 @contextmanager
 def atomic_open(path: Path, mode: str = "w") -> Iterator[IO]:
     """A file that appears at ``path`` only once written in full.

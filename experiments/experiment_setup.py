@@ -170,13 +170,14 @@ def load_cost_model(args: argparse.Namespace) -> StepCostModel:
         raise ExperimentError(str(exc)) from None
 
 
-def parse_key_values(items: Sequence[str], what: str) -> list[tuple[str, Any]]:
+def parse_key_values(items: Sequence[str], what: str, form: str = "KEY=VALUE") -> list[tuple[str, Any]]:
+    """``items`` as (key, value) pairs; ``ExperimentError`` naming ``what`` and ``form`` for an item without ``=``."""
     pairs = []
     for item in items:
         try:
             pairs.append(key_value(item))
         except ValueError:
-            raise ExperimentError(f"{what} must be KEY=VALUE, got {item!r}") from None
+            raise ExperimentError(f"{what} must be {form}, got {item!r}") from None
     return pairs
 
 
@@ -197,7 +198,7 @@ def parse_policies(text: str) -> list[str]:
 def parse_policy_args(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
     """``--policy-arg POLICY.KEY=VALUE`` items by policy; each policy must be one of ``policies``."""
     parsed: dict[str, dict[str, Any]] = {}
-    for key, value in parse_key_values(items, "--policy-arg"):
+    for key, value in parse_key_values(items, "--policy-arg", "POLICY.KEY=VALUE"):
         policy, dot, name = key.partition(".")
         if not dot or policy not in POLICIES or not name:
             raise ExperimentError(f"--policy-arg must be POLICY.KEY=VALUE with a known policy, got {key!r}")

@@ -15,8 +15,8 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def count(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1: "1 run", "3 runs"."""
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+    """``n`` (with thousands separators) and ``noun``, plural unless ``n`` is 1: "1 run", "2,000 runs"."""
+    return f"{n:,} {noun}" + ("" if n == 1 else "s")
 
 
 def _fmt(value: object) -> str:

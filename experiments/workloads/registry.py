@@ -37,7 +37,8 @@ def make_workload(
     burstiness: float = 1.0,
     **params: Any,
 ) -> list[WorkloadRequest]:
-    """``num_requests`` requests of workload ``name`` at mean rate ``qps``.
+    """``num_requests`` measured requests of workload ``name`` at mean rate ``qps``, after the
+    workload's own warm-up (requests marked ``measured=False``; a trace counts all of its records).
 
     ``params`` override the generator's defaults (e.g. ``num_groups``); the
     trace workload takes ``trace=PATH`` (and ``vocab_size``, ``block_tokens``, ``warmup_fraction``)

@@ -32,8 +32,8 @@ def test_grid_flags_choose_the_shapes_timed(tmp_path: Path, capsys: pytest.Captu
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--prefill-lengths", "16,0"], "positive integers"),
-    (["--decode-batches", "a"], "positive integers"),
+    (["--prefill-lengths", "16,0"], "comma-separated integers >= 1"),
+    (["--decode-batches", "a"], "comma-separated integers >= 1"),
     (["--repeats", "2,3"], "expected an integer >= 1, got '2,3'"),
     (["--repeats", "0"], "expected an integer >= 1, got '0'"),
     (["--threads", "0"], "expected an integer >= 1"),

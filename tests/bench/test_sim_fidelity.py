@@ -3,14 +3,17 @@ the simulator's figures are set beside its."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 import pytest
 
 from kvserve import LLM
-from kvserve.bench.sim_fidelity import main, replay
+from kvserve.bench.sim_fidelity import main, replay, simulate, summarize_measured
+from kvserve.experiments.experiment_report import summarize
 from kvserve.experiments.workloads import make_workload
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.worker.tiny_model import create_tiny_model
 
@@ -43,8 +46,10 @@ def test_replay_serves_each_request_after_its_arrival(tmp_path: Path) -> None:
 
 
 def test_an_interrupted_replay_leaves_nothing_running_in_the_engine(tmp_path: Path) -> None:
-    # All 8 arrive within a few milliseconds: the others still run when the first finishes.
-    stream = make_workload("shared_prefix", 8, 5000.0, seed=3, **SMALL_STREAM)
+    # All 8 arrive within a few milliseconds, and the others ask for 10x the first's tokens: they still
+    # run when it finishes, even where a loaded machine puts all 8 in its first step.
+    first, *others = make_workload("shared_prefix", 8, 5000.0, seed=3, **SMALL_STREAM)
+    stream = [first, *(dataclasses.replace(request, output_len=10 * first.output_len) for request in others)]
 
     def interrupt_at_the_first(finished: int, total: int) -> None:
         assert llm.engine.has_unfinished_requests()
@@ -61,24 +66,50 @@ def test_the_table_sets_the_simulator_beside_the_real_run(
 ) -> None:
     cost = tmp_path / "cost.json"
     StepCostModel(a=2e-3, b=2e-5, c=1e-4, d=0.0).save(cost)
-    workload_args = [f"--workload-arg={key}={value}" for key, value in SMALL_STREAM.items()]
+    # No vocab_size: token ids come from the tiny model's vocabulary of 1,000 (the workload's default is 32,000).
+    stream = {key: value for key, value in SMALL_STREAM.items() if key != "vocab_size"} | {"warmup_per_group": 1}
+    workload_args = [f"--workload-arg={key}={value}" for key, value in stream.items()]
     assert main(["--cost-model", str(cost), "--device", "cpu", "--requests", "10", "--qps", "20",
                  "--num-blocks", "64", *workload_args]) == 0
     out = capsys.readouterr().out
-    assert "shared_prefix: 10 requests at 20 qps on one replica (64 KV blocks of 16 tokens)" in out
+    # --requests counts the measured requests; each of the 2 groups adds one of warm-up.
+    assert ("shared_prefix at 20 qps on one replica (64 KV blocks of 16 tokens): "
+            "12 requests replayed, 10 measured (the rest warm-up)") in out
+    assert "real replica: 12/12 requests finished" in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("|")}
     assert {"real replica", "sim, calibrated", "sim, default()",
             "sim, calibrated / real", "sim, default() / real"} <= set(rows)
 
 
-def test_token_ids_beyond_the_model_are_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_figures_cover_the_measured_requests_only() -> None:
+    # Two groups, two warm-up requests each: the warm-up pays the cold prefills of the system prompts.
+    stream = make_workload("shared_prefix", 6, 20.0, seed=3, **(SMALL_STREAM | {"warmup_per_group": 2}))
+    assert sum(not r.measured for r in stream) == 4
+    result = simulate(stream, SchedulerConfig(max_model_len=64), CacheConfig(block_size=16, num_blocks=64),
+                      StepCostModel.default(), "sim")
+
+    (measured,) = summarize_measured([result], stream, workload="shared_prefix", qps=20.0)
+    whole = summarize(result, workload="shared_prefix", qps=20.0, infinite_hit_rate=0.0)
+
+    assert (measured.num_requests, whole.num_requests) == (6, 10)
+    # Every measured request finds its group's 48-token system prompt (3 blocks) cached.
+    assert measured.hit_rate == pytest.approx(6 * 48 / sum(len(r.prompt_token_ids) for r in stream if r.measured))
+    assert whole.hit_rate < measured.hit_rate
+
+
+def test_a_vocabulary_beyond_the_models_is_a_usage_error_before_the_model_is_built(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvserve.bench.sim_fidelity as sim_fidelity
+
+    monkeypatch.setattr(sim_fidelity, "model_dir_for", lambda *args, **kwargs: pytest.fail("a model was built"))
     cost = tmp_path / "cost.json"
     StepCostModel.default().save(cost)
     with pytest.raises(SystemExit) as info:
-        main(["--cost-model", str(cost), "--device", "cpu", "--requests", "2",
-              "--workload-arg", "num_groups=1", "--workload-arg", "system_prompt_len=16"])
+        main(["--cost-model", str(cost), "--device", "cpu", "--requests", "2", "--workload-arg", "num_groups=1",
+              "--workload-arg", "system_prompt_len=16", "--workload-arg", "vocab_size=32000"])
     assert info.value.code == 2
-    assert "give --workload-arg vocab_size=1000" in capsys.readouterr().err
+    assert "--workload-arg vocab_size=32000 exceeds the model's vocabulary of 1000" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -247,6 +247,7 @@ def test_an_empty_out_is_refused_rather_than_taken_as_the_current_directory(caps
     [
         (["--policy-arg", "cache_aware.bogus=1"], "--policy-arg cache_aware: bad arguments"),
         (["--policy-arg", "cache_aware.=1"], "--policy-arg must be POLICY.KEY=VALUE"),
+        (["--policy-arg", "cache_aware"], "--policy-arg must be POLICY.KEY=VALUE, got 'cache_aware'"),
         (["--policy-arg", "cache_aware.cache_threshold=abc"], "--policy-arg cache_aware: "),
         (["--policy-arg", "cache_aware.cache_threshold=-5"], "--policy-arg cache_aware: "),
         (["--policy-arg", "cost_ttft.cost_model=1"], "the experiment sets it from --cost-model"),
@@ -570,7 +571,7 @@ def test_a_trace_is_replayed_whole_unless_num_requests_cuts_it(tmp_path, capsys)
     args = trace_args(tmp_path / "trace.jsonl", tmp_path / "run")
 
     assert run_experiment(parse([*args, "--qps", "trace"])) == 0
-    assert "mooncake (simulated): 2100 requests" in capsys.readouterr().out
+    assert "mooncake (simulated): 2,100 requests" in capsys.readouterr().out
     assert run_experiment(parse([*args, "--qps", "trace", "--num-requests", "50"])) == 0
     assert "mooncake (simulated): 50 requests" in capsys.readouterr().out
 

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 
 import pytest
 
 from kvserve.experiments.experiment import add_experiment_parser
-from kvserve.experiments.experiment_report import SUMMARY_HEADERS, RunSummary, plot_summaries, summary_rows
+from kvserve.experiments.experiment_report import (
+    SUMMARY_HEADERS,
+    RunSummary,
+    plot_summaries,
+    replayed_counts,
+    summary_rows,
+)
 
 
 def summary(policy: str, qps: float, ttft_p99: float) -> RunSummary:
@@ -66,4 +74,44 @@ def test_the_table_header_says_how_many_requests_were_replayed_and_how_many_meas
     assert run_experiment(parse(argv)) == 0
     header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("multi_turn (simulated)"))
     replayed = int(header.split(": ")[1].split(" requests replayed")[0].replace(",", ""))
-    assert replayed > 30 and ", 30 measured (the rest warm-up)" in header
+    assert ", 30 measured (the rest warm-up)" in header
+    # The count is of the stream that ran at 5 qps, not of the stream at the 1-qps reference rate.
+    with open(tmp_path / "run" / "requests.csv") as rows:
+        assert replayed == sum(1 for _ in csv.DictReader(rows)) > 30
+
+
+def test_a_session_workload_at_two_rates_has_its_replayed_requests_counted_per_rate(tmp_path, capsys) -> None:
+    from kvserve.experiments.experiment import run_experiment
+    from tests.experiments.test_experiment import parse
+
+    argv = ["--workload", "multi_turn", "--replicas", "2", "--qps", "4,8", "--policies", "cost_ttft", "--no-plots",
+            "--num-requests", "30", "--out", str(tmp_path / "run")]
+    assert run_experiment(parse(argv)) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("multi_turn (simulated)"))
+    with open(tmp_path / "run" / "requests.csv") as rows:
+        by_rate = collections.Counter(float(row["qps"]) for row in csv.DictReader(rows))
+    assert by_rate[8.0] > by_rate[4.0]  # the more sessions under way, the longer the warm-up
+    assert (f"{by_rate[4.0]} requests replayed at 4 qps, {by_rate[8.0]} at 8 qps; 30 measured (the rest warm-up)"
+            in header)
+    assert (tmp_path / "run" / "summary.md").read_text().startswith(header)
+
+
+def test_replayed_counts_names_only_the_requests_when_all_are_measured() -> None:
+    assert replayed_counts({4.0: [True] * 3, 8.0: [True] * 3}) == "3 requests"
+
+
+def test_replayed_counts_gives_one_count_when_every_rate_replayed_as_many() -> None:
+    flags = [False] * 1500 + [True] * 2000
+    assert replayed_counts({4.0: flags, 8.0: flags}) == "3,500 requests replayed, 2,000 measured (the rest warm-up)"
+
+
+def test_replayed_counts_counts_each_rate_when_the_streams_differ_in_length() -> None:
+    counts = replayed_counts({4.0: [False] + [True] * 2, 8.0: [False] * 3 + [True] * 2})
+    assert counts == "3 requests replayed at 4 qps, 5 at 8 qps; 2 measured (the rest warm-up)"
+
+
+def test_replayed_counts_counts_each_rate_in_full_when_the_measured_differ() -> None:
+    counts = replayed_counts({4.0: [False] + [True] * 2, 8.0: [False] + [True]})
+    assert counts == (
+        "3 requests replayed at 4 qps, 2 measured; 2 requests replayed at 8 qps, 1 measured (the rest warm-up)"
+    )

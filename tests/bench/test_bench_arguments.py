@@ -1,0 +1,111 @@
+"""The benchmarks refuse bad numbers and names as usage errors that name the flag, before any work."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import pytest
+
+from kvserve.bench.arg_types import float_above, int_at_least, positive_ints
+
+
+@pytest.mark.parametrize(
+    ("bench", "argv", "message"),
+    [
+        ("simulator_scale", ["--replicas", "0"], "argument --replicas: expected an integer >= 1, got '0'"),
+        ("simulator_scale", ["--requests", "0"], "argument --requests: expected an integer >= 1, got '0'"),
+        ("simulator_scale", ["--kv-blocks", "0"], "argument --kv-blocks: expected an integer >= 1, got '0'"),
+        ("simulator_scale", ["--qps-per-replica", "0"], "argument --qps-per-replica: expected a finite number > 0"),
+        ("simulator_scale", ["--output-len", "0"], "argument --output-len: expected an integer >= 1, got '0'"),
+        ("simulator_scale", ["--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+        ("scheduler_step", ["--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+        ("scheduler_step", ["--repeats", "0"], "argument --repeats: expected an integer >= 1, got '0'"),
+        ("prefix_cache", ["--requests", "-1"], "argument --requests: expected an integer >= 1, got '-1'"),
+        ("e2e_throughput", ["--num-requests", "0"], "argument --num-requests: expected an integer >= 1, got '0'"),
+        ("e2e_throughput", ["--repeat", "0"], "argument --repeat: expected an integer >= 1, got '0'"),
+        ("e2e_throughput", ["--threads", "0"], "argument --threads: expected an integer >= 1, got '0'"),
+        ("e2e_throughput", ["--stream-intervals", "-1"], "argument --stream-intervals: expected a finite number > 0"),
+        ("offline_throughput", ["--threads", "0"], "argument --threads: expected an integer >= 1, got '0'"),
+        ("offline_throughput", ["--hf-batch-size", "0"], "argument --hf-batch-size: expected an integer >= 1"),
+        ("decode_attention", ["--rounds", "0"], "argument --rounds: expected an integer >= 1, got '0'"),
+        ("step_protocol", ["--steps", "0"], "argument --steps: expected an integer >= 1, got '0'"),
+        ("http_throughput", ["--streams", "0"], "argument --streams: expected an integer >= 1, got '0'"),
+        ("attention", ["--batches", "1,0"], "argument --batches: expected comma-separated integers >= 1, got '1,0'"),
+        ("sim_fidelity", ["--cost-model", "x", "--qps", "nan"], "argument --qps: expected a finite number > 0"),
+    ],
+)
+def test_a_bad_number_is_a_usage_error_naming_the_flag(bench, argv, message, capsys) -> None:  # noqa: ANN001
+    main = importlib.import_module(f"kvserve.bench.{bench}").main
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simulator_scale_refuses_an_unknown_policy_and_lists_the_known_ones(capsys) -> None:  # noqa: ANN001
+    from kvserve.bench.simulator_scale import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--policy", "bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --policy: invalid choice: 'bogus'" in err
+    assert all(name in err for name in ("round_robin", "least_loaded", "consistent_hash", "cache_aware", "cost_ttft"))
+
+
+def test_simulator_scale_refuses_replicas_too_small_for_one_request_before_the_stream_is_made(
+    capsys, monkeypatch  # noqa: ANN001
+) -> None:
+    from kvserve.bench import simulator_scale
+
+    monkeypatch.setattr(simulator_scale, "run", lambda *args: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as info:
+        simulator_scale.main(["--replicas", "2", "--requests", "20", "--kv-blocks", "10"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    # The default stream's prompt: a 2,048-token system prompt and a 128-token question, 136 blocks of 16.
+    assert "--kv-blocks 10: a replica cannot serve one request" in err
+    assert "136 KV blocks" in err
+
+
+def test_simulator_scale_help_says_what_the_default_process_count_rests_on(capsys) -> None:  # noqa: ANN001
+    from kvserve.bench.simulator_scale import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "2 where this process may run on two or more cores, else 1; their load is not checked" in help_text
+
+
+def test_e2e_throughput_says_whether_each_scheduling_met_the_target() -> None:
+    from kvserve.bench.e2e_throughput import target_line
+
+    line = target_line({"plain": 0.55, "overlapped": 0.7})
+    assert line.endswith(": plain 0.55 NOT met, overlapped 0.70 met")
+
+
+@pytest.mark.parametrize("text", ["0", "-1", "nan", "inf", "-inf", "x", ""])
+def test_float_above_zero_refuses_what_is_not_a_finite_positive_number(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number > 0"):
+        float_above(0)(text)
+
+
+def test_float_above_zero_takes_a_positive_fraction() -> None:
+    assert float_above(0)("0.25") == 0.25
+
+
+def test_int_at_least_takes_its_minimum_and_refuses_one_less() -> None:
+    assert int_at_least(1)("1") == 1
+    with pytest.raises(argparse.ArgumentTypeError, match=r"expected an integer >= 1, got '0'"):
+        int_at_least(1)("0")
+
+
+@pytest.mark.parametrize("text", ["", "0", "1,0", "1,,2", "a", "1.5"])
+def test_positive_ints_refuses_an_empty_or_non_positive_list(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="comma-separated integers >= 1"):
+        positive_ints(text)
+
+
+def test_positive_ints_reads_a_comma_separated_list() -> None:
+    assert positive_ints("1,16,64") == (1, 16, 64)
