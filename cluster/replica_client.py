@@ -145,12 +145,18 @@ class GrpcReplicaExecutor:
         deadline = asyncio.get_running_loop().call_later(self.step_timeout_s, self._expire, what)
         step = _StepInFlight(plan.step_id, what, deadline)
         self._in_flight.append(step)
+        # A stream that ends (a rank failed, or the connection went) fails the oldest step in
+        # flight, which it did not answer: with a step launched before this one, that step.
+        # NOTE: a write that races the rank's end of its stream fails with grpc's own INTERNAL
+        # "Internal error from Core", which also replaces the call's status: the rank's reason
+        # is then only in its own log.
+        blamed = self._in_flight[0].what
         try:
             if len(streams) == 1:
-                await self._on_rank_0(what, _write(streams[0], self._channels[0], data))
+                await self._on_rank_0(blamed, _write(streams[0], self._channels[0], data))
             else:
                 await self._call_all(
-                    what, [_write(stream, channel, data) for stream, channel in zip(streams, self._channels)]
+                    blamed, [_write(stream, channel, data) for stream, channel in zip(streams, self._channels)]
                 )
         except BaseException:
             deadline.cancel()

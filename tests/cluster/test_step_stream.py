@@ -7,6 +7,7 @@ a slow or failing step can be staged exactly.
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -282,11 +283,22 @@ def test_a_rank_failing_with_two_steps_in_flight_fails_both() -> None:
     async def scenario() -> None:
         async with replica(rank) as executor:
             first = await executor.launch(plan(0))
-            second = await executor.launch(plan(1))
-            with pytest.raises(ReplicaFailedError, match="failed at step 0: INTERNAL: RuntimeError: lost device"):
-                await first.result()
-            with pytest.raises(ReplicaFailedError, match="failed at step 0"):
-                await second.result()
+            try:
+                second = await executor.launch(plan(1))
+            except ReplicaFailedError as exc:
+                # The rank can end the stream before the second plan is written: that fails step 0 too,
+                # with grpc's own INTERNAL status in place of the rank's (its reason is in the rank's log).
+                assert re.search(r"failed at step 0: INTERNAL: (RuntimeError: lost device|Internal error from Core)",
+                                 str(exc))
+                second = None
+                with pytest.raises(ReplicaFailedError, match=re.escape(str(exc))):
+                    await first.result()
+            else:
+                with pytest.raises(ReplicaFailedError, match="failed at step 0: INTERNAL: RuntimeError: lost device"):
+                    await first.result()
+            if second is not None:
+                with pytest.raises(ReplicaFailedError, match="failed at step 0"):
+                    await second.result()
             assert executor.failed
 
     asyncio.run(scenario())
