@@ -82,6 +82,8 @@ class LLM:
         self.tokenizer = load_tokenizer(model)
         worker_config = WorkerConfig.for_engine(config, self.model_config.max_model_len)
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
+        # Checked before any worker starts (they load the weights): settings that need max_model_len.
+        scheduler_config = config.scheduler_config(self.model_config.max_model_len)
         if tensor_parallel_size == 1:
             from kvserve.worker.uniproc_executor import UniprocExecutor
 
@@ -91,8 +93,7 @@ class LLM:
 
             executor = MultiprocExecutor(worker_config)
         scheduler = Scheduler(
-            config.scheduler_config(self.model_config.max_model_len),
-            config.cache_config(executor.num_kv_blocks, self.model_config.model_id),
+            scheduler_config, config.cache_config(executor.num_kv_blocks, self.model_config.model_id)
         )
         self.engine = EngineCore(scheduler, executor, async_scheduling=config.runtime.async_scheduling)
         self._request_counter = itertools.count()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 # The most alternatives a request may ask for at each position (OpenAI's chat API allows 20).
@@ -58,10 +59,13 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             # NOTE: any object is truthy or not; ignore_eos="no" ignored EOS.
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        not_ids = ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}")
+        if isinstance(self.stop_token_ids, (Mapping, str, bytes)):  # iterable, but not ids (a dict's keys were taken)
+            raise not_ids
         try:
             stop_token_ids = tuple(self.stop_token_ids)
         except TypeError:
-            raise ValueError(f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}") from None
+            raise not_ids from None
         stop_token_ids = tuple(_integer("stop_token_ids", token_id) for token_id in stop_token_ids)
         if any(token_id < 0 for token_id in stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {min(stop_token_ids)}")

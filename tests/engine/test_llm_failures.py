@@ -59,3 +59,17 @@ def test_llm_takes_the_engines_settings_by_name_and_refuses_others(tmp_path) -> 
         LLM(path, kv_cache_memory=1)
     with pytest.raises(ValueError, match="LLM runs one replica"):
         LLM(path, num_replicas=2)
+
+
+def test_settings_that_need_max_model_len_are_refused_before_a_worker_starts(tmp_path, monkeypatch) -> None:
+    # They were refused only after the ranks had started and loaded the weights.
+    import kvserve.worker.uniproc_executor as uniproc
+
+    path = create_tiny_model(tmp_path, "llama", seed=0)
+
+    def no_worker(*args, **kwargs):
+        raise AssertionError("a worker started")
+
+    monkeypatch.setattr(uniproc, "UniprocExecutor", no_worker)
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_model_len when chunked prefill is off"):
+        LLM(path, enable_chunked_prefill=False, max_num_batched_tokens=1000)

@@ -41,6 +41,9 @@ def test_logprobs_from_0_to_20_are_accepted(logprobs: int) -> None:
         ({"top_p": True}, "top_p must be a number"),
         ({"stop_token_ids": 5}, "stop_token_ids must be a sequence of token ids, got 5"),  # a TypeError
         ({"stop_token_ids": (1, True)}, "stop_token_ids must be an integer, got True"),
+        # A dict's keys and a string's characters were taken as the ids.
+        ({"stop_token_ids": {3: "x"}}, "stop_token_ids must be a sequence of token ids, got {3: 'x'}"),
+        ({"stop_token_ids": "34"}, "stop_token_ids must be a sequence of token ids, got '34'"),
         ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\] or None, got -1"),
         ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\] or None, got 21"),
         ({"logprobs": True}, "logprobs must be an integer, got True"),
