@@ -71,7 +71,7 @@ class ActorReplica:
         return tuple(a + b for a, b in zip(self.retired, own))  # type: ignore[return-value]
 
     def stats(self) -> ReplicaStatsInfo:
-        """Its figures for ``GetStats``."""
+        """Its figures for ``GetStats``: its hit rate is that of the counters, its predecessors' included."""
         stats = self.scheduler.get_stats()
         preemptions, queried, hit = self.counts()
         return ReplicaStatsInfo(
@@ -79,7 +79,9 @@ class ActorReplica:
             num_running=stats.num_running,
             num_waiting=stats.num_waiting,
             kv_cache_usage=stats.kv_cache_usage,
-            prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+            # NOTE: not the scheduler's own rate, which a restart set back to 0 while the
+            # counters of /metrics went on: GetStats and /metrics tell the same hit rate.
+            prefix_cache_hit_rate=hit / queried if queried else 0.0,
             num_kv_blocks=self.scheduler.cache_config.num_blocks,
             healthy=self.healthy,
             num_preemptions=preemptions,

@@ -19,6 +19,7 @@ from pathlib import Path
 from kvserve.cluster.cli_config_file import parse_args_with_config_file
 from kvserve.cluster.cli_generate import add_generate_parser
 from kvserve.cluster.cli_serve import add_serve_parser
+from kvserve.cluster.log_format import LOG_FORMAT
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _LOG_LEVELS = {
@@ -49,7 +50,7 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=log_level(args), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level(args), format=LOG_FORMAT)
     return args.handler(args)
 
 

@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 _SHUTDOWN_TIMEOUT_S = 20.0
 # How often start_cluster says what the replicas still starting wait for.
 _STILL_WAITING_S = 60.0
+# How long that message waits for the scheduler to say which of them are placed.
+_PLACED_QUERY_TIMEOUT_S = 10.0
 # How often a shutdown waiting on the scheduler checks that Ray itself still runs.
 _LOST_RAY_CHECK_S = 0.5
 
@@ -93,7 +95,8 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
             # Next to the front end (this process), whose every poll it answers.
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
         )
-        .remote(config, model_config)
+        # Its log lines at this process's level (`kvserve serve --log-level`).
+        .remote(config, model_config, log_level=logging.getLogger(__name__).getEffectiveLevel())
     )
     try:
         pending = {
@@ -106,11 +109,7 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
             if not ready:
                 # NOTE: joining a cluster, placement waits without limit (an
                 # autoscaler may be adding the nodes): say what for, now and then.
-                bundles = replica_bundles(parallel.tensor_parallel_size, DeviceKind(device_kind))
-                report(
-                    f"still waiting for {len(pending)} of {parallel.num_replicas} replica(s) after "
-                    f"{time.monotonic() - started:.0f} s; each {describe_shortfall(bundles).removeprefix('it ')}"
-                )
+                report(_still_waiting(scheduler, sorted(pending.values()), config, device_kind, started))
                 continue
             [done] = ready
             replica_id = pending.pop(done)
@@ -126,6 +125,37 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
             raise RuntimeError(f"the cluster failed to start: {remote_error_message(exc)}") from exc
         raise
     return ClusterHandle(scheduler, model_info, config, device_kind, placement_groups)
+
+
+def _still_waiting(
+    scheduler: Any, replica_ids: list[int], config: ClusterConfig, device_kind: str, started: float
+) -> str:
+    """What the replicas ``replica_ids`` still wait for: their workers (placed: loading the model), or
+    resources (not placed: what each needs, against what the nodes have)."""
+    parallel = config.parallel
+    try:
+        placed = set(ray.get(scheduler.placed_replicas.remote(), timeout=_PLACED_QUERY_TIMEOUT_S))
+    except Exception as exc:  # noqa: BLE001 - the message then says what it knows
+        logger.debug("placed replicas: %s", remote_error_message(exc))
+        placed = set()
+    loading = [r for r in replica_ids if r in placed]
+    unplaced = [r for r in replica_ids if r not in placed]
+    parts = []
+    if loading:
+        parts.append(f"{_replica_list(loading)} placed, starting their workers (loading the model)")
+    if unplaced:
+        bundles = replica_bundles(parallel.tensor_parallel_size, DeviceKind(device_kind))
+        parts.append(
+            f"{_replica_list(unplaced)} waiting for resources: each {describe_shortfall(bundles).removeprefix('it ')}"
+        )
+    return (
+        f"still waiting for {len(replica_ids)} of {parallel.num_replicas} replica(s) after "
+        f"{time.monotonic() - started:.0f} s: " + "; ".join(parts)
+    )
+
+
+def _replica_list(replica_ids: list[int]) -> str:
+    return ("replica " if len(replica_ids) == 1 else "replicas ") + ", ".join(map(str, replica_ids))
 
 
 def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | None = None) -> None:

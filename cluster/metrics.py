@@ -12,7 +12,9 @@ the first, end to end).  The replica gauges are
 the scheduler's own figures, read at each scrape (``GetStats``), and so are its
 counters (preemptions, prefix-cache queried and hit tokens per replica; routing
 decisions by policy and outcome: the chosen replica held all of the prompt a
-cache can serve, part of it, or none), exposed as the counters they are.
+cache can serve, part of it, or none; a request moved off a failed replica is
+routed, and looked up, again), exposed as the counters they are.  A replica
+started again after a failure goes on from its predecessor's counters.
 
 Each ``FrontendMetrics`` has its own registry, so that two servers in one
 process (tests) do not share counters.
@@ -189,7 +191,8 @@ class _SchedulerCounters:
         families = {
             "kvserve_preemptions": ("Requests preempted (recomputed later) on a replica", "num_preemptions"),
             "kvserve_prefix_cache_queries_tokens": (
-                "Prompt tokens looked up in a replica's prefix cache", "prefix_cache_queried_tokens",
+                "Tokens looked up in a replica's prefix cache: prompts, and the outputs so far of requests "
+                "computed again (preempted, or moved off a failed replica)", "prefix_cache_queried_tokens",
             ),
             "kvserve_prefix_cache_hits_tokens": (
                 "Prompt tokens found in a replica's prefix cache", "prefix_cache_hit_tokens",
@@ -202,7 +205,8 @@ class _SchedulerCounters:
             yield family
         routing = CounterMetricFamily(
             "kvserve_routing_decisions", "Requests routed, by policy and by how much of the prompt the chosen "
-            "replica held (hit: all a cache can serve, partial, miss)", labels=["policy", "outcome"],
+            "replica held (hit: all a cache can serve, partial, miss); a request moved off a failed replica "
+            "is routed again", labels=["policy", "outcome"],
         )
         if self.routing is not None:
             policy, outcomes = self.routing

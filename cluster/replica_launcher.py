@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,6 +102,7 @@ async def launch_replica(
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     placement_timeout_s: float | None = DEFAULT_PLACEMENT_TIMEOUT_S,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    on_placed: Callable[[], None] | None = None,
 ) -> ReplicaHandle:
     """Start ``worker_config.tp_size`` ranks of ``replica_id`` on one node, ready to execute.
 
@@ -110,7 +112,8 @@ async def launch_replica(
     A ``SimulatedWorkerConfig`` starts simulated ranks, which need no device
     and no rendezvous.  Raises ``PlacementError`` when no node has room,
     ``ReplicaFailedError`` when a rank fails to start; nothing is left
-    running then.
+    running then.  ``on_placed`` is called once its node's resources are
+    reserved, before its ranks start (load the model).
     """
     kind = DeviceKind(device_kind)
     simulated = isinstance(worker_config, SimulatedWorkerConfig)
@@ -118,6 +121,8 @@ async def launch_replica(
         worker_config = dataclasses.replace(worker_config, device="cpu")
     tp_size = worker_config.tp_size
     group = await place_replica(replica_id, tp_size, kind, placement_timeout_s)
+    if on_placed is not None:
+        on_placed()
     actors: list[ActorHandle] = []
     try:
         for rank in range(tp_size):

@@ -47,6 +47,7 @@ from ray.util.placement_group import PlacementGroup
 
 from kvserve.cluster.actor_replica import ActorReplica, started
 from kvserve.cluster.config import ClusterConfig
+from kvserve.cluster.log_format import show_logs
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
 from kvserve.cluster.output_mailbox import OutputMailbox
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
@@ -76,9 +77,12 @@ class SchedulerActor:
     Start-up: ``start_replica(r)`` for every replica (concurrently is fine),
     then ``ready()``.  The front end is the only caller of ``add_request``,
     ``abort_requests`` and ``poll_outputs`` (a single consumer: see ``OutputMailbox``).
+    ``log_level``, when given, is the level of the actor's log lines (``show_logs``): the server's.
     """
 
-    def __init__(self, config: ClusterConfig, model_config: ModelConfig) -> None:
+    def __init__(self, config: ClusterConfig, model_config: ModelConfig, log_level: int | None = None) -> None:
+        if log_level is not None:
+            show_logs(log_level)
         self.config = config
         self.model_config = model_config
         self._scheduler_config = config.scheduler_config(model_config.max_model_len)
@@ -95,6 +99,8 @@ class SchedulerActor:
             self._router.set_available(replica_id, False)
         self._replicas: dict[int, ActorReplica] = {}
         self._starting: set[int] = set()
+        # Those of them whose resources are reserved: their workers are starting.
+        self._placed: set[int] = set()
         # Requests in flight, by id: the replica serving each, and the request.
         self._requests: dict[str, tuple[ActorReplica, Request]] = {}
         # What the steps produced, until the front end polls it.
@@ -124,9 +130,11 @@ class SchedulerActor:
                 self.config.worker_config(self.model_config.max_model_len),
                 device_kind=device_kind,
                 placement_timeout_s=self.config.placement_timeout_s,
+                on_placed=lambda: self._placed.add(replica_id),
             )
         finally:
             self._starting.discard(replica_id)
+            self._placed.discard(replica_id)
         if self._shutting_down:
             await handle.shutdown()
             raise RuntimeError(f"the scheduler shut down while replica {replica_id} started")
@@ -156,6 +164,10 @@ class SchedulerActor:
             self._watchdog = asyncio.create_task(self._watch_undelivered_outputs(), name="output-watchdog")
         logger.info("replica %d ready: %d KV blocks", replica_id, num_kv_blocks)
         return replica
+
+    async def placed_replicas(self) -> list[int]:
+        """The replicas still starting whose resources are reserved: their workers load the model."""
+        return sorted(self._placed)
 
     async def placement_groups(self) -> list[PlacementGroup]:
         """The placement group of every started replica (for a forced clean-up: they outlive this actor)."""
@@ -468,7 +480,8 @@ class SchedulerActor:
                 await handle.shutdown()
                 return
             self._install_replica(replica_id, handle, failed.device_kind)
-            logger.info("replica %d is back in service after %d tries", replica_id, attempt)
+            # NOTE: a warning, as its failure was an error: an operator sees the incident end too.
+            logger.warning("replica %d is back in service (try %d of %d)", replica_id, attempt, MAX_RESTART_TRIES)
             return
         logger.error("replica %d stays down: %d tries to start it again failed", replica_id, MAX_RESTART_TRIES)
 
@@ -488,3 +501,4 @@ class SchedulerActor:
             logger.warning("no front end fetched outputs for %.0f s: aborting %d requests", idle_s, len(req_ids))
             self._abort(req_ids, deliver=False)
             self._outputs.pending.clear()
+

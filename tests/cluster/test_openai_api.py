@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import httpx
@@ -382,6 +383,29 @@ def test_metrics_count_the_requests_refused_before_the_pipeline(served: Served, 
     assert moved(before, after, "kvserve_requests_total", code="404") == 1
     assert moved(before, after, "kvserve_requests_total", code="413") == 1
     assert moved(before, after, "kvserve_requests_total", code="200") == 0
+
+
+def test_metrics_count_a_stream_the_client_left_as_499_with_no_served_figures(
+    served: Served, grpc_client: Client
+):
+    before = scrape(served)
+    body = {"model": served.model, "prompt": [5, 6, 7], "max_tokens": 500, "stream": True, **GREEDY["extra_body"]}
+    with httpx.stream("POST", f"{served.base_url}/v1/completions", json=body, timeout=TIMEOUT_S) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # its first chunk; then the client leaves
+    wait_until_idle(grpc_client, TIMEOUT_S)  # aborted: its blocks came back
+    deadline = time.monotonic() + TIMEOUT_S
+    while moved(before, after := scrape(served), "kvserve_requests_total", code="499") == 0:
+        assert time.monotonic() < deadline, "the request the client left was never counted"
+        time.sleep(0.05)
+
+    assert moved(before, after, "kvserve_requests_total", code="499") == 1
+    assert moved(before, after, "kvserve_requests_total", code="200") == 0
+    assert moved(before, after, "kvserve_time_to_first_token_seconds_count") == 1
+    # Unserved: no usage to count, no end to time.
+    assert moved(before, after, "kvserve_prompt_tokens_total") == 0
+    assert moved(before, after, "kvserve_generation_tokens_total") == 0
+    assert moved(before, after, "kvserve_e2e_request_latency_seconds_count") == 0
 
 
 def test_metrics_report_each_replicas_state(served: Served):

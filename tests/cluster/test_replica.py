@@ -123,7 +123,10 @@ def test_starting_a_cluster_says_what_replicas_still_wait_for(ray_cluster, model
         launcher.start_cluster(config, progress=lines.append)
 
     waiting = [line for line in lines if line.startswith("still waiting for 1 of 1 replica(s) after ")]
-    assert waiting and "s; each needs 4 kvserve_worker_slot on one node (STRICT_PACK); the largest node has 2" in waiting[0]
+    assert waiting and (
+        "s: replica 0 waiting for resources: each needs 4 kvserve_worker_slot on one node (STRICT_PACK); "
+        "the largest node has 2"
+    ) in waiting[0]
 
 
 def test_replica_that_fails_to_start_leaves_nothing_behind(

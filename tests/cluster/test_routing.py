@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +22,8 @@ from kvserve.cluster.cli import build_parser, main
 from kvserve.cluster.config import ClusterConfig
 from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.launcher import ClusterHandle, start_cluster
-from kvserve.cluster.messages import RequestDelta, RequestSpec
+from kvserve.cluster.messages import ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.log_format import show_logs
 from kvserve.cluster.scheduler_actor import SchedulerActor
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.routing.cost_ttft import CostTTFTPolicy
@@ -310,6 +313,101 @@ def test_a_stream_moved_mid_way_goes_on_from_its_last_token_and_the_replica_come
     assert last.num_prompt_tokens == 3
     assert healthy == [True, True]
     assert after.error is None
+
+
+def test_a_replica_started_again_says_so_and_keeps_its_prefix_cache_counters_and_hit_rate(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An operator saw the failure as an error; the end of the incident is a warning, not a silent INFO.
+    monkeypatch.setattr("kvserve.cluster.scheduler_actor.RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr("kvserve.cluster.scheduler_actor.IDLE_CHECK_S", 0.05)
+    prefix = list(range(5, 5 + 4 * BLOCK_SIZE))
+
+    async def scenario() -> tuple[list[int], ReplicaStatsInfo, list[ReplicaStatsInfo]]:
+        actor, executors = fake_actor(monkeypatch, "round_robin")
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        replicas = [(await run_to_the_end(actor, req_id, prefix + [k])).replica for k, req_id in enumerate("abc")]
+        [before, _] = await actor.get_stats()
+        executors[0].died = True
+        while (await actor.get_stats())[0].healthy:  # found dead by an idle check
+            await asyncio.sleep(0.01)
+        executors[0].died = False  # the restarted workers are sound
+        for _ in range(200):
+            after = await actor.get_stats()
+            if all(s.healthy for s in after):
+                break
+            await asyncio.sleep(0.01)
+        await actor.shutdown()
+        return replicas, before, after
+
+    with caplog.at_level(logging.INFO, logger="kvserve.cluster.scheduler_actor"):
+        replicas, before, after = asyncio.run(scenario())
+
+    assert replicas == [0, 1, 0]  # round robin: c found a's prefix on replica 0
+    hit_rate = (4 * BLOCK_SIZE) / (2 * (4 * BLOCK_SIZE + 1))
+    assert before.prefix_cache_hit_rate == pytest.approx(hit_rate)
+    assert after[0].healthy
+    assert (after[0].prefix_cache_queried_tokens, after[0].prefix_cache_hit_tokens) == (
+        before.prefix_cache_queried_tokens, before.prefix_cache_hit_tokens
+    )
+    assert after[0].prefix_cache_hit_rate == pytest.approx(hit_rate)
+    back = [r for r in caplog.records if "replica 0 is back in service (try 1 of 5)" in r.getMessage()]
+    assert [r.levelno for r in back] == [logging.WARNING]
+
+
+def test_the_actor_tells_which_starting_replicas_are_placed_and_loading_their_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A replica loading a large model for minutes was reported as if it waited for resources.
+    loaded = asyncio.Event()
+
+    async def launch_replica(replica_id: int, *args, on_placed, **kwargs) -> SimpleNamespace:
+        on_placed()
+        await loaded.wait()
+
+        async def shutdown() -> None:
+            pass
+
+        return SimpleNamespace(executor=FakeExecutor(), placement_group=None, shutdown=shutdown)
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        actor, _ = fake_actor(monkeypatch, "round_robin")
+        monkeypatch.setattr("kvserve.cluster.scheduler_actor.launch_replica", launch_replica)
+        starting = asyncio.create_task(actor.start_replica(1, "cpu"))
+        while not await actor.placed_replicas():
+            await asyncio.sleep(0)
+        while_loading = await actor.placed_replicas()
+        loaded.set()
+        await starting
+        once_started = await actor.placed_replicas()
+        await actor.shutdown()
+        return while_loading, once_started
+
+    assert asyncio.run(scenario()) == ([1], [])
+
+
+def test_the_actor_writes_its_log_lines_at_the_servers_level_with_time_and_level(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    package = logging.getLogger("kvserve")
+    kept = (package.level, package.handlers[:], package.propagate)
+    try:
+        show_logs(logging.INFO)
+        logging.getLogger("kvserve.cluster.scheduler_actor").info("replica 3: starting again (try 1 of 5)")
+        logging.getLogger("kvserve.cluster.scheduler_actor").debug("one step's detail")
+    finally:
+        for handler in package.handlers[len(kept[1]):]:
+            package.removeHandler(handler)
+        package.setLevel(kept[0])
+        package.propagate = kept[2]
+
+    [line] = capfd.readouterr().err.splitlines()
+    assert re.fullmatch(
+        r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO kvserve.cluster.scheduler_actor: "
+        r"replica 3: starting again \(try 1 of 5\)",
+        line,
+    ), line
 
 
 def test_a_request_that_broke_replicas_as_often_as_it_may_move_ends_with_an_error(
