@@ -107,12 +107,7 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        stats = self.prefix_cache_stats
-        stats.num_requests += 1
-        stats.num_queried_tokens += request.num_tokens
-        num_tokens = len(blocks) * self.block_size
-        stats.num_hit_tokens += num_tokens
-        return ComputedBlocks(blocks, num_tokens) if blocks else _NO_HIT
+        return ComputedBlocks(blocks, len(blocks) * self.block_size) if blocks else _NO_HIT
 
     def get_block_ids(self, req_id: str) -> list[int]:
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
@@ -135,9 +130,11 @@ class KVCacheManager:
 
         ``new_computed_blocks`` is a prefix-cache hit from
         ``get_computed_blocks`` for a request being scheduled from the waiting
-        queue; its blocks join the request's table.  Returns the newly
-        allocated blocks (possibly none), or ``None`` when the pool cannot
-        serve the request, in which case nothing was touched or allocated.
+        queue; its blocks join the request's table, and the lookup counts in
+        ``prefix_cache_stats`` (only then: a request that waits for blocks is
+        looked up again at every step).  Returns the newly allocated blocks
+        (possibly none), or ``None`` when the pool cannot serve the request, in
+        which case nothing was touched, allocated or counted.
         """
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
@@ -158,6 +155,11 @@ class KVCacheManager:
         num_evictable = sum(1 for block in computed if block.ref_cnt == 0) if computed else 0
         if num_new_blocks > pool.free_block_queue.num_free_blocks - num_evictable:
             return None
+        if new_computed_blocks is not None and self.enable_caching:
+            stats = self.prefix_cache_stats
+            stats.num_requests += 1
+            stats.num_queried_tokens += request.num_tokens
+            stats.num_hit_tokens += new_computed_blocks.num_tokens
         if req_blocks is None:
             req_blocks = self.req_to_blocks[req_id] = []
             self.num_cached_blocks[req_id] = 0

@@ -168,10 +168,29 @@ def test_caching_disabled_never_hits() -> None:
 def test_prefix_cache_stats_count_queries_and_hits() -> None:
     manager = KVCacheManager(num_blocks=10, block_size=4)
     schedule_prompt(manager, Request("a", list(range(1, 13))))
-    manager.get_computed_blocks(Request("b", list(range(1, 13))))
+    schedule_prompt(manager, Request("b", list(range(1, 13))))
     stats = manager.prefix_cache_stats
     assert (stats.num_requests, stats.num_queried_tokens, stats.num_hit_tokens) == (2, 24, 8)
     assert stats.hit_rate == pytest.approx(8 / 24)
+
+
+def test_prefix_cache_stats_count_a_request_once_however_long_it_waits_for_blocks() -> None:
+    # A waiting request is looked up at every step until it gets its blocks: 2 requests of
+    # 320 tokens once counted 3,520 queried tokens on a tight pool.
+    manager = KVCacheManager(num_blocks=8, block_size=4)  # 7 usable
+    schedule_prompt(manager, Request("a", list(range(1, 13))))  # 3 blocks
+    blocker = Request("c", list(range(40, 56)))  # the other 4
+    schedule_prompt(manager, blocker)
+    waiting = Request("b", list(range(1, 13)) + list(range(20, 32)))  # a's 3 blocks, then 3 more
+    for _ in range(3):  # no room: nothing counted
+        computed = manager.get_computed_blocks(waiting)
+        assert manager.allocate_slots(waiting, waiting.num_tokens - computed.num_tokens, computed) is None
+    stats = manager.prefix_cache_stats
+    assert (stats.num_requests, stats.num_queried_tokens, stats.num_hit_tokens) == (2, 28, 0)
+    manager.free(blocker)
+    computed = manager.get_computed_blocks(waiting)
+    assert manager.allocate_slots(waiting, waiting.num_tokens - computed.num_tokens, computed) is not None
+    assert (stats.num_requests, stats.num_queried_tokens, stats.num_hit_tokens) == (3, 52, 12)
 
 
 def test_negative_token_count_is_rejected() -> None:
