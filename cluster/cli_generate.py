@@ -9,10 +9,8 @@ import sys
 from pathlib import Path
 
 from kvserve.cluster.cli_values import check_utf8
-from kvserve.cluster.host_port import split_host_port
+from kvserve.cluster.host_port import GRPC_SCHEMES, split_host_port
 
-# gRPC's name resolvers: a target that starts with one is not HOST:PORT.
-_GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 # The request's fields that the server's errors start with -> the arguments that set them.
 _ARGUMENT_OF_FIELD = {
     "text": "PROMPT",
@@ -127,7 +125,7 @@ def _read_file(path: Path, flag: str) -> bytes:
 
 def _target(text: str) -> str:
     """A gRPC target: ``HOST:PORT`` checked, one with a resolver's scheme passed on as is."""
-    if text.startswith(_GRPC_SCHEMES):
+    if text.startswith(GRPC_SCHEMES):
         return text
     try:
         split_host_port(text)

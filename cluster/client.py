@@ -13,17 +13,23 @@
 The keyword arguments of ``generate`` and ``stream`` are ``SamplingKwargs``
 plus ``timeout`` (the call's deadline in seconds); an unknown one raises
 ``TypeError`` before anything is sent.  The server's refusals and failures
-raise ``RequestError`` with its status code and message.  Leaving a stream
-early (``break``, an exception, closing the iterator) cancels the call, and the
-server aborts the request and frees its blocks.
+raise ``RequestError`` with its status code and message.  A stream sends its
+request when its iteration starts; leaving it early (closing the iterator, or
+leaving a ``for`` over ``client.stream(...)`` by ``break`` or an exception)
+cancels the call, and the server aborts the request and frees its blocks.
 
 ``token`` is sent as ``authorization: Bearer <token>`` with every call;
 ``tls_ca`` (a PEM file of the certificate authority to trust) switches the
-channel to TLS.
+channel to TLS.  A bad ``target``, token or CA file raises ``ValueError`` (or
+``TypeError``) when the client is made; an unreachable server is
+``RequestError("UNAVAILABLE", ...)`` at the first call, and the client
+reconnects by itself once the server is back (within about ``MAX_RECONNECT_BACKOFF_S``).
+A closed client raises ``RuntimeError``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -44,6 +50,7 @@ from kvserve.cluster.client_messages import (
     to_generate_request,
     to_replica_stats,
 )
+from kvserve.cluster.host_port import GRPC_SCHEMES, split_host_port
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
@@ -64,12 +71,21 @@ __all__ = [
 # spelled out so that the client imports neither the scheduler nor numpy; a test keeps
 # the two equal).
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
+# NOTE: while the server is down, grpc waits longer and longer between connection
+# attempts (up to 120 s) and fails every call in between at once: after a restart
+# of ~40 s, calls still failed with UNAVAILABLE for 11 s.  A failed attempt on a
+# refused port costs next to nothing, so the wait is capped.
+MAX_RECONNECT_BACKOFF_S = 2.0
+_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 
 
 class _Settings:
     """What both clients derive from their arguments: call metadata, channel options, credentials."""
 
-    def __init__(self, token: str | None, tls_ca: str | os.PathLike[str] | None, max_message_bytes: int) -> None:
+    def __init__(
+        self, target: str, token: str | None, tls_ca: str | os.PathLike[str] | None, max_message_bytes: int
+    ) -> None:
+        self.target = _check_target(target)
         self.metadata = _bearer_metadata(token)
         self.credentials = _tls_credentials(tls_ca)
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
@@ -77,13 +93,14 @@ class _Settings:
         self.options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_reconnect_backoff_ms", int(MAX_RECONNECT_BACKOFF_S * 1000)),
         ]
 
-    def channel(self, grpc_module: Any, target: str) -> Any:
-        """A channel to ``target`` from ``grpc`` or ``grpc.aio`` (the same calls), with TLS if asked."""
+    def channel(self, grpc_module: Any) -> Any:
+        """A channel to the target from ``grpc`` or ``grpc.aio`` (the same calls), with TLS if asked."""
         if self.credentials is None:
-            return grpc_module.insecure_channel(target, self.options)
-        return grpc_module.secure_channel(target, self.credentials, self.options)
+            return grpc_module.insecure_channel(self.target, self.options)
+        return grpc_module.secure_channel(self.target, self.credentials, self.options)
 
 
 class Client:
@@ -97,10 +114,11 @@ class Client:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        settings = _Settings(token, tls_ca, max_message_bytes)
+        settings = _Settings(target, token, tls_ca, max_message_bytes)
         self._metadata = settings.metadata
-        self._channel = settings.channel(grpc, target)
+        self._channel = settings.channel(grpc)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self._closed = False
 
     def generate(
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **sampling: Unpack[SamplingKwargs]
@@ -114,24 +132,43 @@ class Client:
     def stream(
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **sampling: Unpack[SamplingKwargs]
     ) -> Iterator[CompletionDelta]:
-        """The completion of ``prompt`` as it is generated, one delta per message."""
+        """The completion of ``prompt`` as it is generated, one delta per message.
+
+        The arguments are checked at once; the request is sent when the iteration starts.
+        """
         request = to_generate_request(prompt, dict(sampling))
-        call = self._stub.Generate(request, timeout=_check_timeout(timeout), metadata=self._metadata)
-        return _deltas(call)
+        timeout = _check_timeout(timeout)
+        _check_open(self)
+        return self._deltas(request, timeout)
 
     def get_stats(self, *, timeout: float | None = None) -> tuple[ReplicaStats, ...]:
         """Every replica's load and cache figures."""
+        timeout = _check_timeout(timeout)
+        _check_open(self)
         try:
-            response = self._stub.GetStats(
-                generate_pb2.GetStatsRequest(), timeout=_check_timeout(timeout), metadata=self._metadata
-            )
+            response = self._stub.GetStats(generate_pb2.GetStatsRequest(), timeout=timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
         return to_replica_stats(response)
 
     def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Close the channel; calls in flight are cancelled, and later calls raise ``RuntimeError``."""
+        self._closed = True
         self._channel.close()
+
+    def _deltas(self, request: generate_pb2.GenerateRequest, timeout: float | None) -> Iterator[CompletionDelta]:
+        # NOTE: the call starts here, at the first next(): a stream closed before that
+        # leaves nothing running (a call started in stream() ran on to its end).
+        _check_open(self)
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        try:
+            for response in call:
+                yield to_delta(response)
+        except grpc.RpcError as exc:
+            raise _request_error(exc) from None
+        finally:
+            # A consumer that stops early: the server aborts the request and frees its blocks.
+            call.cancel()
 
     def __enter__(self) -> Client:
         return self
@@ -141,7 +178,8 @@ class Client:
 
 
 class AsyncClient:
-    """An asyncio client.  Create it inside the event loop that uses it; close it, or ``async with`` it."""
+    """An asyncio client, bound to the event loop it is made in (``RuntimeError`` outside one, or
+    when used from another loop); concurrent calls share its channel.  Close it, or ``async with`` it."""
 
     def __init__(
         self,
@@ -151,10 +189,20 @@ class AsyncClient:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        settings = _Settings(token, tls_ca, max_message_bytes)
+        settings = _Settings(target, token, tls_ca, max_message_bytes)
+        try:
+            # NOTE: a grpc.aio channel belongs to the loop running when it is made; made
+            # outside one, its first call failed deep in grpc ("attached to a different loop").
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError(
+                "AsyncClient must be made inside the event loop that uses it (in a coroutine); "
+                "outside one, use Client"
+            ) from None
         self._metadata = settings.metadata
-        self._channel = settings.channel(grpc.aio, target)
+        self._channel = settings.channel(grpc.aio)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
+        self._closed = False
 
     async def generate(
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **sampling: Unpack[SamplingKwargs]
@@ -168,24 +216,56 @@ class AsyncClient:
     def stream(
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **sampling: Unpack[SamplingKwargs]
     ) -> AsyncIterator[CompletionDelta]:
-        """The completion of ``prompt`` as it is generated, one delta per message."""
+        """The completion of ``prompt`` as it is generated, one delta per message.
+
+        The arguments are checked at once; the request is sent when the iteration starts.
+        """
         request = to_generate_request(prompt, dict(sampling))
-        call = self._stub.Generate(request, timeout=_check_timeout(timeout), metadata=self._metadata)
-        return _async_deltas(call)
+        timeout = _check_timeout(timeout)
+        self._check_usable()
+        return self._deltas(request, timeout)
 
     async def get_stats(self, *, timeout: float | None = None) -> tuple[ReplicaStats, ...]:
         """Every replica's load and cache figures."""
+        timeout = _check_timeout(timeout)
+        self._check_usable()
         try:
             response = await self._stub.GetStats(
-                generate_pb2.GetStatsRequest(), timeout=_check_timeout(timeout), metadata=self._metadata
+                generate_pb2.GetStatsRequest(), timeout=timeout, metadata=self._metadata
             )
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
         return to_replica_stats(response)
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled."""
+        """Close the channel; calls in flight are cancelled, and later calls raise ``RuntimeError``."""
+        self._closed = True
         await self._channel.close()
+
+    def _check_usable(self) -> None:
+        _check_open(self)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            raise RuntimeError(
+                "this AsyncClient belongs to the event loop it was made in: make one inside each loop that calls it"
+            )
+
+    async def _deltas(
+        self, request: generate_pb2.GenerateRequest, timeout: float | None
+    ) -> AsyncIterator[CompletionDelta]:
+        # NOTE: as Client._deltas, the call starts at the first anext().
+        self._check_usable()
+        call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        try:
+            async for response in call:
+                yield to_delta(response)
+        except grpc.RpcError as exc:
+            raise _request_error(exc) from None
+        finally:
+            call.cancel()
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -194,31 +274,35 @@ class AsyncClient:
         await self.close()
 
 
-def _deltas(call: grpc.Call) -> Iterator[CompletionDelta]:
-    try:
-        for response in call:
-            yield to_delta(response)
-    except grpc.RpcError as exc:
-        raise _request_error(exc) from None
-    finally:
-        # A consumer that stops early: the server aborts the request and frees its blocks.
-        call.cancel()
-
-
-async def _async_deltas(call: grpc.aio.UnaryStreamCall) -> AsyncIterator[CompletionDelta]:
-    try:
-        async for response in call:
-            yield to_delta(response)
-    except grpc.RpcError as exc:
-        raise _request_error(exc) from None
-    finally:
-        call.cancel()
-
-
 def _request_error(error: grpc.RpcError) -> RequestError:
     code = error.code() if hasattr(error, "code") else None
     details = error.details() if hasattr(error, "details") else None
     return RequestError(code.name if code is not None else "UNKNOWN", details or str(error))
+
+
+def _check_target(target: str) -> str:
+    """``target`` if it is ``HOST:PORT`` or a gRPC target with a resolver's scheme (``dns:``, ``unix:``, ...).
+
+    NOTE: grpc took "127.0.0.1" for port 443 and a URL ("http://...") for a host
+    name, and both failed only at the first call, as an unreachable server.
+    """
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a str such as '127.0.0.1:50051', got {type(target).__name__}")
+    if target.startswith(GRPC_SCHEMES):
+        return target
+    if "://" in target:
+        raise ValueError(f"target is the server's HOST:PORT, not a URL: got {target!r} (tls_ca=... for TLS)")
+    try:
+        split_host_port(target)
+    except ValueError as exc:
+        raise ValueError(f"target: {exc}") from None
+    return target
+
+
+def _check_open(client: Client | AsyncClient) -> None:
+    if client._closed:
+        # NOTE: else grpc's own error, a ValueError or grpc.aio.UsageError that names no client.
+        raise RuntimeError(f"this {type(client).__name__} is closed")
 
 
 def _check_timeout(timeout: float | None) -> float | None:
@@ -246,4 +330,8 @@ def _tls_credentials(tls_ca: str | os.PathLike[str] | None) -> grpc.ChannelCrede
         root_certificates = Path(tls_ca).read_bytes()
     except OSError as exc:
         raise ValueError(f"tls_ca: cannot read {os.fspath(tls_ca)}: {exc.strerror or exc}") from None
+    if _PEM_CERTIFICATE not in root_certificates:
+        # NOTE: grpc takes any bytes here and fails every call later with
+        # "UNAVAILABLE: ... Failed to create security handshaker".
+        raise ValueError(f"tls_ca: {os.fspath(tls_ca)} holds no PEM certificate ({_PEM_CERTIFICATE.decode()} ...)")
     return grpc.ssl_channel_credentials(root_certificates=root_certificates)

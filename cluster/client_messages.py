@@ -119,6 +119,11 @@ class RequestError(Exception):
         self.code = code
         self.message = message
 
+    def __reduce__(self) -> tuple[type[RequestError], tuple[str, str]]:
+        # NOTE: else pickling (a process pool, a Ray task) re-created it from its one
+        # formatted argument, and failed with TypeError.
+        return type(self), (self.code, self.message)
+
 
 def to_generate_request(prompt: str | Sequence[int], kwargs: dict[str, Any]) -> generate_pb2.GenerateRequest:
     """``prompt`` and ``kwargs`` (``SamplingKwargs``) as a request.

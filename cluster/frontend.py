@@ -60,7 +60,7 @@ from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, R
 from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.cluster.output_poll import POLL_TIMEOUT_S, OutputPoll
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
-from kvserve.cluster.request_conversion import RequestConversion, to_response
+from kvserve.cluster.request_conversion import RequestConversion, client_request_id, to_response
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.stop_strings import StopStringMatcher
@@ -204,17 +204,18 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             spec = self.to_request_spec(request, tenant)
         if self._scheduler_error is not None:
             raise UnavailableError(SCHEDULER_LOST)
-        req_id = spec.req_id
+        req_id = spec.req_id  # in the tenant's namespace; the client's is public_id
+        public_id = client_request_id(tenant, req_id)
         drained = self._draining.get(req_id)
         if drained is not None:
             try:
                 await asyncio.wait_for(drained.wait(), DRAIN_TIMEOUT_S)
             except asyncio.TimeoutError:
                 raise InvalidRequestError(
-                    f"request_id {req_id!r} is still being cancelled after {DRAIN_TIMEOUT_S:g} s"
+                    f"request_id {public_id!r} is still being cancelled after {DRAIN_TIMEOUT_S:g} s"
                 ) from None
         if req_id in self._streams:
-            raise InvalidRequestError(f"request_id {req_id!r} is already in flight")
+            raise InvalidRequestError(f"request_id {public_id!r} is already in flight")
         if len(self._streams) >= self._max_concurrent_requests:
             raise OverloadedError(
                 f"the server is at its limit of {self._max_concurrent_requests} concurrent requests"
@@ -236,7 +237,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequestError(remote_error_message(exc)) from None
             except (RuntimeError, RayActorError) as exc:
                 finished = True
-                raise UnavailableError(_public(req_id, "no replica can take it now", remote_error_message(exc))) from None
+                raise UnavailableError(
+                    _public(req_id, public_id, "no replica can take it now", remote_error_message(exc))
+                ) from None
             detokenizer = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
             stop = tuple(request.sampling_params.stop)
             matcher = StopStringMatcher(stop) if stop and detokenizer is not None else None
@@ -247,12 +250,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     finished = True
                     if delta.error in self._own_errors:  # the front end's own words, already for clients
                         raise UnavailableError(delta.error)
-                    raise UnavailableError(_public(req_id, "its replica failed and no other could go on with it", delta.error))
+                    raise UnavailableError(
+                        _public(req_id, public_id, "its replica failed and no other could go on with it", delta.error)
+                    )
                 finished = delta.is_last
                 if matcher is None:
-                    yield self.to_response(req_id, delta, detokenizer)
+                    yield self.to_response(public_id, delta, detokenizer)
                     continue
-                response = self.to_response(req_id, delta, None)
+                response = self.to_response(public_id, delta, None)
                 response.text, num_used = matcher.add_tokens(detokenizer, delta.token_ids, is_last=delta.is_last)
                 del response.token_ids[num_used:]
                 del response.logprobs[num_used:]
@@ -487,8 +492,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             logger.warning("could not abort %d requests", len(req_ids), exc_info=True)
 
 
-def _public(req_id: str, what: str, internals: str) -> str:
+def _public(req_id: str, public_id: str, what: str, internals: str) -> str:
     """The short message a client gets for a failure whose internals (actor ids, addresses,
-    stack details) go to the server log under the request id."""
+    stack details) go to the server log under the request id (``req_id``: with its tenant's name)."""
     logger.warning("request %s: %s: %s", req_id, what, internals)
-    return f"request {req_id}: {what} (details in the server log under this request id)"
+    return f"request {public_id}: {what} (details in the server log under this request id)"

@@ -1,6 +1,9 @@
-"""``HOST:PORT`` addresses given on the command line."""
+"""``HOST:PORT`` addresses given on the command line, and gRPC targets."""
 
 from __future__ import annotations
+
+# The schemes of gRPC's name resolvers: a target that starts with one is passed to gRPC as it is.
+GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 
 
 def split_host_port(address: str) -> tuple[str, int]:

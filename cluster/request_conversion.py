@@ -129,7 +129,7 @@ class RequestConversion:
                 f"{sampling_params.max_tokens}{default} exceed max_model_len {model.max_model_len}"
             )
         return RequestSpec(
-            req_id=req_id,
+            req_id=scheduled_request_id(tenant, req_id),
             prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
             cache_salt=tenant_cache_salt(tenant, request.cache_salt or None),
@@ -162,6 +162,21 @@ class RequestConversion:
             return SamplingParams(**kwargs)
         except ValueError as exc:
             raise InvalidRequestError(f"sampling_params.{exc}") from None
+
+
+def scheduled_request_id(tenant: Tenant | None, request_id: str) -> str:
+    """The id a request of ``tenant`` is scheduled under: ``request_id`` in its tenant's own namespace.
+
+    NOTE: ids in flight must be unique; shared between tenants, one tenant's ids could
+    refuse another's ("already in flight") and tell them apart.  A tenant's name has
+    no whitespace (auth token files split on it), so no two tenants' ids meet.
+    """
+    return request_id if tenant is None else f"{tenant.name} {request_id}"
+
+
+def client_request_id(tenant: Tenant | None, req_id: str) -> str:
+    """The id its client knows a request by: ``scheduled_request_id``'s inverse."""
+    return req_id if tenant is None else req_id[len(tenant.name) + 1 :]
 
 
 def to_response(

@@ -51,8 +51,10 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Streams the completion of one prompt.  Every message carries the token
-        ids and text added since the previous one; the last one also carries the
-        finish reason, the usage and the replica that served the request.
+        ids and text added since the previous one, and the replica serving the
+        request; the last one also carries the finish reason and the usage.  The
+        text may lag the token ids: held back while it could be the start of a
+        stop string, or while a character is incomplete.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pickle
 import socket
 from collections.abc import Iterator
 from concurrent import futures
@@ -230,6 +231,37 @@ def test_an_async_stream_yields_deltas_and_leaving_it_frees_the_request(served: 
     wait_until_idle(client, ABORT_TIMEOUT_S)
 
 
+def test_an_expired_deadline_is_deadline_exceeded_and_frees_the_request(client: Client):
+    with pytest.raises(RequestError) as info:
+        client.generate("too slow", timeout=0.3, **LONG)
+
+    assert info.value.code == "DEADLINE_EXCEEDED"
+    wait_until_idle(client, ABORT_TIMEOUT_S)
+
+
+def test_cancelling_an_async_generate_aborts_its_request(served: Served, client: Client):
+    async def cancel_then_wait() -> None:
+        async with AsyncClient(served.target) as async_client:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(async_client.generate("cancel me", **LONG), 0.3)
+            # With the channel still open: the cancelled call alone ended the request.
+            wait_until_idle(client, ABORT_TIMEOUT_S)
+
+    asyncio.run(cancel_then_wait())
+
+
+def test_closing_an_async_stream_before_reading_it_leaves_nothing_running(served: Served, client: Client):
+    async def open_then_close() -> None:
+        async with AsyncClient(served.target) as async_client:
+            stream = async_client.stream("never read", **LONG)
+            await asyncio.sleep(0.2)
+            await stream.aclose()
+            # With the channel still open: closing the stream alone must end its request.
+            wait_until_idle(client, ABORT_TIMEOUT_S)
+
+    asyncio.run(open_then_close())
+
+
 # -- errors ----------------------------------------------------------------------
 
 
@@ -296,6 +328,81 @@ def test_a_prompt_that_is_neither_text_nor_token_ids_is_a_type_error(prompt):
 def test_a_missing_ca_file_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="tls_ca: cannot read .*missing.pem: No such file"):
         Client("127.0.0.1:1", tls_ca=tmp_path / "missing.pem")
+
+
+def test_a_ca_file_without_a_certificate_is_a_clear_error(tmp_path):
+    not_a_certificate = tmp_path / "ca.pem"
+    not_a_certificate.write_text("not a certificate\n")
+
+    with pytest.raises(ValueError, match="tls_ca: .*ca.pem holds no PEM certificate"):
+        Client("127.0.0.1:1", tls_ca=not_a_certificate)
+
+
+@pytest.mark.parametrize(
+    "target, error, message",
+    [
+        ("", ValueError, "target: expected HOST:PORT with a port in 1..65535, got ''"),
+        # grpc would take port 443.
+        ("127.0.0.1", ValueError, "target: expected HOST:PORT with a port in 1..65535, got '127.0.0.1'"),
+        ("http://127.0.0.1:50051", ValueError, "target is the server's HOST:PORT, not a URL"),
+        (None, TypeError, "target must be a str such as '127.0.0.1:50051', got NoneType"),
+    ],
+)
+def test_a_target_that_is_no_address_is_refused_when_the_client_is_made(target, error, message):
+    with pytest.raises(error) as info:
+        Client(target)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "target", ["localhost:50051", "[::1]:50051", "dns:///localhost:50051", "unix:/tmp/kvserve.sock"]
+)
+def test_a_target_of_host_and_port_or_of_a_grpc_scheme_is_taken(target):
+    Client(target).close()
+
+
+def test_a_closed_client_refuses_calls_saying_so():
+    client = Client(f"127.0.0.1:{free_port()}")
+    client.close()
+
+    for call in (lambda: client.generate("hello"), client.get_stats):
+        with pytest.raises(RuntimeError, match="this Client is closed"):
+            call()
+
+
+def test_a_closed_async_client_refuses_calls_saying_so():
+    async def call_after_close() -> None:
+        async_client = AsyncClient(f"127.0.0.1:{free_port()}")
+        await async_client.close()
+        with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+            await async_client.generate("hello")
+        with pytest.raises(RuntimeError, match="this AsyncClient is closed"):
+            await async_client.get_stats()
+
+    asyncio.run(call_after_close())
+
+
+def test_an_async_client_made_outside_an_event_loop_is_refused():
+    with pytest.raises(RuntimeError, match="AsyncClient must be made inside the event loop that uses it"):
+        AsyncClient("127.0.0.1:1")
+
+
+def test_an_async_client_used_from_another_event_loop_is_refused():
+    async def make() -> AsyncClient:
+        return AsyncClient(f"127.0.0.1:{free_port()}")
+
+    async_client = asyncio.run(make())
+
+    with pytest.raises(RuntimeError, match="belongs to the event loop it was made in"):
+        asyncio.run(async_client.get_stats())
+
+
+def test_a_request_error_survives_pickling_as_a_process_pool_or_ray_task_sends_it():
+    error = pickle.loads(pickle.dumps(RequestError("UNAVAILABLE", "no replica is healthy")))
+
+    assert (error.code, error.message, str(error)) == (
+        "UNAVAILABLE", "no replica is healthy", "UNAVAILABLE: no replica is healthy"
+    )
 
 
 def test_the_client_limits_messages_as_the_server_does():

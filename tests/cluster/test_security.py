@@ -142,6 +142,33 @@ def test_two_tenants_never_share_cached_blocks_and_a_tenant_hits_its_own(secured
         assert alice.generate(PROMPT, max_tokens=2, cache_salt="mine").usage.cached_prompt_tokens == 0
 
 
+# Long enough to be still in flight while a test makes its other calls; each test closes it early.
+IN_FLIGHT = dict(max_tokens=1500, ignore_eos=True)
+
+
+def test_two_tenants_may_use_one_request_id_at_once(secured) -> None:
+    with client(secured, ALICE) as alice, client(secured, BOB) as bob:
+        alices = alice.stream(PROMPT, request_id="shared-id", **IN_FLIGHT)
+        first = next(alices)
+        bobs = bob.generate(PROMPT, max_tokens=2, request_id="shared-id")
+        alices.close()
+
+    assert first.request_id == bobs.request_id == "shared-id"
+    assert bobs.finish_reason == "length"
+
+
+def test_one_tenant_s_request_ids_in_flight_stay_unique_across_its_tokens(secured) -> None:
+    with client(secured, ALICE) as alice, client(secured, ALICE_AGAIN) as alice_again:
+        alices = alice.stream(PROMPT, request_id="alice-id", **IN_FLIGHT)
+        next(alices)
+        with pytest.raises(RequestError) as info:
+            alice_again.generate(PROMPT, max_tokens=2, request_id="alice-id")
+        alices.close()
+
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert info.value.message == "request_id 'alice-id' is already in flight"
+
+
 def test_request_limits_are_refused_naming_the_limit(secured) -> None:
     with client(secured, ALICE) as alice:
         with pytest.raises(RequestError, match="max_stop_token_ids") as info:
