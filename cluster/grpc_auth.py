@@ -26,8 +26,9 @@ def authorization_header(metadata: Any) -> str | None:
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Answers ``UNAUTHENTICATED`` to any call but health's without a valid bearer token."""
 
-    def __init__(self, tokens: TokenTable) -> None:
+    def __init__(self, tokens: TokenTable, on_refused: Callable[[str], None] | None = None) -> None:
         self._tokens = tokens
+        self._on_refused = on_refused  # called with the method of each call refused
 
     async def intercept_service(
         self,
@@ -41,6 +42,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             self._tokens.authenticate(authorization_header(handler_call_details.invocation_metadata))
         except AuthenticationError as exc:
             logger.info("refused %s: %s", handler_call_details.method, exc)
+            if self._on_refused is not None:
+                self._on_refused(handler_call_details.method)
             return _refusing(handler, str(exc))
         return handler
 

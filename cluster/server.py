@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from kvserve.cluster.auth import TokenTable
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.frontend import Frontend
+from kvserve.cluster.frontend_errors import UnauthenticatedError
 from kvserve.cluster.grpc_auth import BearerTokenInterceptor
 from kvserve.cluster.messages import ModelInfo
 from kvserve.cluster.tolerant_handlers import add_tolerant_service
@@ -33,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 _GENERATION = generate_pb2.DESCRIPTOR.services_by_name["Generation"]
 GENERATION_SERVICE = _GENERATION.full_name
+_GENERATE_METHOD = f"/{GENERATION_SERVICE}/{_GENERATION.methods_by_name['Generate'].name}"
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _OVERALL = ""  # grpc.health.v1's name for the whole server
 # What a stream still running when the server stops ends with.
@@ -111,16 +113,6 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
     """
     tokens = TokenTable.from_file(config.auth_token_file) if config.auth_token_file is not None else None
     credentials = config.tls.server_credentials() if config.tls is not None else None
-    server = grpc.aio.server(
-        interceptors=[BearerTokenInterceptor(tokens)] if tokens is not None else None,
-        options=[
-            ("grpc.max_send_message_length", config.max_message_bytes),
-            ("grpc.max_receive_message_length", config.max_message_bytes),
-            # NOTE: grpc sets SO_REUSEPORT by default, so a second server on a
-            # taken port started silently and the kernel split clients between two clusters.
-            ("grpc.so_reuseport", 0),
-        ]
-    )
     health_servicer = health.aio.HealthServicer()
 
     async def set_serving(serving: bool) -> None:
@@ -145,6 +137,21 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         on_serving_changed=set_serving,
         tokens=tokens,
         limits=config.limits,
+    )
+
+    def count_refused(method: str) -> None:
+        if method == _GENERATE_METHOD:  # kvserve_requests_total counts generations, as over HTTP
+            frontend.metrics.count_request(UnauthenticatedError.http_status)
+
+    server = grpc.aio.server(
+        interceptors=[BearerTokenInterceptor(tokens, on_refused=count_refused)] if tokens is not None else None,
+        options=[
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            # NOTE: grpc sets SO_REUSEPORT by default, so a second server on a
+            # taken port started silently and the kernel split clients between two clusters.
+            ("grpc.so_reuseport", 0),
+        ]
     )
     add_tolerant_service(server, frontend, _GENERATION)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

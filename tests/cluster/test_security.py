@@ -116,6 +116,23 @@ def test_a_call_without_a_valid_token_is_unauthenticated(secured, token) -> None
             assert info.value.code == "UNAUTHENTICATED"
 
 
+def test_a_generate_call_refused_for_its_token_is_counted_as_a_401(secured) -> None:
+    # HTTP counted its 401s; gRPC's were refused before the front end and not counted.
+    registry = secured[0].server.frontend.metrics.registry
+
+    def refused() -> float:
+        return registry.get_sample_value("kvserve_requests_total", {"code": "401"}) or 0.0
+
+    before = refused()
+    with client(secured, "not-a-token-of-ours-at-all") as unauthenticated:
+        with pytest.raises(RequestError):
+            unauthenticated.generate(PROMPT, max_tokens=2)
+        assert refused() == before + 1
+        with pytest.raises(RequestError):
+            unauthenticated.get_stats()  # not a generation: not counted
+        assert refused() == before + 1
+
+
 def test_health_answers_without_a_token_over_tls(secured) -> None:
     server, ca, _ = secured
     credentials = grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
