@@ -17,7 +17,7 @@ from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.worker.model_config import ModelConfig, sliding_window_of
+from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
 from kvserve.worker.worker import WorkerConfig
 
@@ -78,7 +78,6 @@ class LLM:
         self.config = config
         tensor_parallel_size = config.parallel.tensor_parallel_size
         self.model_config = ModelConfig.from_pretrained(model, config.scheduler.max_model_len)
-        self._max_model_len_reason = _max_model_len_reason(model, config.scheduler.max_model_len)
         self.tokenizer = load_tokenizer(model)
         worker_config = WorkerConfig.for_engine(config, self.model_config.max_model_len)
         self.model_config.check_tensor_parallel_size(tensor_parallel_size)
@@ -147,10 +146,11 @@ class LLM:
         try:
             for prompt, params in zip(prompt_list, params_list):
                 token_ids = self._tokenize(prompt)
-                if len(token_ids) > self.model_config.max_model_len and self._max_model_len_reason:
+                cap = self.model_config.max_model_len_cap
+                if cap is not None and len(token_ids) > self.model_config.max_model_len:
                     raise ValueError(
                         f"prompt has {len(token_ids)} tokens, more than max_model_len="
-                        f"{self.model_config.max_model_len} ({self._max_model_len_reason})"
+                        f"{self.model_config.max_model_len} ({cap})"
                     )
                 request = Request(
                     f"llm-{next(self._request_counter)}",
@@ -221,23 +221,6 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _max_model_len_reason(model: str | Path, requested: int | None) -> str | None:
-    """Why ``max_model_len`` is below the model's own limit when the user did not set it; ``None`` if it is not.
-
-    NOTE: the one such cap is the model's sliding window (``ModelConfig.from_pretrained``).
-    """
-    if requested is not None:
-        return None
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(model)
-    window = sliding_window_of(hf_config)
-    if window is None or window >= int(getattr(hf_config, "max_position_embeddings", 0) or 0):
-        return None
-    return (f"capped to the model's sliding window of {window} tokens: attention here is full causal, "
-            "which equals a sliding window's only on sequences no longer than it")
 
 
 # Iterables of integers that are no prompt: unordered, or text in bytes.

@@ -48,6 +48,8 @@ class ModelConfig:
     num_attention_heads: int = 0
     num_key_value_heads: int = 0
     intermediate_size: int = 0
+    # Why ``max_model_len`` is below the model's own limit when nobody asked for it; None when it is not.
+    max_model_len_cap: str | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, max_model_len: int | None = None) -> ModelConfig:
@@ -69,12 +71,16 @@ class ModelConfig:
             )
         limit = int(getattr(hf, "max_position_embeddings", 0) or 0)
         window = sliding_window_of(hf)
+        cap = None
         if max_model_len is None:
             if limit <= 0:
                 raise ValueError(f"{model_dir}: config has no max_position_embeddings; pass max_model_len")
             # NOTE: attention here is full causal, which equals a sliding window's
             # on sequences no longer than the window (Mistral 7B v0.1: 4096 tokens).
             max_model_len = min(limit, window) if window else limit
+            if max_model_len < limit:
+                cap = (f"capped to the model's sliding window of {window} tokens: attention here is full causal, "
+                       "which equals a sliding window's only on sequences no longer than it")
         elif max_model_len < 1 or (limit and max_model_len > limit):
             raise ValueError(f"max_model_len must be in [1, {limit}], got {max_model_len}")
         elif window and max_model_len > window:
@@ -101,6 +107,7 @@ class ModelConfig:
                 getattr(hf, "num_key_value_heads", None) or getattr(hf, "num_attention_heads", 0) or 0
             ),
             intermediate_size=int(getattr(hf, "intermediate_size", 0) or 0),
+            max_model_len_cap=cap,
         )
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:

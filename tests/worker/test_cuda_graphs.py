@@ -105,6 +105,10 @@ def test_static_buffers_hold_what_the_eager_path_builds_plus_inert_padding() -> 
         assert decode.output_indices == eager.output_indices
         metadata = graphs.metadata(size, decode.seq_lens.tolist() + [1] * (size - n))
         assert metadata.query_start_loc.tolist() == list(range(size + 1))
+        assert not metadata.captured
+        # A capture's host copies are bounds: the kernels then size each request's splits on the device.
+        capture = graphs.metadata(size)
+        assert capture.captured and capture.seq_lens_cpu == (graphs.max_seq_len,) * size
 
     assert run_scheduler(batch, check) > 20
     assert len(padded_sizes) > 2
