@@ -40,8 +40,9 @@ from kvserve.experiments.report import format_table
 from kvserve.experiments.workloads import WorkloadRequest, make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES, make_policy
+from kvserve.scheduler.cores import available_cores
 from kvserve.scheduler.cost_model import StepCostModel
-from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, available_cores
+from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator
 
 TARGET_SECONDS = 300.0
 

@@ -32,12 +32,13 @@ class ActorReplica:
     """One replica as the actor drives it: its engine (scheduler and executor) and step loop.
 
     ``retired`` are the monitoring counters of the replicas it replaced (started again
-    after a failure): its own go on from them.
+    after a failure): its own go on from them.  ``num_failures`` counts the times replica
+    ``replica_id`` failed since the cluster started (the scheduler actor counts them).
     """
 
     def __init__(
         self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle, device_kind: str,
-        retired: Counts = (0, 0, 0), *, async_scheduling: bool = False,
+        retired: Counts = (0, 0, 0), *, num_failures: int = 0, async_scheduling: bool = False,
     ) -> None:
         self.replica_id = replica_id
         self.scheduler = scheduler
@@ -51,6 +52,7 @@ class ActorReplica:
         self.release_task: asyncio.Task[None] | None = None
         self.restart: asyncio.Task[None] | None = None
         self.retired = retired
+        self.num_failures = num_failures
 
     def release(self) -> asyncio.Task[None]:
         """Shut the replica's workers down, once, in the background."""
@@ -87,4 +89,5 @@ class ActorReplica:
             num_preemptions=preemptions,
             prefix_cache_queried_tokens=queried,
             prefix_cache_hit_tokens=hit,
+            num_failures=self.num_failures,
         )

@@ -137,7 +137,9 @@ class ReplicaStatsInfo:
     num_kv_blocks: int
     healthy: bool
     # Counters since the cluster started (a restarted replica goes on from its predecessor's):
-    # preempted requests, and prompt tokens looked up in its prefix cache and found there.
+    # preempted requests, prompt tokens looked up in its prefix cache and found there, and the
+    # times it failed (and was started again: an outage between two scrapes of /metrics shows here).
     num_preemptions: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    num_failures: int = 0

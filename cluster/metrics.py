@@ -197,6 +197,11 @@ class _SchedulerCounters:
             "kvserve_prefix_cache_hits_tokens": (
                 "Prompt tokens found in a replica's prefix cache", "prefix_cache_hit_tokens",
             ),
+            "kvserve_replica_failures": (
+                "Times a replica failed and was taken out of service (it is then started again): "
+                "an outage shorter than the scrape interval shows here, not in kvserve_replica_healthy",
+                "num_failures",
+            ),
         }
         for name, (documentation, field) in families.items():
             family = CounterMetricFamily(name, documentation, labels=["replica"])

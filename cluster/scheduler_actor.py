@@ -31,8 +31,8 @@ request's state), so that their streams go on without a gap or a repeat.  A
 request it had started moves at most ``MAX_MOVES_PER_REQUEST`` times (one of them may be what
 broke the replica); past that, or when no replica can take it, it ends with an
 error.  The failed replica's workers are stopped and started again on the same
-kind of resources, after ``RESTART_BACKOFF_S`` seconds, doubling between tries,
-up to ``MAX_RESTART_TRIES`` tries; it then rejoins routing with an empty cache.
+kind of resources, with backoff between tries (``replica_restart``); it then
+rejoins routing with an empty cache.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from kvserve.cluster.log_format import show_logs
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
 from kvserve.cluster.output_mailbox import OutputMailbox
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
+from kvserve.cluster.replica_restart import MAX_RESTART_TRIES, relaunch
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
@@ -67,8 +68,6 @@ _WATCHDOG_INTERVAL_S = 1.0
 IDLE_CHECK_S = 2.0
 # Recovery of a failed replica (see the module docstring).
 MAX_MOVES_PER_REQUEST = 2
-RESTART_BACKOFF_S = 1.0
-MAX_RESTART_TRIES = 5
 
 
 class SchedulerActor:
@@ -154,6 +153,7 @@ class SchedulerActor:
         retired = previous.counts() if previous is not None else (0, 0, 0)
         replica = ActorReplica(
             replica_id, scheduler, handle, device_kind, retired,
+            num_failures=previous.num_failures if previous is not None else 0,
             async_scheduling=self.config.engine.runtime.async_scheduling,
         )
         self._replicas[replica_id] = replica
@@ -389,6 +389,8 @@ class SchedulerActor:
         their error.
         """
         replica.healthy = False
+        if not self._shutting_down:
+            replica.num_failures += 1
         self._router.set_available(replica.replica_id, False)
         mine = [(req_id, request) for req_id, (r, request) in self._requests.items() if r is replica]
         # Taken before the abort below finishes them all: what each had produced, and whether it had
@@ -454,36 +456,25 @@ class SchedulerActor:
         return None
 
     async def _restart_replica(self, failed: ActorReplica) -> None:
-        """Start ``failed``'s workers again on the same kind of resources, with backoff between tries."""
+        """Start ``failed``'s workers again on the same kind of resources (``relaunch``) and put them in service."""
         replica_id = failed.replica_id
         await failed.release()
-        delay_s = RESTART_BACKOFF_S
-        for attempt in range(1, MAX_RESTART_TRIES + 1):
-            await asyncio.sleep(delay_s)
-            if self._shutting_down:
-                return
-            logger.info("replica %d: starting again (try %d of %d)", replica_id, attempt, MAX_RESTART_TRIES)
-            try:
-                handle = await launch_replica(
-                    replica_id,
-                    self.config.worker_config(self.model_config.max_model_len),
-                    device_kind=failed.device_kind,
-                    placement_timeout_s=self.config.placement_timeout_s,
-                )
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - a failed try is logged and tried again
-                logger.warning("replica %d: try %d to start again failed: %s", replica_id, attempt, exc)
-                delay_s *= 2
-                continue
-            if self._shutting_down:
-                await handle.shutdown()
-                return
-            self._install_replica(replica_id, handle, failed.device_kind)
-            # NOTE: a warning, as its failure was an error: an operator sees the incident end too.
-            logger.warning("replica %d is back in service (try %d of %d)", replica_id, attempt, MAX_RESTART_TRIES)
+        relaunched = await relaunch(
+            replica_id,
+            lambda: launch_replica(
+                replica_id,
+                self.config.worker_config(self.model_config.max_model_len),
+                device_kind=failed.device_kind,
+                placement_timeout_s=self.config.placement_timeout_s,
+            ),
+            stopping=lambda: self._shutting_down,
+        )
+        if relaunched is None:
             return
-        logger.error("replica %d stays down: %d tries to start it again failed", replica_id, MAX_RESTART_TRIES)
+        handle, attempt = relaunched
+        self._install_replica(replica_id, handle, failed.device_kind)
+        # NOTE: a warning, as its failure was an error: an operator sees the incident end too.
+        logger.warning("replica %d is back in service (try %d of %d)", replica_id, attempt, MAX_RESTART_TRIES)
 
     def _update_load(self, replica: ActorReplica) -> None:
         """Tell the router ``replica``'s current load (after its queues changed)."""

@@ -142,6 +142,12 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} sampling_params for {len(prompt_list)} prompts"
                 )
+        vocab_size = self.model_config.vocab_size
+        for params in params_list:
+            # NOTE: as the cluster refuses them: an id the model cannot sample would never stop anything.
+            bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
         requests: dict[str, Request] = {}
         try:
             for prompt, params in zip(prompt_list, params_list):

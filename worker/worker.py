@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from transformers import AutoConfig
 from kvserve.kernels import get_attention_backend
 from kvserve.kernels.host_to_device import to_device
 from kvserve.scheduler.checks import check_block_size, check_num_blocks
+from kvserve.scheduler.cores import available_cores
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
@@ -156,7 +156,7 @@ class Worker:
         elif config.cpu_threads is not None or config.tp_size > 1:
             # NOTE: ranks of one replica share the host's cores; oversubscribed
             # OpenMP threads spin against each other and slow a step tenfold.
-            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 1) // config.tp_size))
+            torch.set_num_threads(config.cpu_threads or max(1, available_cores() // config.tp_size))
         self.dtype = resolve_dtype(config, self.device)
         self.tp: TensorParallelGroup = init_distributed(
             config.rank, config.tp_size, config.distributed_init_method or ""

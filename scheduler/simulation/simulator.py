@@ -31,12 +31,12 @@ import gc
 import logging
 import math
 import multiprocessing
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.scheduler.cores import available_cores
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.simulation.admission import Admission
@@ -287,13 +287,6 @@ class FleetSimulator:
             queue_observers[replica_id].step_planned(num_prefill_tokens)
         for replica_id, load in loads:
             self.router.update_load(replica_id, unpack_load(load))
-
-
-def available_cores() -> int:
-    """The cores this process may run on."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def _check_order(index: int, arrival: float, last_arrival: float) -> float:

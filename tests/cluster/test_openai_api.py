@@ -613,6 +613,7 @@ def test_metrics_carry_the_schedulers_prefix_cache_preemption_and_routing_counte
     assert moved(before, after, "kvserve_prefix_cache_hits_tokens_total", replica="0") == 4 * BLOCK_SIZE
     assert moved(before, after, "kvserve_preemptions_total", replica="0") == 0
     assert ("kvserve_preemptions_total", (("replica", "0"),)) in after
+    assert after[("kvserve_replica_failures_total", (("replica", "0"),))] == 0
     from kvserve.scheduler.routing.policies import DEFAULT_POLICY as policy  # the served cluster's
 
     assert moved(before, after, "kvserve_routing_decisions_total", policy=policy, outcome="miss") == 1

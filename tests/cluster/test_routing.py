@@ -282,7 +282,7 @@ def test_every_request_of_a_failed_replica_moves_to_the_other_and_finishes(
 def test_a_stream_moved_mid_way_goes_on_from_its_last_token_and_the_replica_comes_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("kvserve.cluster.scheduler_actor.RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr("kvserve.cluster.replica_restart.RESTART_BACKOFF_S", 0.01)
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
     async def scenario() -> tuple[list[int], RequestDelta, list[bool], RequestDelta]:
@@ -319,7 +319,7 @@ def test_a_replica_started_again_says_so_and_keeps_its_prefix_cache_counters_and
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # An operator saw the failure as an error; the end of the incident is a warning, not a silent INFO.
-    monkeypatch.setattr("kvserve.cluster.scheduler_actor.RESTART_BACKOFF_S", 0.01)
+    monkeypatch.setattr("kvserve.cluster.replica_restart.RESTART_BACKOFF_S", 0.01)
     monkeypatch.setattr("kvserve.cluster.scheduler_actor.IDLE_CHECK_S", 0.05)
     prefix = list(range(5, 5 + 4 * BLOCK_SIZE))
 
@@ -352,6 +352,8 @@ def test_a_replica_started_again_says_so_and_keeps_its_prefix_cache_counters_and
         before.prefix_cache_queried_tokens, before.prefix_cache_hit_tokens
     )
     assert after[0].prefix_cache_hit_rate == pytest.approx(hit_rate)
+    # Counted once, and only for the replica that failed: /metrics shows the outage after it ended.
+    assert (before.num_failures, after[0].num_failures, after[1].num_failures) == (0, 1, 0)
     back = [r for r in caplog.records if "replica 0 is back in service (try 1 of 5)" in r.getMessage()]
     assert [r.levelno for r in back] == [logging.WARNING]
 

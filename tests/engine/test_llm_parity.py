@@ -124,6 +124,18 @@ def test_out_of_vocabulary_prompt_is_rejected(llama_dir: Path) -> None:
         assert llm.generate([[5, 6]], SamplingParams(max_tokens=2))[0].token_ids  # still serving
 
 
+def test_out_of_vocabulary_stop_token_ids_are_rejected_as_the_cluster_rejects_them(llama_dir: Path) -> None:
+    # They could never be sampled: accepted, they silently stopped nothing.
+    with LLM(llama_dir, num_blocks=64) as llm:
+        vocab_size = llm.model_config.vocab_size
+        bad = SamplingParams(max_tokens=2, stop_token_ids=[3, vocab_size])
+        with pytest.raises(ValueError, match=rf"stop_token_ids: {vocab_size} is outside the vocabulary"):
+            llm.generate([[5, 6], [7, 8]], [SamplingParams(max_tokens=2), bad])
+        assert not llm.engine.has_unfinished_requests()  # nothing of the refused call was queued
+        edge = SamplingParams(max_tokens=2, stop_token_ids=[vocab_size - 1])
+        assert len(llm.generate([[5, 6]], edge)[0].token_ids) >= 1
+
+
 def test_token_ids_as_arrays_and_tensors_are_prompts(llama_dir: Path) -> None:
     # A 1-D array or tensor was taken for a list of prompts, and failed on its first element.
     import numpy as np
