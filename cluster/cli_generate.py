@@ -84,6 +84,12 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="connect with TLS, trusting the server certificate's PEM CA in FILE",
     )
     parser.add_argument(
+        "--tls-cert", type=Path, default=None, metavar="FILE",
+        help="connect with TLS, presenting this PEM client certificate (for a server started with "
+        "--tls-client-ca); needs --tls-key",
+    )
+    parser.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the PEM private key of --tls-cert")
+    parser.add_argument(
         "--timeout", type=_positive_seconds, default=60.0, metavar="S",
         help="deadline of the call in seconds (default: %(default)s)",
     )
@@ -91,21 +97,15 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _first_token(path: Path | None) -> str | None:
-    """The first token of an auth token file (``ValueError`` when it holds none)."""
+    """The first token of an auth token file, read as the server reads it (``ValueError`` naming the flag)."""
     if path is None:
         return None
+    from kvserve.cluster.auth import read_token_file
+
     try:
-        text = _read_file(path, "--auth-token-file").decode()
-    except UnicodeDecodeError:
-        raise ValueError(f"--auth-token-file: {path} is not UTF-8 text") from None
-    for line in text.splitlines():
-        fields = line.split("#", 1)[0].split()
-        if fields:
-            # NOTE: an HTTP/2 header value; the client refuses any other token with a ValueError.
-            if not (fields[0].isascii() and fields[0].isprintable()):
-                raise ValueError(f"--auth-token-file: {path}: the token is not printable ASCII text")
-            return fields[0]
-    raise ValueError(f"--auth-token-file: {path} holds no token")
+        return read_token_file(path)[0].token
+    except ValueError as exc:
+        raise ValueError(f"--auth-token-file: {exc}") from None
 
 
 def _tls_ca(path: Path | None) -> Path | None:
@@ -113,6 +113,17 @@ def _tls_ca(path: Path | None) -> Path | None:
     if path is not None and b"-----BEGIN CERTIFICATE-----" not in _read_file(path, "--tls-ca"):
         raise ValueError(f"--tls-ca: {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
     return path
+
+
+def _check_client_certificate(cert: Path | None, key: Path | None) -> None:
+    """``--tls-cert`` and ``--tls-key``: both or neither, readable PEM files, the key the certificate's."""
+    if cert is None and key is None:
+        return
+    if cert is None or key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    from kvserve.cluster.tls import check_key_pair
+
+    check_key_pair(cert, key, cert_name="--tls-cert", key_name="--tls-key")
 
 
 def _read_file(path: Path, flag: str) -> bytes:
@@ -187,10 +198,11 @@ def _generate(args: argparse.Namespace) -> int:
             check_utf8(text, name)
         token = _first_token(args.auth_token_file)
         tls_ca = _tls_ca(args.tls_ca)
+        _check_client_certificate(args.tls_cert, args.tls_key)
     except ValueError as exc:
         print(f"kvserve generate: error: {exc}", file=sys.stderr)
         return 2
-    with Client(args.target, token=token, tls_ca=tls_ca) as client:
+    with Client(args.target, token=token, tls_ca=tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key) as client:
         last = None
         printed = False  # any text on stdout, whose line an error or the end must finish
         try:

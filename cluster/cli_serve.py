@@ -24,6 +24,7 @@ from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
+    from kvserve.cluster.config import ServerConfig
     from kvserve.cluster.tls import TlsFiles
     from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 
@@ -143,8 +144,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--auth-token-file", type=Path, default=None, metavar="FILE",
         help="require 'authorization: Bearer <token>' on every call but health: one token per line, optionally "
         f"'token tenant-name', each token at least {_MIN_AUTH_TOKEN_CHARS} characters long (e.g. from "
-        "`openssl rand -hex 24`); each tenant gets a prefix cache of its own (default: no authentication; "
-        "binding a non-loopback --host without it logs a warning)",
+        "`openssl rand -hex 24`) of A-Z a-z 0-9 - . _ ~ + / (then = padding); '#' starts a comment at the "
+        "start of a line or after whitespace; each tenant gets a prefix cache of its own, and a token without "
+        "a name is a tenant of its own named line-N by its line; read at start-up only (default: no "
+        "authentication; binding a non-loopback --host without it logs a warning)",
     )
     security.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
     security.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the PEM private key of --tls-cert")
@@ -294,14 +297,15 @@ def run_serve(args: argparse.Namespace) -> int:
             from kvserve.cluster.auth import TokenTable
 
             TokenTable.from_file(server_config.auth_token_file)  # a bad file is told before start-up
-        if server_config.tls is not None:
-            server_config.tls.server_credentials()
         if not server_config.is_loopback and server_config.auth_token_file is None:
             logger.warning(
                 "SERVING WITHOUT AUTHENTICATION on %s: anyone who can reach this address can generate and see "
                 "the prefix cache of everyone's requests; pass --auth-token-file FILE", args.host,
             )
             progress(f"WARNING: --host {args.host} without --auth-token-file: no authentication")
+        for warning in security_warnings(server_config):
+            logger.warning("%s", warning)
+            progress(f"WARNING: {warning}")
         model_dir = args.model
         if model_dir is None:
             from kvserve.worker.tiny_model import default_tiny_model_path, ensure_default_tiny_model
@@ -404,14 +408,50 @@ def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
         return None
     if args.tls_cert is None or args.tls_key is None:
         raise ValueError("--tls-cert and --tls-key go together")
-    from kvserve.cluster.tls import TlsFiles
+    from kvserve.cluster.tls import TlsFiles, check_ca_file, check_key_pair
 
     try:
-        return TlsFiles(
+        tls = TlsFiles(
             str(args.tls_cert), str(args.tls_key), None if args.tls_client_ca is None else str(args.tls_client_ca)
         )
     except ValueError as exc:
         raise ValueError(f"--{str(exc).replace('_', '-', 1)}") from None
+    # NOTE: grpc took files it could not use, and the server failed only after the
+    # cluster's start-up, with "cannot listen on ...: Failed to bind".
+    check_key_pair(tls.cert, tls.key, cert_name="--tls-cert", key_name="--tls-key")
+    if tls.client_ca is not None:
+        check_ca_file(tls.client_ca, name="--tls-client-ca")
+    return tls
+
+
+def security_warnings(config: ServerConfig) -> list[str]:
+    """What ``config`` exposes that start-up should warn of (warnings, not errors: the
+    operator may know better): bearer tokens in clear text off this machine, and
+    secret files that others on this machine may read."""
+    warnings = []
+    if not config.is_loopback and config.auth_token_file is not None and config.tls is None:
+        warnings.append(
+            f"--host {config.host} with --auth-token-file but without --tls-cert: bearer tokens travel in "
+            "clear text, and anyone on the network path can read and replay them"
+        )
+    secrets = [("--auth-token-file", config.auth_token_file), ("--tls-key", config.tls.key if config.tls else None)]
+    for flag, path in secrets:
+        if path is not None and _readable_by_others(path):
+            warnings.append(
+                f"{flag} {path} is open to group or others (mode {_mode(path):o}, a secret's is 600): chmod 600 it"
+            )
+    return warnings
+
+
+def _readable_by_others(path: str) -> bool:
+    try:
+        return _mode(path) & 0o077 != 0
+    except OSError:
+        return False  # the file's own reading tells what is wrong with it
+
+
+def _mode(path: str) -> int:
+    return os.stat(path).st_mode & 0o777
 
 
 def _read_chat_template(path: Path | None) -> str | None:

@@ -20,10 +20,14 @@ cancels the call, and the server aborts the request and frees its blocks.
 
 ``token`` is sent as ``authorization: Bearer <token>`` with every call;
 ``tls_ca`` (a PEM file of the certificate authority to trust) switches the
-channel to TLS.  A bad ``target``, token or CA file raises ``ValueError`` (or
-``TypeError``) when the client is made; an unreachable server is
-``RequestError("UNAVAILABLE", ...)`` at the first call, and the client
-reconnects by itself once the server is back (within about ``MAX_RECONNECT_BACKOFF_S``).
+channel to TLS.  ``tls_cert`` and ``tls_key`` (PEM files, both or neither) are
+the client certificate that a server started with ``--tls-client-ca`` requires;
+they too switch the channel to TLS (trusting the system's CAs without ``tls_ca``).
+A bad ``target``, token, CA, certificate or key file (unreadable, not PEM, a key
+that is not the certificate's) raises ``ValueError`` (or ``TypeError``) when the
+client is made; an unreachable server is ``RequestError("UNAVAILABLE", ...)`` at
+the first call, and the client reconnects by itself once the server is back (within
+about ``MAX_RECONNECT_BACKOFF_S``).
 A closed client raises ``RuntimeError``.
 """
 
@@ -51,6 +55,7 @@ from kvserve.cluster.client_messages import (
     to_replica_stats,
 )
 from kvserve.cluster.host_port import GRPC_SCHEMES, split_host_port
+from kvserve.cluster.tls import check_key_pair
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
@@ -83,11 +88,17 @@ class _Settings:
     """What both clients derive from their arguments: call metadata, channel options, credentials."""
 
     def __init__(
-        self, target: str, token: str | None, tls_ca: str | os.PathLike[str] | None, max_message_bytes: int
+        self,
+        target: str,
+        token: str | None,
+        tls_ca: str | os.PathLike[str] | None,
+        max_message_bytes: int,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
         self.target = _check_target(target)
         self.metadata = _bearer_metadata(token)
-        self.credentials = _tls_credentials(tls_ca)
+        self.credentials = _tls_credentials(tls_ca, tls_cert, tls_key)
         if isinstance(max_message_bytes, bool) or not isinstance(max_message_bytes, int) or max_message_bytes < 1:
             raise ValueError(f"max_message_bytes must be a positive integer, got {max_message_bytes!r}")
         self.options = [
@@ -113,8 +124,10 @@ class Client:
         tls_ca: str | os.PathLike[str] | None = None,
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
-        settings = _Settings(target, token, tls_ca, max_message_bytes)
+        settings = _Settings(target, token, tls_ca, max_message_bytes, tls_cert, tls_key)
         self._metadata = settings.metadata
         self._channel = settings.channel(grpc)
         self._stub = generate_pb2_grpc.GenerationStub(self._channel)
@@ -188,8 +201,10 @@ class AsyncClient:
         tls_ca: str | os.PathLike[str] | None = None,
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls_cert: str | os.PathLike[str] | None = None,
+        tls_key: str | os.PathLike[str] | None = None,
     ) -> None:
-        settings = _Settings(target, token, tls_ca, max_message_bytes)
+        settings = _Settings(target, token, tls_ca, max_message_bytes, tls_cert, tls_key)
         try:
             # NOTE: a grpc.aio channel belongs to the loop running when it is made; made
             # outside one, its first call failed deep in grpc ("attached to a different loop").
@@ -323,9 +338,28 @@ def _bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...] | None:
     return (("authorization", f"Bearer {token}"),)
 
 
-def _tls_credentials(tls_ca: str | os.PathLike[str] | None) -> grpc.ChannelCredentials | None:
-    if tls_ca is None:
+def _tls_credentials(
+    tls_ca: str | os.PathLike[str] | None,
+    tls_cert: str | os.PathLike[str] | None,
+    tls_key: str | os.PathLike[str] | None,
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials when any of the three files is given, else ``None`` (plaintext)."""
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("tls_cert and tls_key go together: give both (a client certificate and its key) or neither")
+    if tls_ca is None and tls_cert is None:
         return None
+    root_certificates = None if tls_ca is None else _root_certificates(tls_ca)
+    if tls_cert is None or tls_key is None:
+        return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    # NOTE: grpc takes any bytes here too and fails only at the first call, as UNAVAILABLE;
+    # Python's ssl checks both files now, naming the one at fault.
+    certificate_chain, private_key = check_key_pair(tls_cert, tls_key, cert_name="tls_cert", key_name="tls_key")
+    return grpc.ssl_channel_credentials(
+        root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
+    )
+
+
+def _root_certificates(tls_ca: str | os.PathLike[str]) -> bytes:
     try:
         root_certificates = Path(tls_ca).read_bytes()
     except OSError as exc:
@@ -334,4 +368,4 @@ def _tls_credentials(tls_ca: str | os.PathLike[str] | None) -> grpc.ChannelCrede
         # NOTE: grpc takes any bytes here and fails every call later with
         # "UNAVAILABLE: ... Failed to create security handshaker".
         raise ValueError(f"tls_ca: {os.fspath(tls_ca)} holds no PEM certificate ({_PEM_CERTIFICATE.decode()} ...)")
-    return grpc.ssl_channel_credentials(root_certificates=root_certificates)
+    return root_certificates

@@ -9,6 +9,7 @@ that name the field and the limit.
 
 from __future__ import annotations
 
+import unicodedata
 import uuid
 from typing import Any
 
@@ -51,8 +52,7 @@ class RequestConversion:
         limits = self.limits
         vocab_size = model.vocab_size
         req_id = request.request_id or uuid.uuid4().hex
-        if len(req_id) > MAX_REQUEST_ID_LENGTH:
-            raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+        check_request_id(req_id)
         if len(request.cache_salt.encode()) > limits.max_cache_salt_bytes:
             raise InvalidRequestError(
                 f"cache_salt: {len(request.cache_salt.encode())} bytes, over the limit of "
@@ -162,6 +162,25 @@ class RequestConversion:
             return SamplingParams(**kwargs)
         except ValueError as exc:
             raise InvalidRequestError(f"sampling_params.{exc}") from None
+
+
+def check_request_id(request_id: str) -> None:
+    """``InvalidRequestError`` for a request id too long or holding a control character.
+
+    NOTE: ids are echoed back and logged; a newline or an ANSI escape in one let a
+    client forge log lines.  Refused: every character of Unicode category C (control,
+    format such as bidi overrides, surrogate, private use, unassigned).
+    """
+    if len(request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidRequestError(f"request_id is longer than {MAX_REQUEST_ID_LENGTH} characters")
+    if request_id.isascii() and request_id.isprintable():
+        return  # the usual id, at no cost
+    for position, char in enumerate(request_id, start=1):
+        if unicodedata.category(char).startswith("C"):
+            raise InvalidRequestError(
+                f"request_id has a control or format character (U+{ord(char):04X} at character {position}); "
+                "ids may hold printable characters only"
+            )
 
 
 def scheduled_request_id(tenant: Tenant | None, request_id: str) -> str:

@@ -77,7 +77,7 @@ async def serve_until_signalled(
             from kvserve.cluster.http_server import start_http_server
 
             http_server = await start_http_server(server.frontend, server_config, chat_template=chat_template)
-            progress(f"OpenAI-compatible API at http://{_url_host(server_config.host)}:{http_server.port}/v1")
+            progress(f"OpenAI-compatible API at {api_url(server_config, http_server.port)}")
         progress(f"listening on {server_config.host}:{server.port} (Ctrl-C to stop)")
         stopped = asyncio.ensure_future(stop.wait())
         lost = asyncio.ensure_future(server.scheduler_lost.wait())
@@ -99,6 +99,12 @@ async def serve_until_signalled(
         if http_server is not None:
             stopping.insert(0, http_server.stop(grace_s=SHUTDOWN_GRACE_S))
         await asyncio.gather(*stopping)
+
+
+def api_url(server_config: ServerConfig, http_port: int) -> str:
+    """The base URL of the OpenAI-compatible API: https when the server speaks TLS."""
+    scheme = "https" if server_config.tls is not None else "http"
+    return f"{scheme}://{_url_host(server_config.host)}:{http_port}/v1"
 
 
 def _url_host(host: str) -> str:

@@ -61,6 +61,34 @@ def check_address_free(config: ServerConfig) -> None:
         raise RuntimeError(f"cannot listen on {config.address}: {exc.strerror or exc}") from None
 
 
+def add_port(server: grpc.aio.Server, config: ServerConfig, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``config``'s address, with TLS when ``credentials``; the port bound.
+
+    ``RuntimeError`` when grpc cannot.  NOTE: grpc reports TLS credentials it cannot use
+    as a failure to bind ("Failed to bind"), so with TLS on the message names them too.
+    """
+    try:
+        if credentials is None:
+            port = server.add_insecure_port(config.address)
+        else:
+            port = server.add_secure_port(config.address, credentials)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot listen on {config.address}: {exc}{_tls_hint(config)}") from None
+    if port == 0:
+        raise RuntimeError(f"cannot listen on {config.address}{_tls_hint(config)}")
+    return port
+
+
+def _tls_hint(config: ServerConfig) -> str:
+    if config.tls is None:
+        return ""
+    return (
+        f" (or grpc could not use the TLS credentials: certificate {config.tls.cert}, key {config.tls.key}"
+        + (f", client CA {config.tls.client_ca}" if config.tls.client_ca is not None else "")
+        + "; grpc reports both as a failure to bind)"
+    )
+
+
 class GenerationServer:
     """A started gRPC server; ``port`` is the one actually bound."""
 
@@ -156,15 +184,7 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
     add_tolerant_service(server, frontend, _GENERATION)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection((GENERATION_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-    try:
-        if credentials is None:
-            port = server.add_insecure_port(config.address)
-        else:
-            port = server.add_secure_port(config.address, credentials)
-    except RuntimeError as exc:
-        raise RuntimeError(f"cannot listen on {config.address}: {exc}") from None
-    if port == 0:
-        raise RuntimeError(f"cannot listen on {config.address}")
+    port = add_port(server, config, credentials)
     # NOTE: what start-up created (modules, the tokenizer, Ray's and grpc's
     # state) lives as long as the process.  Frozen, it is left out of the
     # garbage collector's full collections, which would otherwise walk all of

@@ -153,11 +153,13 @@ def test_an_unusable_tls_ca_file_is_one_line_naming_the_flag(capsys, tmp_path, m
 @pytest.mark.parametrize(
     ("make", "message"),
     [
-        (lambda tmp: tmp, "cannot read {path}: Is a directory"),
-        (lambda tmp: _unreadable(tmp / "tokens"), "cannot read {path}: Permission denied"),
-        (lambda tmp: _written(tmp / "tokens", "# none\n"), "{path} holds no token"),
+        (lambda tmp: tmp, "cannot read the auth token file {path}: Is a directory"),
+        (lambda tmp: _unreadable(tmp / "tokens"), "cannot read the auth token file {path}: Permission denied"),
+        (lambda tmp: _written(tmp / "tokens", "# none\n"),
+         "the auth token file {path} holds no token (one per line: 'token' or 'token tenant-name')"),
         (lambda tmp: _written(tmp / "tokens", "tökentökentökentöken\n"),
-         "{path}: the token is not printable ASCII text"),
+         "{path}:1: the token has a character that a bearer token cannot hold (a non-ASCII character at "
+         "character 2); allowed: A-Z a-z 0-9 - . _ ~ + / (then = padding)"),
     ],
 )
 def test_an_unusable_auth_token_file_is_one_line_naming_the_flag(capsys, tmp_path, make, message):
@@ -191,3 +193,36 @@ def _can_read(path: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+TOKEN = "alice-token-0123456789"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"{TOKEN}\n",
+        f"\ufeff{TOKEN} acme\r\n",  # a byte-order mark and CRLF: not part of the token
+        f"# tenants\n  # {TOKEN}x\n{TOKEN}\t# a comment after whitespace\n",
+        f"{TOKEN}#0123\n",  # it was cut at the '#' on both sides
+        f"{TOKEN}\x00\n",
+        f"{TOKEN}é\n",
+        f"{TOKEN}\u00a0acme\n",
+        f"{TOKEN} ac\x1bme\n",
+        "short\n",
+        f"{TOKEN}\n{TOKEN}\n",
+    ],
+)
+def test_generate_takes_a_token_file_exactly_when_the_server_does(tmp_path, text):
+    from kvserve.cluster.auth import TokenTable
+    from kvserve.cluster.cli_generate import _first_token
+
+    path = _written(tmp_path / "tokens", text)
+    try:
+        served = TokenTable.from_file(path).authenticate(f"Bearer {TOKEN}")
+    except ValueError as exc:
+        with pytest.raises(ValueError) as info:
+            _first_token(path)
+        assert str(info.value) == f"--auth-token-file: {exc}"
+    else:
+        assert served is not None and _first_token(path) == TOKEN

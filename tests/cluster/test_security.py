@@ -241,3 +241,11 @@ def test_serve_refuses_bad_security_flags_before_starting_anything(flags, messag
 
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_request_id_that_could_forge_a_log_line_is_refused_naming_the_field(secured) -> None:
+    with client(secured, ALICE) as alice:
+        with pytest.raises(RequestError) as info:
+            alice.generate(PROMPT, max_tokens=2, request_id="ok\n2026-01-01 INFO forged")
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert info.value.message.startswith("request_id has a control or format character (U+000A at character 3)")
