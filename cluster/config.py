@@ -181,11 +181,19 @@ class ClusterConfig:
         """
         kwargs = dict(self.routing_args)
         factory = POLICIES[self.routing]
-        if "max_num_batched_tokens" not in kwargs and "max_num_batched_tokens" in inspect.signature(factory).parameters:
+        inherits_budget = (
+            "max_num_batched_tokens" not in kwargs and "max_num_batched_tokens" in inspect.signature(factory).parameters
+        )
+        if inherits_budget:
             kwargs["max_num_batched_tokens"] = self.engine.scheduler.max_num_batched_tokens
         try:
             return make_policy(self.routing, **kwargs)
         except ValueError as exc:
+            if inherits_budget and "max_num_batched_tokens" in str(exc):
+                # NOTE: named as the engine's setting it came from, not as a routing argument nobody gave.
+                raise ValueError(
+                    f"max_num_batched_tokens: the routing policy {self.routing} prices steps of this budget: {exc}"
+                ) from None
             raise ValueError(f"routing_args: {exc}") from None
 
     def cache_config(self, num_blocks: int, model_id: str) -> CacheConfig:

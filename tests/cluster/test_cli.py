@@ -203,6 +203,12 @@ def test_serve_rejects_a_bad_setting_before_starting_anything(capsys, args, mess
             ["--routing", "cache_aware", "--routing-arg", "cache_threshold=2"],
             "--routing-arg: cache_threshold must be a finite number >= 0 and <= 1, got 2",
         ),
+        (
+            # Inherited by cost_ttft from the engine: it named --routing-arg, which nobody gave.
+            ["--routing", "cost_ttft", "--max-num-batched-tokens", "1"],
+            "--max-num-batched-tokens: the routing policy cost_ttft prices steps of this budget: "
+            "max_num_batched_tokens must be an integer >= 2, got 1",
+        ),
     ],
 )
 def test_a_bad_routing_arg_names_the_flag_and_the_policys_arguments(capsys, args, message):

@@ -42,6 +42,7 @@ IMAGE = "ghcr.io/kvserve/kvserve:0.1.0"
 TOKEN_PATH = "/home/ray/ray-auth/auth_token"
 RAY_PORTS = {6379, 8265, 10001}
 GRPC_PORT = 50051
+HTTP_PORT = 8000
 COMMAND_LISTS = (
     "initialization_commands",
     "setup_commands",
@@ -242,9 +243,9 @@ def test_kuberay_manifest_is_a_raycluster_with_token_auth(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", KUBERAY_FILES)
-def test_head_declares_the_ray_ports_and_the_grpc_port(name: str) -> None:
+def test_head_declares_the_ray_ports_and_the_front_ends_grpc_and_http_ports(name: str) -> None:
     ports = {p["containerPort"] for p in head_container(raycluster(name))["ports"]}
-    assert ports == RAY_PORTS | {GRPC_PORT}
+    assert ports == RAY_PORTS | {GRPC_PORT, HTTP_PORT}
 
 
 @pytest.mark.parametrize("name", KUBERAY_FILES)
@@ -258,15 +259,16 @@ def test_nothing_is_exposed_outside_the_kubernetes_cluster(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", KUBERAY_FILES)
-def test_a_service_routes_grpc_to_the_head(name: str) -> None:
+def test_a_service_routes_grpc_and_http_to_the_head(name: str) -> None:
+    # HTTP (the OpenAI API and /metrics) was served on the head but reachable from nowhere.
     cluster = raycluster(name)
     (service,) = [d for d in kuberay(name) if d["kind"] == "Service"]
     assert service["apiVersion"] == "v1"
     head_pods = {"ray.io/cluster": cluster["metadata"]["name"], "ray.io/node-type": "head"}
     assert service["spec"]["selector"] == head_pods
-    (port,) = service["spec"]["ports"]
     named = {p["name"]: p["containerPort"] for p in head_container(cluster)["ports"]}
-    assert port["port"] == GRPC_PORT == named[port["targetPort"]]
+    routed = {port["port"]: named[port["targetPort"]] for port in service["spec"]["ports"]}
+    assert routed == {GRPC_PORT: GRPC_PORT, HTTP_PORT: HTTP_PORT}
 
 
 @pytest.mark.parametrize("name", KUBERAY_FILES)
@@ -363,7 +365,8 @@ def test_image_runs_as_non_root_with_token_auth_and_exposes_grpc() -> None:
     users = [arg for op, arg in instructions if op == "USER"]
     env = " ".join(arg for op, arg in instructions if op == "ENV")
     assert users and users[-1] not in {"root", "0"}
-    assert str(GRPC_PORT) in [port for op, arg in instructions if op == "EXPOSE" for port in arg.split()]
+    exposed = [port for op, arg in instructions if op == "EXPOSE" for port in arg.split()]
+    assert str(GRPC_PORT) in exposed and str(HTTP_PORT) in exposed
     assert "RAY_AUTH_MODE=token" in env.split()
     # `ray up` reads HOME from the image to place `~/` paths in the container.
     assert "HOME=/home/ray" in env.split() and TOKEN_PATH.startswith("/home/ray/")
