@@ -252,8 +252,8 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the child sizes nothing from free memory, but needs room for the same cache
     over_grpc = {}
-    with worker_server(worker_config) as address:
-        replica = StepProtocolReplica(address, llm_config, model_config)
+    with worker_server(worker_config) as (address, secret):
+        replica = StepProtocolReplica(address, secret, llm_config, model_config)
         try:
             for async_scheduling in (False, True):
                 _timed_run(replica.engine, replica.generate, warm_up(workload), async_scheduling)

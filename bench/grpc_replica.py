@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing as mp
+import secrets
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -38,9 +39,10 @@ _JOIN_TIMEOUT_S = 30.0
 
 
 @contextmanager
-def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Iterator[str]:
+def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Iterator[tuple[str, str]]:
     """A StepWorker server around a ``Worker`` of ``config``, in a spawned child process on
-    loopback; yields its ``host:port``.  Leaving the block stops the server and the process.
+    loopback; yields its ``host:port`` and the secret its callers must carry.  Leaving the
+    block stops the server and the process.
 
     ``RuntimeError`` if the server is not up within ``start_timeout_s`` (the worker loads the
     model, and on CUDA captures its graphs, first) or the child dies first (its traceback is
@@ -48,7 +50,8 @@ def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Itera
     """
     context = mp.get_context("spawn")
     parent, child = context.Pipe()
-    process = context.Process(target=_serve, args=(child, config), daemon=True, name="kvserve-step-worker")
+    secret = secrets.token_urlsafe(32)
+    process = context.Process(target=_serve, args=(child, config, secret), daemon=True, name="kvserve-step-worker")
     process.start()
     child.close()
     try:
@@ -60,7 +63,7 @@ def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Itera
             process.join(_JOIN_TIMEOUT_S)
             exitcode = process.exitcode
             raise RuntimeError(f"the StepWorker server process exited (code {exitcode}) before serving") from None
-        yield address
+        yield address, secret
     finally:
         parent.close()  # the child's signal to stop
         process.join(_JOIN_TIMEOUT_S)
@@ -69,7 +72,7 @@ def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Itera
             process.join()
 
 
-def _serve(conn: Connection, config: WorkerConfig) -> None:
+def _serve(conn: Connection, config: WorkerConfig, secret: str) -> None:
     """Child process: build the worker, serve it, send the address; stop when the pipe closes."""
     from kvserve.worker.worker import Worker
 
@@ -77,7 +80,7 @@ def _serve(conn: Connection, config: WorkerConfig) -> None:
         loop = asyncio.get_running_loop()
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step-worker")
         worker = await loop.run_in_executor(thread, Worker, config)
-        server, address = await start_step_server(worker, thread, LOOPBACK)
+        server, address = await start_step_server(worker, thread, LOOPBACK, secret=secret)
         conn.send(address)
         try:
             await loop.run_in_executor(None, _wait_for_close, conn)
@@ -95,7 +98,7 @@ def _wait_for_close(conn: Connection) -> None:
 
 
 class StepProtocolReplica:
-    """Drives a single-rank replica at ``address`` over the step protocol from this process.
+    """Drives a single-rank replica at ``address`` (its server's ``secret``) over the step protocol from this process.
 
     ``engine_config`` and ``model_config`` are the in-process ``LLM``'s (``llm.config``,
     ``llm.model_config``): the same scheduler settings make the same plans.  The engine runs
@@ -103,14 +106,14 @@ class StepProtocolReplica:
     shuts the rank's worker down and closes the channel.
     """
 
-    def __init__(self, address: str, engine_config: EngineConfig, model_config: ModelConfig) -> None:
+    def __init__(self, address: str, secret: str, engine_config: EngineConfig, model_config: ModelConfig) -> None:
         self._loop = asyncio.new_event_loop()
         self._model_config = model_config
         self._req_ids = itertools.count()
-        self.engine = self._loop.run_until_complete(self._connect(address, engine_config))
+        self.engine = self._loop.run_until_complete(self._connect(address, secret, engine_config))
 
-    async def _connect(self, address: str, engine_config: EngineConfig) -> EngineCore:
-        executor = GrpcReplicaExecutor(0, [address])
+    async def _connect(self, address: str, secret: str, engine_config: EngineConfig) -> EngineCore:
+        executor = GrpcReplicaExecutor(0, [address], secret=secret)
         num_blocks = await executor.initialize_cache()
         model = self._model_config
         scheduler = Scheduler(

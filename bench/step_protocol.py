@@ -27,6 +27,7 @@ import asyncio
 import multiprocessing as mp
 import os
 import pickle
+import secrets
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -146,8 +147,8 @@ class BenchWorker:
 # -- the two paths -----------------------------------------------------------------------
 
 
-def _serve_grpc(conn: Connection, prepare: bool) -> None:
-    """Child process: a StepWorker server around a ``BenchWorker``.
+def _serve_grpc(conn: Connection, prepare: bool, secret: str) -> None:
+    """Child process: a StepWorker server around a ``BenchWorker``, taking calls that carry ``secret``.
 
     The pipe asks for the process's CPU time (any message) until it closes.
     """
@@ -155,7 +156,7 @@ def _serve_grpc(conn: Connection, prepare: bool) -> None:
 
     async def serve() -> None:
         worker = BenchWorker(prepare)
-        server, address = await start_step_server(worker, ThreadPoolExecutor(max_workers=1), "127.0.0.1")
+        server, address = await start_step_server(worker, ThreadPoolExecutor(max_workers=1), "127.0.0.1", secret=secret)
         conn.send(address)
         loop = asyncio.get_running_loop()
         while True:
@@ -170,11 +171,12 @@ def _serve_grpc(conn: Connection, prepare: bool) -> None:
 
 
 @contextmanager
-def grpc_worker(prepare: bool) -> Iterator[tuple[str, Callable[[], float]]]:
-    """A StepWorker server in a child process; yields its address and its CPU clock."""
+def grpc_worker(prepare: bool) -> Iterator[tuple[str, str, Callable[[], float]]]:
+    """A StepWorker server in a child process; yields its address, its secret and its CPU clock."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    server = ctx.Process(target=_serve_grpc, args=(child, prepare), daemon=True)
+    secret = secrets.token_urlsafe(32)
+    server = ctx.Process(target=_serve_grpc, args=(child, prepare, secret), daemon=True)
     server.start()
     child.close()
 
@@ -185,7 +187,7 @@ def grpc_worker(prepare: bool) -> Iterator[tuple[str, Callable[[], float]]]:
     try:
         if not parent.poll(120):
             raise RuntimeError("the gRPC StepWorker server did not start")
-        yield parent.recv(), cpu_time
+        yield parent.recv(), secret, cpu_time
     finally:
         parent.close()
         server.join(timeout=10)
@@ -219,8 +221,8 @@ def ray_worker(prepare: bool) -> Iterator[object]:
         ray.kill(actor)
 
 
-async def _connect(address: str) -> GrpcReplicaExecutor:
-    executor = GrpcReplicaExecutor(0, [address])
+async def _connect(address: str, secret: str) -> GrpcReplicaExecutor:
+    executor = GrpcReplicaExecutor(0, [address], secret=secret)
     await executor.initialize_cache()
     return executor
 
@@ -290,8 +292,8 @@ def time_round_trips(
     per_round = max(1, num_steps // num_rounds)
     loop = asyncio.new_event_loop()
     try:
-        with grpc_worker(prepare) as (address, grpc_cpu_time), ray_worker(prepare) as actor:
-            executor = loop.run_until_complete(_connect(address))
+        with grpc_worker(prepare) as (address, secret, grpc_cpu_time), ray_worker(prepare) as actor:
+            executor = loop.run_until_complete(_connect(address, secret))
             # Register the requests and warm both paths up.
             loop.run_until_complete(_time_grpc_steps(executor, new_requests_plan(), 5))
             _time_ray_steps(actor, new_requests_plan(), 5)

@@ -79,7 +79,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--host", default="127.0.0.1",
-        help="address the gRPC server listens on (default: %(default)s)",
+        help="address both servers (gRPC and HTTP) listen on (default: %(default)s)",
     )
     parser.add_argument(
         "--port", type=int, default=50051, metavar="P",

@@ -1,4 +1,11 @@
-"""The gRPC server's bearer-token check: every RPC but health carries a valid token."""
+"""Bearer-token checks of gRPC servers: every RPC but health carries a valid token.
+
+Two servers check tokens: the front end (``grpc.aio``, ``BearerTokenInterceptor``) and each
+rank's StepWorker server (grpc's threaded server, ``ThreadedBearerTokenInterceptor``, with
+its replica's secret).  A call refused is answered ``UNAUTHENTICATED`` before its request is
+read: whatever the method's kind, the refusal takes the request stream and never reads it,
+so a refused call's body is neither waited for nor parsed.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +30,11 @@ def authorization_header(metadata: Any) -> str | None:
     return None
 
 
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Invocation metadata that carries ``token``: ``authorization: Bearer <token>``."""
+    return (("authorization", f"Bearer {token}"),)
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Answers ``UNAUTHENTICATED`` to any call but health's without a valid bearer token."""
 
@@ -36,36 +48,67 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler_call_details.method.startswith(_HEALTH_PREFIX):
+        refusal = _refusal(self._tokens, handler, handler_call_details)
+        if refusal is None:
             return handler
-        try:
-            self._tokens.authenticate(authorization_header(handler_call_details.invocation_metadata))
-        except AuthenticationError as exc:
-            logger.info("refused %s: %s", handler_call_details.method, exc)
-            if self._on_refused is not None:
-                self._on_refused(handler_call_details.method)
-            return _refusing(handler, str(exc))
-        return handler
+        logger.info("refused %s: %s", handler_call_details.method, refusal)
+        if self._on_refused is not None:
+            self._on_refused(handler_call_details.method)
+
+        async def refuse(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
+
+        return _refusing(handler, refuse)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of ``handler``'s kind that ends the call with ``UNAUTHENTICATED: message``."""
+class ThreadedBearerTokenInterceptor(grpc.ServerInterceptor):
+    """``BearerTokenInterceptor`` for grpc's threaded server: the same check and refusal.
 
-    async def refuse(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    A refusal is logged as a warning, with the caller's address: on a server whose only
+    legitimate caller holds the secret (a StepWorker's), it means someone else called.
+    """
 
-    async def refuse_stream(request_or_iterator: Any, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-        yield  # pragma: no cover - abort raises: a generator only for its kind
+    def __init__(self, tokens: TokenTable) -> None:
+        self._tokens = tokens
 
-    serializers = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(refuse, **serializers)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse_stream, **serializers)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(refuse, **serializers)
-    return grpc.stream_stream_rpc_method_handler(refuse_stream, **serializers)
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = continuation(handler_call_details)
+        refusal = _refusal(self._tokens, handler, handler_call_details)
+        if refusal is None:
+            return handler
+        method = handler_call_details.method
+
+        def refuse(request_iterator: Any, context: grpc.ServicerContext) -> None:
+            logger.warning("refused %s from %s: %s", method, context.peer(), refusal)
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
+
+        return _refusing(handler, refuse)
+
+
+def _refusal(
+    tokens: TokenTable, handler: grpc.RpcMethodHandler | None, handler_call_details: grpc.HandlerCallDetails
+) -> str | None:
+    """Why the call must be refused; ``None`` for a valid token, health, or an unknown method."""
+    if handler is None or handler_call_details.method.startswith(_HEALTH_PREFIX):
+        return None
+    try:
+        tokens.authenticate(authorization_header(handler_call_details.invocation_metadata))
+    except AuthenticationError as exc:
+        return str(exc)
+    return None
+
+
+def _refusing(handler: grpc.RpcMethodHandler, refuse: Callable[..., Any]) -> grpc.RpcMethodHandler:
+    """A handler that ends the call with ``refuse`` before reading its request.
+
+    NOTE: a stream-request handler whatever ``handler``'s kind (the wire format is the same):
+    grpc waits for a unary request, and parses it, before it calls the handler; ``refuse``
+    gets the request stream unread, and no deserializer would parse it if it were read.
+    """
+    return grpc.stream_unary_rpc_method_handler(
+        refuse, request_deserializer=None, response_serializer=handler.response_serializer
+    )

@@ -14,6 +14,10 @@ With overlapped scheduling (``launch``), the next plan is sent while the ranks
 still run the previous one, at most two in flight: the ranks read it from their
 stream as soon as they answered, so the round trip to the scheduler, its update
 and its next plan hide behind the ranks' work.
+
+Every call carries the replica's secret as its metadata
+(``authorization: Bearer <secret>``, see ``kvserve.cluster.step_servicer``):
+once per call, so once per step stream, never with each step.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
+from kvserve.cluster.grpc_auth import bearer_metadata
 from kvserve.cluster.step_codec import decode_result, encode_plan
 from kvserve.cluster.step_servicer import GRPC_OPTIONS
 from kvserve.proto import step_pb2, step_pb2_grpc
@@ -50,7 +55,8 @@ _EXECUTE_STEPS_PATH = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Execute
 class GrpcReplicaExecutor:
     """An ``AsyncExecutor`` that sends each plan to the StepWorker servers of every rank.
 
-    ``addresses[r]`` is rank ``r``'s ``host:port``.  Create it, and use it,
+    ``addresses[r]`` is rank ``r``'s ``host:port``; ``secret`` is the one its servers
+    were started with (``None`` for servers started without).  Create it, and use it,
     on one running event loop (``grpc.aio`` channels belong to their loop).
     ``initialize_cache()`` must run once before the first step; steps are
     answered in the order they were sent (``execute``, or ``launch`` to send one
@@ -62,10 +68,13 @@ class GrpcReplicaExecutor:
         replica_id: int,
         addresses: Sequence[str],
         *,
+        secret: str | None,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         if not addresses:
             raise ValueError("addresses must name at least one rank")
+        if secret == "":
+            raise ValueError("secret must not be empty")
         if step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")
         try:
@@ -75,6 +84,7 @@ class GrpcReplicaExecutor:
         self.replica_id = replica_id
         self.addresses = list(addresses)
         self.step_timeout_s = step_timeout_s
+        self._metadata = bearer_metadata(secret) if secret is not None else None
         self._channels = [grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) for address in self.addresses]
         self._stubs = [step_pb2_grpc.StepWorkerStub(channel) for channel in self._channels]
         # NOTE: the plan is serialized once and the same bytes go to every rank,
@@ -109,13 +119,19 @@ class GrpcReplicaExecutor:
         """Allocate the same number of KV blocks on every rank (the minimum they can hold)."""
         replies = await self._call_all(
             "DetermineNumBlocks",
-            [stub.DetermineNumBlocks(step_pb2.Empty(), timeout=_CONTROL_TIMEOUT_S) for stub in self._stubs],
+            [
+                stub.DetermineNumBlocks(step_pb2.Empty(), timeout=_CONTROL_TIMEOUT_S, metadata=self._metadata)
+                for stub in self._stubs
+            ],
         )
         num_blocks = min(reply.num_blocks for reply in replies)
         request = step_pb2.NumBlocks(num_blocks=num_blocks)
         await self._call_all(
             "InitializeCache",
-            [stub.InitializeCache(request, timeout=_CONTROL_TIMEOUT_S) for stub in self._stubs],
+            [
+                stub.InitializeCache(request, timeout=_CONTROL_TIMEOUT_S, metadata=self._metadata)
+                for stub in self._stubs
+            ],
         )
         self._num_kv_blocks = num_blocks
         logger.info("replica %d: %d KV blocks on each of %d ranks", self.replica_id, num_blocks, self.tp_size)
@@ -200,7 +216,10 @@ class GrpcReplicaExecutor:
             # A rank serves one call at a time: its step stream ends before Shutdown.
             closing = [stream.done_writing() for stream in self._streams]
             await asyncio.gather(*closing, return_exceptions=True)
-            calls = [stub.Shutdown(step_pb2.Empty(), timeout=_SHUTDOWN_TIMEOUT_S) for stub in self._stubs]
+            calls = [
+                stub.Shutdown(step_pb2.Empty(), timeout=_SHUTDOWN_TIMEOUT_S, metadata=self._metadata)
+                for stub in self._stubs
+            ]
             for rank, outcome in enumerate(await asyncio.gather(*calls, return_exceptions=True)):
                 if isinstance(outcome, BaseException):
                     logger.warning("replica %d rank %d did not shut down cleanly: %s", self.replica_id, rank, outcome)
@@ -222,7 +241,7 @@ class GrpcReplicaExecutor:
         raise ReplicaFailedError(message)
 
     def _open_streams(self) -> list[grpc.aio.StreamStreamCall]:
-        self._streams = [open_call() for open_call in self._open_calls]
+        self._streams = [open_call(metadata=self._metadata) for open_call in self._open_calls]
         return self._streams
 
     def _cancel_streams(self) -> None:

@@ -7,6 +7,10 @@ async Ray actor (the scheduler actor)::
     handle = await launch_replica(0, WorkerConfig(model_dir, tp_size=2), device_kind="cpu")
     result = await handle.executor.execute(plan)
     await handle.shutdown()
+
+Each launch makes a new random secret, which Ray hands to every rank (with
+``start``) and which the replica's ``GrpcReplicaExecutor`` sends with each
+call: the ranks' StepWorker servers refuse any other caller.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -124,6 +129,7 @@ async def launch_replica(
     if on_placed is not None:
         on_placed()
     actors: list[ActorHandle] = []
+    secret = secrets.token_urlsafe(32)
     try:
         for rank in range(tp_size):
             actors.append(_create_actor(replica_id, rank, kind, group))
@@ -133,11 +139,11 @@ async def launch_replica(
         # NOTE: all ranks start at once: each blocks in torch.distributed's
         # rendezvous until every other rank has joined.
         starts = [
-            actor.start.remote(dataclasses.replace(worker_config, rank=rank, **rank_fields))
+            actor.start.remote(dataclasses.replace(worker_config, rank=rank, **rank_fields), secret=secret)
             for rank, actor in enumerate(actors)
         ]
         addresses = await asyncio.wait_for(asyncio.gather(*starts), startup_timeout_s)
-        executor = GrpcReplicaExecutor(replica_id, addresses, step_timeout_s=step_timeout_s)
+        executor = GrpcReplicaExecutor(replica_id, addresses, secret=secret, step_timeout_s=step_timeout_s)
         try:
             await executor.initialize_cache()
         except BaseException:

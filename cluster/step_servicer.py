@@ -25,6 +25,15 @@ nothing, and keeps the one thread.
 
 A malformed plan ends its stream with ``INVALID_ARGUMENT``, a failing step
 with ``INTERNAL``; neither takes the server down.
+
+Every call must carry its replica's secret (``authorization: Bearer <secret>``,
+made by ``kvserve.cluster.replica_launcher`` and given to the rank and to the
+scheduler's ``GrpcReplicaExecutor`` through Ray): any other caller on the
+cluster network is answered ``UNAUTHENTICATED`` before its request is read,
+and the rank keeps serving.  The secret travels once per call (once per step
+stream), not with each step.  NOTE: the connection itself is plaintext, as
+Ray's own traffic is by default: the secret and the steps can be read, and
+the secret replayed, by whoever can watch the cluster network.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ from typing import Any, Protocol, TypeVar
 
 import grpc
 
+from kvserve.cluster.auth import TokenTable
+from kvserve.cluster.grpc_auth import ThreadedBearerTokenInterceptor
 from kvserve.cluster.step_codec import decode_plan, encode_result
 from kvserve.proto import step_pb2, step_pb2_grpc
 from kvserve.scheduler.checks import check_num_blocks
@@ -191,14 +202,24 @@ class StepServer:
         await asyncio.to_thread(self._server.stop(grace).wait)
 
 
-async def start_step_server(runner: StepRunner, thread: ThreadPoolExecutor, host: str) -> tuple[StepServer, str]:
+async def start_step_server(
+    runner: StepRunner, thread: ThreadPoolExecutor, host: str, *, secret: str | None
+) -> tuple[StepServer, str]:
     """Start a StepWorker server for ``runner`` on ``host`` and a free port; returns it and ``host:port``.
 
     ``thread`` is the rank's worker thread, a ``ThreadPoolExecutor`` of one
     thread: the server runs every RPC on it, so every call into ``runner``
-    runs there.
+    runs there.  Every call must carry ``secret`` (module docstring); ``None``
+    serves anyone who can reach ``host``, for a caller that knows no one else can.
     """
-    server = grpc.server(thread, options=GRPC_OPTIONS)
+    if secret is None:
+        interceptors = []
+        logger.warning("the StepWorker server on %s takes calls without a secret", host)
+    elif not secret:
+        raise ValueError("a StepWorker server's secret must not be empty")
+    else:
+        interceptors = [ThreadedBearerTokenInterceptor(TokenTable({secret: "replica"}))]
+    server = grpc.server(thread, interceptors=interceptors, options=GRPC_OPTIONS)
     step_pb2_grpc.add_StepWorkerServicer_to_server(StepWorkerServicer(runner), server)
     port = server.add_insecure_port(join_host_port(host, 0))
     if port == 0:

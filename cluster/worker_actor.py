@@ -2,11 +2,12 @@
 
 Ray places and names the rank; the steps themselves do not go through Ray:
 the scheduler sends them over gRPC straight to the actor's StepWorker
-server, bound to the node's IP.  Lifecycle, driven by
+server, bound to the node's IP, which takes only calls that carry the
+replica's secret (``kvserve.cluster.step_servicer``).  Lifecycle, driven by
 ``kvserve.cluster.replica_launcher``::
 
     address = await rank0.rendezvous_address.remote()     # for torch.distributed
-    await asyncio.gather(*(a.start.remote(config_r) for each rank))   # -> "host:port"
+    await asyncio.gather(*(a.start.remote(config_r, secret=secret) for each rank))   # -> "host:port"
     then DetermineNumBlocks / InitializeCache / ExecuteSteps (a stream) / Shutdown over gRPC
 """
 
@@ -70,9 +71,12 @@ class WorkerActor:
             port = sock.getsockname()[1]
         return join_host_port(self._host, port)
 
-    async def start(self, config: WorkerConfig | SimulatedWorkerConfig) -> str:
+    async def start(self, config: WorkerConfig | SimulatedWorkerConfig, *, secret: str) -> str:
         """Build the worker (joins torch.distributed: blocks until every rank of the
-        replica has called ``start``), then serve it; returns the server's ``host:port``."""
+        replica has called ``start``), then serve it to callers that carry ``secret``
+        (the replica's); returns the server's ``host:port``."""
+        if not isinstance(secret, str) or not secret:
+            raise ValueError("a rank's StepWorker server needs its replica's secret")
         if self._worker is not None:
             raise RuntimeError(f"rank {self.rank} of replica {self.replica_id} is already started")
         if config.rank != self.rank:
@@ -89,6 +93,6 @@ class WorkerActor:
             # own node; a rank on another node writes its identical copy there first.
             await loop.run_in_executor(self._thread, ensure_default_tiny_model_at, config.model_dir)
         self._worker = await loop.run_in_executor(self._thread, factory, config)
-        self._server, address = await start_step_server(self._worker, self._thread, self._host)
+        self._server, address = await start_step_server(self._worker, self._thread, self._host, secret=secret)
         logger.info("replica %d rank %d serves steps on %s", self.replica_id, self.rank, address)
         return address

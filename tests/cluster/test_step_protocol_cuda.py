@@ -1,4 +1,4 @@
-"""On a GPU, a replica over the step protocol gives the in-process engine's tokens, plain and overlapped.
+"""A replica over the step protocol gives the in-process engine's tokens, plain and overlapped (on a GPU, and on CPU).
 
 The worker is a real CUDA ``Worker`` behind a StepWorker server in a child process
 (``bench.grpc_replica``), driven by ``EngineCore`` + ``GrpcReplicaExecutor`` as a cluster
@@ -21,17 +21,19 @@ from kvserve.worker.worker import WorkerConfig
 from tests.engine.test_llm_parity import random_prompts
 
 
-@pytest.mark.gpu
-def test_a_cuda_worker_launching_ahead_over_the_step_protocol_gives_the_in_process_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=pytest.mark.gpu), "cpu"])
+def test_a_worker_over_the_step_protocol_gives_the_in_process_tokens(tmp_path, device: str) -> None:
+    # On CPU (no launching ahead) it checks the harness that bench.gpu_serving's part (e) runs
+    # on a GPU: the child's server, its secret, the replica driving it.
     path = create_tiny_model(tmp_path, "llama", seed=3, head_dim=64)
     prompts = random_prompts(12, seed=13, lo=3, hi=60)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True) for _ in prompts]
-    with LLM(path, device="cuda", dtype="float32", num_blocks=256, max_num_seqs=16) as llm:
+    with LLM(path, device=device, dtype="float32", num_blocks=256, max_num_seqs=16) as llm:
         expected = [output.token_ids for output in llm.generate(prompts, params)]
         config, model_config, num_blocks = llm.config, llm.model_config, llm.engine.executor.num_kv_blocks
     worker_config = dataclasses.replace(WorkerConfig.for_engine(config, model_config.max_model_len), num_blocks=num_blocks)
-    with worker_server(worker_config) as address:
-        replica = StepProtocolReplica(address, config, model_config)
+    with worker_server(worker_config) as (address, secret):
+        replica = StepProtocolReplica(address, secret, config, model_config)
         try:
             for async_scheduling in (False, True):
                 replica.engine.async_scheduling = async_scheduling

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
+from kvserve.cluster.grpc_auth import bearer_metadata
 from kvserve.cluster.replica_client import GrpcReplicaExecutor
 from kvserve.cluster.step_codec import decode_result, encode_plan
 from kvserve.cluster.step_servicer import start_step_server
@@ -28,6 +29,8 @@ from kvserve.scheduler.step_result import StepResult
 
 NUM_BLOCKS = 32
 WORKER_THREAD = "rank-worker"
+SECRET = "a-replica-secret-for-the-tests"
+AUTH = bearer_metadata(SECRET)
 
 
 def plan(step_id: int) -> StepPlan:
@@ -83,10 +86,12 @@ async def replica(*ranks: Rank, step_timeout_s: float = 10.0) -> AsyncIterator[G
     threads = []
     for rank in ranks:
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=WORKER_THREAD)
-        server, address = await start_step_server(rank, thread, "127.0.0.1")
+        server, address = await start_step_server(rank, thread, "127.0.0.1", secret=SECRET)
         servers.append((server, address))
         threads.append(thread)
-    executor = GrpcReplicaExecutor(0, [address for _, address in servers], step_timeout_s=step_timeout_s)
+    executor = GrpcReplicaExecutor(
+        0, [address for _, address in servers], secret=SECRET, step_timeout_s=step_timeout_s
+    )
     try:
         await executor.initialize_cache()
         yield executor
@@ -201,9 +206,9 @@ def test_a_cancelled_step_makes_the_replica_unusable() -> None:
 
 @asynccontextmanager
 async def served(rank: Rank) -> AsyncIterator[step_pb2_grpc.StepWorkerStub]:
-    """A stub to ``rank``'s own StepWorker server."""
+    """A stub to ``rank``'s own StepWorker server (calls carry ``metadata=AUTH``)."""
     thread = ThreadPoolExecutor(max_workers=1)
-    server, address = await start_step_server(rank, thread, "127.0.0.1")
+    server, address = await start_step_server(rank, thread, "127.0.0.1", secret=SECRET)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             yield step_pb2_grpc.StepWorkerStub(channel)
@@ -217,15 +222,15 @@ def test_a_malformed_plan_ends_its_stream_invalid_argument_and_the_rank_keeps_se
         async with served(Rank(sample=True)) as stub:
             message = encode_plan(plan(0))
             message.token_ids = message.token_ids[:-4]
-            steps = stub.ExecuteSteps(timeout=10)
+            steps = stub.ExecuteSteps(timeout=10, metadata=AUTH)
             await steps.write(message)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 await steps.read()
             assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "step 0: token_ids has 2 entries but num_scheduled_tokens adds up to 3" in error.value.details()
-            num_blocks = await stub.DetermineNumBlocks(step_pb2.Empty(), timeout=10)
+            num_blocks = await stub.DetermineNumBlocks(step_pb2.Empty(), timeout=10, metadata=AUTH)
             assert num_blocks.num_blocks == NUM_BLOCKS
-            steps = stub.ExecuteSteps(timeout=10)
+            steps = stub.ExecuteSteps(timeout=10, metadata=AUTH)
             await steps.write(encode_plan(plan(0)))
             assert decode_result(await steps.read()).sampled_token_ids == [0, 0]
             await steps.done_writing()
@@ -236,10 +241,10 @@ def test_a_malformed_plan_ends_its_stream_invalid_argument_and_the_rank_keeps_se
 def test_a_rank_serves_one_call_at_a_time_so_a_second_stream_waits_for_the_first() -> None:
     async def scenario() -> None:
         async with served(Rank(sample=True)) as stub:
-            first = stub.ExecuteSteps(timeout=10)
+            first = stub.ExecuteSteps(timeout=10, metadata=AUTH)
             await first.write(encode_plan(plan(0)))
             assert decode_result(await first.read()).step_id == 0
-            second = stub.ExecuteSteps(timeout=10)
+            second = stub.ExecuteSteps(timeout=10, metadata=AUTH)
             await second.write(encode_plan(plan(1)))
             answer = asyncio.ensure_future(second.read())
             await asyncio.sleep(0.3)

@@ -301,7 +301,7 @@ def test_a_worker_actor_on_another_node_creates_the_default_model_the_front_end_
     actor = WorkerActor(replica_id=0, rank=0)
 
     async def start_and_stop() -> str:
-        address = await actor.start(config)
+        address = await actor.start(config, secret="a-secret-of-this-test")
         await actor._server.stop(grace=None)  # noqa: SLF001
         return address
 
@@ -312,7 +312,8 @@ def test_a_worker_actor_on_another_node_creates_the_default_model_the_front_end_
     other = WorkerActor(replica_id=0, rank=0)
     with pytest.raises(OSError):
         asyncio.run(other.start(
-            WorkerConfig(str(tmp_path / "models" / "other"), device="cpu", num_blocks=8, attention_backend="torch")))
+            WorkerConfig(str(tmp_path / "models" / "other"), device="cpu", num_blocks=8, attention_backend="torch"),
+            secret="a-secret-of-this-test"))
     other._thread.shutdown()  # noqa: SLF001
     assert not (tmp_path / "models" / "other").exists()
 
