@@ -20,7 +20,7 @@ from kvserve.cluster.request_limits import (
     RequestLimits,
 )
 from kvserve.cluster.serve_runtime import check_local_gpus, init_ray, serve_until_signalled
-from kvserve.scheduler.engine_config import EngineConfig
+from kvserve.scheduler.engine_config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
@@ -138,6 +138,47 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--async-scheduling", action="store_true",
         help="plan each step while the workers run the one before (overlapped scheduling): the scheduler's "
         "round trip hides behind their work; outputs stay the same",
+    )
+    engine = parser.add_argument_group("model runtime, KV cache and scheduling (every replica)")
+    engine.add_argument(
+        "--dtype", choices=DTYPES, default=None,
+        help="weights' and activations' type (default: auto: bfloat16 on GPUs, float32 on CPU)",
+    )
+    engine.add_argument(
+        "--seed", type=int, default=None, metavar="N",
+        help=f"seeds the sampling of requests without a seed of their own (default: {_engine_default('seed')})",
+    )
+    engine.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, metavar="F",
+        help="without --num-blocks: the share of each GPU's memory that may be in use once the KV cache is "
+        f"allocated (weights and all), in (0, 1] (default: {_engine_default('gpu_memory_utilization')})",
+    )
+    engine.add_argument(
+        "--cpu-kv-cache-bytes", type=int, default=None, metavar="N",
+        help=f"without --num-blocks, on CPU: bytes of KV cache per rank (default: {_CPU_KV_CACHE_MIB} MiB)",
+    )
+    engine.add_argument(
+        "--no-prefix-caching", action="store_const", const=False, default=None, dest="enable_prefix_caching",
+        help="never reuse cached blocks of earlier prompts (every prompt is computed in full)",
+    )
+    engine.add_argument(
+        "--no-chunked-prefill", action="store_const", const=False, default=None, dest="enable_chunked_prefill",
+        help="compute each prompt in one step (then --max-num-batched-tokens must be at least --max-model-len)",
+    )
+    engine.add_argument(
+        "--long-prefill-token-threshold", type=int, default=None, metavar="N",
+        help="a prompt's chunk in one step holds at most N tokens, so that long prompts share steps "
+        "(default: no limit but the step's budget)",
+    )
+    engine.add_argument(
+        "--attention-backend", choices=ATTENTION_BACKENDS, default=None,
+        help="the attention kernels (default: the device's: cuda on GPUs, cpu on CPU, torch where "
+        "neither builds)",
+    )
+    engine.add_argument(
+        "--cpu-threads", type=int, default=None, metavar="N",
+        help="torch threads of each CPU rank (default: the cores this process may use, divided among a "
+        "replica's ranks)",
     )
     security = parser.add_argument_group("authentication and TLS (both front doors)")
     security.add_argument(
@@ -315,10 +356,8 @@ def run_serve(args: argparse.Namespace) -> int:
             model_dir = ensure_default_tiny_model()
         simulation = _simulation_config(args)
         chat_template = _read_chat_template(args.chat_template)
-        # The engine's settings that have a flag, by name; the others keep their defaults.
-        settings = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
         config = ClusterConfig(
-            EngineConfig.from_kwargs(str(model_dir), **{k: v for k, v in settings.items() if v is not None}),
+            engine_config(args, model_dir),
             routing=args.routing,
             routing_args=_routing_args(args.routing, args.routing_args),
             placement_timeout_s=_placement_timeout(args),
@@ -478,6 +517,13 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     cost_model = cost_model_of_flag(args.cost_model)
     time_scale = 1.0 if args.time_scale is None else args.time_scale
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
+
+
+def engine_config(args: argparse.Namespace, model_dir: str | Path) -> EngineConfig:
+    """The engine settings serve's flags (``args``) give for ``model_dir``; a flag not given keeps the default."""
+    # NOTE: a flag's dest is its setting's name (``--tp``: tensor_parallel_size).
+    settings = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
+    return EngineConfig.from_kwargs(str(model_dir), **{k: v for k, v in settings.items() if v is not None})
 
 
 def _engine_default(name: str) -> object:

@@ -167,6 +167,9 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
         (["--simulated", "--num-blocks", "64", "--time-scale", "-1"], "--time-scale must be a finite number >= 0"),
         (["--replicas", "0"], "--replicas must be a positive integer, got 0"),
         (["--num-blocks", "1"], "--num-blocks must be an integer >= 2"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
+        (["--cpu-threads", "0"], "--cpu-threads must be a positive integer, got 0"),
+        (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be a positive integer, got 0"),
         (["--stream-interval", "-1"], "--stream-interval must be in [0, 1] seconds"),
         (["--placement-timeout", "-1"], "--placement-timeout must be a positive number of seconds, got -1.0"),
         (["--port", "70000"], "port"),
@@ -606,6 +609,32 @@ def test_serve_stops_cleanly_on_sigterm(server):
     output = process.output()
     assert "stopped" in output
     assert "Traceback" not in output
+
+
+def test_every_engine_setting_has_a_serve_flag_that_sets_it(tmp_path):
+    # dtype, seed, the cache's sizing, prefix caching, chunked prefill, the attention kernels and the CPU
+    # threads could be set in-process (LLM(...)) but had no flag and no config-file key.
+    from kvserve.cluster.cli import build_parser
+    from kvserve.cluster.cli_serve import engine_config
+    from kvserve.scheduler.engine_config import EngineConfig
+
+    args = build_parser().parse_args([
+        "serve", "--dtype", "float16", "--seed", "7", "--gpu-memory-utilization", "0.5",
+        "--cpu-kv-cache-bytes", "1048576", "--no-prefix-caching", "--long-prefill-token-threshold", "64",
+        "--attention-backend", "torch", "--cpu-threads", "3", "--tp", "2", "--replicas", "3",
+    ])
+    config = engine_config(args, tmp_path)
+    assert (config.runtime.dtype, config.runtime.seed, config.runtime.attention_backend) == ("float16", 7, "torch")
+    assert config.runtime.cpu_threads == 3
+    assert (config.cache.gpu_memory_utilization, config.cache.cpu_kv_cache_bytes) == (0.5, 1 << 20)
+    assert config.cache.enable_prefix_caching is False
+    assert config.scheduler.long_prefill_token_threshold == 64
+    assert (config.parallel.tensor_parallel_size, config.parallel.num_replicas) == (2, 3)
+    whole_prompts = ["serve", "--no-chunked-prefill", "--max-num-batched-tokens", "4096", "--max-model-len", "4096"]
+    assert engine_config(build_parser().parse_args(whole_prompts), tmp_path).scheduler.enable_chunked_prefill is False
+    flagged = {action.dest for action in build_parser()._subparsers._group_actions[0].choices["serve"]._actions}
+    assert set(EngineConfig.field_names()) - {"model"} <= flagged
+    assert engine_config(build_parser().parse_args(["serve"]), tmp_path) == EngineConfig(str(tmp_path))
 
 
 def test_placement_waits_without_limit_when_joining_a_cluster_unless_told():
