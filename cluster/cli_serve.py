@@ -222,6 +222,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="streams in flight before RESOURCE_EXHAUSTED (default: %(default)s)",
     )
     parser.add_argument(
+        "--max-concurrent-requests-per-tenant", type=int, default=None, metavar="N",
+        help="with --auth-token-file: one tenant's streams in flight before RESOURCE_EXHAUSTED (HTTP 429), "
+        "so that one tenant cannot take every slot of --max-concurrent-requests (default: no limit per tenant)",
+    )
+    parser.add_argument(
         "--stream-interval", type=float, default=0.02, metavar="S", dest="stream_interval_s",
         help="at most one message per S seconds on each stream (first tokens and the end go out at once), "
         "so that the tokens of several steps travel together: fewer messages, more latency "
@@ -322,6 +327,7 @@ def run_serve(args: argparse.Namespace) -> int:
             port=args.port,
             http_port=args.http_port,
             max_concurrent_requests=args.max_concurrent_requests,
+            max_concurrent_requests_per_tenant=args.max_concurrent_requests_per_tenant,
             stream_interval_s=args.stream_interval_s,
             max_messages_per_s=args.max_messages_per_s or None,
             max_message_bytes=args.max_message_bytes,

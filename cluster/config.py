@@ -39,7 +39,9 @@ class ServerConfig:
     explicit limits in both directions; a request larger than
     ``max_message_bytes`` is refused by gRPC itself with ``RESOURCE_EXHAUSTED``.
     More than ``max_concurrent_requests`` streams in flight are refused with
-    ``RESOURCE_EXHAUSTED`` too.
+    ``RESOURCE_EXHAUSTED`` too, and so are more than ``max_concurrent_requests_per_tenant``
+    of one tenant's (``None``: no limit per tenant; needs ``auth_token_file``, whose tokens
+    are the tenants), so that one tenant cannot take every slot of the others.
 
     Streaming: a request's first tokens and its end go out at once; the tokens
     in between travel together, at most one message per stream per interval,
@@ -58,6 +60,7 @@ class ServerConfig:
     http_port: int | None = 8000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_concurrent_requests: int = 1024
+    max_concurrent_requests_per_tenant: int | None = None
     stream_interval_s: float = 0.02
     max_messages_per_s: int | None = 1000
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -79,6 +82,13 @@ class ServerConfig:
                 raise ValueError(f"http_port must differ from port, both are {http_port}")
         check_positive_ints(max_message_bytes=self.max_message_bytes)
         check_positive_ints(max_concurrent_requests=self.max_concurrent_requests)
+        if self.max_concurrent_requests_per_tenant is not None:
+            check_positive_ints(max_concurrent_requests_per_tenant=self.max_concurrent_requests_per_tenant)
+            if self.auth_token_file is None:
+                raise ValueError(
+                    "max_concurrent_requests_per_tenant needs an auth token file (auth_token_file, "
+                    "--auth-token-file): its tokens are the tenants"
+                )
         interval = self.stream_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1:
             raise ValueError(f"stream_interval_s must be in [0, 1] seconds, got {interval!r}")

@@ -29,8 +29,8 @@ status follows).
 Status codes: ``INVALID_ARGUMENT`` (naming the field) for bad input and
 the request id of a call still in flight (or still draining after
 ``DRAIN_TIMEOUT_S``); ``RESOURCE_EXHAUSTED`` when ``max_concurrent_requests``
-streams are in flight (and, from gRPC itself, for a message over the size
-limit); ``UNAVAILABLE`` when the request's replica failed while computing it
+streams are in flight, or ``max_concurrent_requests_per_tenant`` of the caller's
+tenant (and, from gRPC itself, for a message over the size limit); ``UNAVAILABLE`` when the request's replica failed while computing it
 (a request it had not started goes to another replica) or no replica is
 healthy.  A cancelled call or an expired deadline aborts its request.
 """
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from typing import Any
@@ -99,6 +100,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         tokenizer: Any | None,
         *,
         max_concurrent_requests: int,
+        max_concurrent_requests_per_tenant: int | None = None,
         stream_interval_s: float = 0.0,
         max_messages_per_s: int | None = None,
         on_scheduler_lost: Callable[[], Awaitable[None]] | None = None,
@@ -115,6 +117,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self._model_info = model_info
         self._tokenizer = tokenizer
         self._max_concurrent_requests = max_concurrent_requests
+        self._max_per_tenant = max_concurrent_requests_per_tenant
+        # Streams in flight by tenant name (with a limit per tenant only).
+        self._tenant_streams: Counter[str] = Counter()
         self._pacing = StreamPacing(stream_interval_s, max_messages_per_s)
         self._on_scheduler_lost = on_scheduler_lost
         self._on_serving_changed = on_serving_changed
@@ -220,6 +225,14 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             raise OverloadedError(
                 f"the server is at its limit of {self._max_concurrent_requests} concurrent requests"
             )
+        counted = self._max_per_tenant is not None and tenant is not None
+        if counted and self._tenant_streams[tenant.name] >= self._max_per_tenant:
+            raise OverloadedError(
+                f"this tenant is at its limit of {self._max_per_tenant} concurrent requests "
+                "(max_concurrent_requests_per_tenant)"
+            )
+        if counted:
+            self._tenant_streams[tenant.name] += 1
         stream = OutputStream(req_id, self._pacing)
         self._streams[req_id] = stream
         self._pacing.set_num_streams(len(self._streams))
@@ -272,6 +285,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 yield response
         finally:
             del self._streams[req_id]
+            if counted:
+                self._tenant_streams[tenant.name] -= 1
+                if not self._tenant_streams[tenant.name]:
+                    del self._tenant_streams[tenant.name]
             self._pacing.set_num_streams(len(self._streams))
             self._awaiting_first.discard(req_id)
             if self._pause is not None:

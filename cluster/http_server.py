@@ -86,7 +86,7 @@ async def start_http_server(
     uvicorn_config = uvicorn.Config(
         create_app(
             frontend, chat_template=chat_template, max_body_bytes=config.max_message_bytes,
-            max_choices=choice_limit(config.max_concurrent_requests),
+            max_choices=choice_limit(config.max_concurrent_requests, config.max_concurrent_requests_per_tenant),
         ),
         lifespan="off",
         log_config=None,  # kvserve's logging configuration, not uvicorn's

@@ -244,9 +244,9 @@ def error_body(message: str, *, type_: str, code: str | None = None, param: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
-def choice_limit(max_concurrent_requests: int) -> int:
-    """The largest ``n`` a server with this limit of concurrent requests serves: a larger one never could."""
-    return min(MAX_CHOICES, max_concurrent_requests)
+def choice_limit(max_concurrent_requests: int, max_concurrent_requests_per_tenant: int | None = None) -> int:
+    """The largest ``n`` a server with these limits of concurrent requests serves: a larger one never could."""
+    return min(MAX_CHOICES, max_concurrent_requests, max_concurrent_requests_per_tenant or MAX_CHOICES)
 
 
 def to_generate_requests(

@@ -159,6 +159,7 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         model_info,
         load_tokenizer(model_info.model_dir),
         max_concurrent_requests=config.max_concurrent_requests,
+        max_concurrent_requests_per_tenant=config.max_concurrent_requests_per_tenant,
         stream_interval_s=config.stream_interval_s,
         max_messages_per_s=config.max_messages_per_s,
         on_scheduler_lost=on_scheduler_lost,

@@ -359,3 +359,39 @@ def test_a_failed_replicas_internals_go_to_the_log_and_the_client_gets_its_reque
     with caplog.at_level("WARNING", logger="kvserve.cluster.frontend"):
         serve(scenario)
     assert any("r-failed" in record.getMessage() and internals in record.getMessage() for record in caplog.records)
+
+
+def test_one_tenant_cannot_take_more_than_its_share_of_concurrent_requests() -> None:
+    # A tenant holding every slot of max_concurrent_requests made every other tenant's call fail.
+    from kvserve.cluster.auth import Tenant
+    from kvserve.cluster.frontend_errors import OverloadedError
+    from kvserve.cluster.request_conversion import scheduled_request_id
+
+    a, b = Tenant("team-a"), Tenant("team-b")
+
+    async def drain(responses) -> None:
+        async for _ in responses:
+            pass
+
+    def finish(scheduler: FakeScheduler, *ids: str) -> None:
+        scheduler.emit(*(RequestDelta(req_id, [4], finish_reason="length", replica=0) for req_id in ids))
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        first = [asyncio.ensure_future(drain(frontend.responses(request(f"a{i}"), tenant=a))) for i in range(2)]
+        await asyncio.sleep(0.05)  # both in flight
+        with pytest.raises(OverloadedError, match="this tenant is at its limit of 2 concurrent requests"):
+            await drain(frontend.responses(request("a2"), tenant=a))
+        other = asyncio.ensure_future(drain(frontend.responses(request("b0"), tenant=b)))
+        await asyncio.sleep(0.05)
+        added = [req_id for batch in scheduler.added for req_id in batch]
+        assert sorted(added) == sorted(scheduled_request_id(t, i) for t, i in ((a, "a0"), (a, "a1"), (b, "b0")))
+        finish(scheduler, scheduled_request_id(a, "a0"), scheduled_request_id(a, "a1"))
+        await asyncio.gather(*first)
+        # team-a's ended streams free its slots: it is served again.
+        again = asyncio.ensure_future(drain(frontend.responses(request("a3"), tenant=a)))
+        await asyncio.sleep(0.05)
+        finish(scheduler, scheduled_request_id(b, "b0"), scheduled_request_id(a, "a3"))
+        await asyncio.gather(other, again)
+        assert not frontend._tenant_streams  # nothing counted once every stream ended
+
+    serve(scenario, max_concurrent_requests_per_tenant=2)
