@@ -51,11 +51,12 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         refusal = _refusal(self._tokens, handler, handler_call_details)
         if refusal is None:
             return handler
-        logger.info("refused %s: %s", handler_call_details.method, refusal)
+        method = handler_call_details.method
         if self._on_refused is not None:
-            self._on_refused(handler_call_details.method)
+            self._on_refused(method)
 
         async def refuse(request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+            logger.info("refused %s from %s: %s", method, context.peer(), refusal)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
 
         return _refusing(handler, refuse)

@@ -21,6 +21,7 @@ replica can serve.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from pathlib import Path
@@ -51,6 +52,8 @@ from kvserve.cluster.openai_protocol import (
     token_text_of,
 )
 from kvserve.cluster.openai_respond import MEASURED, respond
+
+logger = logging.getLogger(__name__)
 
 # The paths of the requests that ``kvserve_requests_total`` counts.
 _GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
@@ -88,6 +91,8 @@ def create_app(
             try:
                 request.state.tenant = frontend.authenticate(request.headers.get("authorization"))
             except FrontendError as exc:
+                client = f"{request.client.host}:{request.client.port}" if request.client else "an unknown client"
+                logger.info("refused %s %s from %s: %s", request.method, request.url.path, client, exc)
                 refusal = frontend_error_response(exc)
                 refusal.headers["WWW-Authenticate"] = "Bearer"
                 return refusal

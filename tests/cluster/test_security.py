@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import logging
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,12 +109,19 @@ def client(secured, token: str | None) -> Client:
 
 
 @pytest.mark.parametrize("token", [None, "not-a-token-of-ours-at-all"])
-def test_a_call_without_a_valid_token_is_unauthenticated(secured, token) -> None:
-    with client(secured, token) as unauthenticated:
+def test_a_call_without_a_valid_token_is_unauthenticated(secured, token, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="kvserve.cluster.grpc_auth"), client(secured, token) as unauthenticated:
         for call in (lambda: unauthenticated.generate(PROMPT, max_tokens=2), unauthenticated.get_stats):
             with pytest.raises(RequestError) as info:
                 call()
             assert info.value.code == "UNAUTHENTICATED"
+    # Logged with the caller's address (it was not), and never with the token it sent.
+    refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused ")]
+    assert [m.split(" from ")[0] for m in refusals] == [
+        "refused /kvserve.v1.Generation/Generate", "refused /kvserve.v1.Generation/GetStats"
+    ]
+    assert all("127.0.0.1" in m for m in refusals)
+    assert not any(token and token in r.getMessage() for r in caplog.records)
 
 
 def test_a_generate_call_refused_for_its_token_is_counted_as_a_401(secured) -> None:
@@ -195,9 +203,10 @@ def test_request_limits_are_refused_naming_the_limit(secured) -> None:
             alice.generate(PROMPT, max_tokens=2, cache_salt="x" * 17)
 
 
-def test_http_needs_the_token_except_for_health_and_speaks_tls(secured) -> None:
+def test_http_needs_the_token_except_for_health_and_speaks_tls(secured, caplog) -> None:
     _, ca, http_port = secured
     base = f"https://127.0.0.1:{http_port}"
+    caplog.set_level(logging.INFO, logger="kvserve.cluster.openai_api")
     with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=30) as http:
         assert http.get(f"{base}/health").status_code == 200
         refused = http.get(f"{base}/v1/models")
@@ -205,6 +214,10 @@ def test_http_needs_the_token_except_for_health_and_speaks_tls(secured) -> None:
         assert refused.json()["error"]["type"] == "authentication_error"
         wrong = http.get(f"{base}/v1/models", headers={"Authorization": "Bearer nope-nope-nope-nope"})
         assert wrong.status_code == 401
+        # HTTP's refusals were not logged at all; now with the client's address, never the token.
+        refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused GET /v1/models")]
+        assert len(refusals) == 2 and all(" from 127.0.0.1:" in m for m in refusals)
+        assert not any("nope-nope" in r.getMessage() for r in caplog.records)
         models = http.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {BOB}"})
         assert models.status_code == 200
         body = {"model": models.json()["data"][0]["id"], "prompt": PROMPT, "max_tokens": 2}
