@@ -2,7 +2,8 @@
 
 The top-level folders of the repository are installed as subpackages:
 ``kvserve.scheduler`` (control plane), ``kvserve.worker`` (data plane),
-``kvserve.kernels``, ``kvserve.cluster``, ``kvserve.proto`` and ``kvserve.bench``.
+``kvserve.kernels``, ``kvserve.cluster``, ``kvserve.proto``, ``kvserve.experiments``
+and ``kvserve.bench`` (ARCHITECTURE.md's layers).
 """
 
 from typing import TYPE_CHECKING

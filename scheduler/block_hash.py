@@ -52,6 +52,12 @@ def token_ids_to_bytes(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def num_cacheable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of a sequence of ``num_tokens`` a prefix-cache hit may
+    cover: never the block of its last token, which a step must compute to sample from."""
+    return (num_tokens - 1) // block_size
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_keys: bytes = b"") -> BlockHash:
     """Hash one full block; ``parent`` is ``None`` for the first block."""
     return _xxh3_128((parent or ROOT_PARENT_DIGEST) + token_ids_to_bytes(token_ids) + extra_keys)

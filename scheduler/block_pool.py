@@ -140,11 +140,12 @@ class BlockPool:
 
     @property
     def num_usable_blocks(self) -> int:
+        """Every block but the null block."""
         return self.num_blocks - 1
 
     def get_usage(self) -> float:
         """Fraction of the usable blocks referenced by requests, in [0, 1]."""
-        return 1.0 - self.free_block_queue.num_free_blocks / (self.num_blocks - 1)
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
 
     # -- allocation ------------------------------------------------------------
 
@@ -259,7 +260,7 @@ class BlockPool:
 
         Returns ``False`` (and changes nothing) while requests hold blocks.
         """
-        num_used = self.num_blocks - 1 - self.free_block_queue.num_free_blocks
+        num_used = self.num_usable_blocks - self.free_block_queue.num_free_blocks
         if num_used > 0:
             logger.warning("cannot reset the prefix cache: %d blocks are still in use", num_used)
             return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.scheduler.block_hash import BlockHasher, token_ids_to_bytes
+from kvserve.scheduler.block_hash import BlockHasher, num_cacheable_blocks, token_ids_to_bytes
 from kvserve.scheduler.block_pool import BlockPool, KVCacheEventObserver
 from kvserve.scheduler.kv_cache_block import KVCacheBlock
 from kvserve.scheduler.request import Request
@@ -99,7 +99,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return _NO_HIT
         self.update_block_hashes(request)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = num_cacheable_blocks(request.num_tokens, self.block_size)
         get_cached = self.block_pool.cached_block_hash_to_block.get_one_block
         blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

@@ -163,10 +163,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     # -- one step --------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
@@ -452,7 +448,6 @@ class Scheduler:
             num_queued_prefill_tokens=queued,
             kv_cache_usage=kv.get_usage(),
             num_free_blocks=kv.get_num_free_blocks(),
-            prefix_cache_hit_rate=kv.prefix_cache_stats.hit_rate,
         )
 
     def get_load(self) -> SchedulerLoad:
@@ -464,7 +459,7 @@ class Scheduler:
             num_queued_prefill_tokens=self._num_queued_prefill_tokens,
             num_running_tokens=self._num_running_tokens,
             num_free_blocks=pool.free_block_queue.num_free_blocks,
-            num_total_blocks=pool.num_blocks - 1,
+            num_total_blocks=pool.num_usable_blocks,
         )
 
 

@@ -35,14 +35,15 @@ class SchedulerEventObserver(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:
-    """A snapshot of one replica's load and cache, for routing and monitoring."""
+    """A snapshot of one replica's load and cache, for monitoring, counted by walking the
+    queues: the reference that ``SchedulerLoad``'s running counters are tested against.
+    (A replica's prefix-cache hit rate is its ``KVCacheManager.prefix_cache_stats``'.)"""
 
     num_running: int
     num_waiting: int
     num_queued_prefill_tokens: int
     kv_cache_usage: float
     num_free_blocks: int
-    prefix_cache_hit_rate: float
 
 
 @dataclass(frozen=True, slots=True)

@@ -194,14 +194,13 @@ class Worker:
         return self.config.rank == 0
 
     def kv_cache_spec(self) -> KVCacheSpec:
-        hf = self.hf_config
-        num_heads = hf.num_attention_heads
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+        # NOTE: the model's own shape, which its attention layers check the cache against:
+        # one rule for this rank's KV heads and the head size, not a second reading of config.json.
+        _, _, num_local_kv_heads, head_dim = self.model.kv_cache_shape(1, self.config.block_size)
         return KVCacheSpec(
-            num_layers=hf.num_hidden_layers,
+            num_layers=self.hf_config.num_hidden_layers,
             block_size=self.config.block_size,
-            num_local_kv_heads=max(1, num_kv_heads // self.config.tp_size),
+            num_local_kv_heads=num_local_kv_heads,
             head_dim=head_dim,
             dtype=self.dtype,
         )

@@ -7,12 +7,7 @@ larger values more regular arrivals.  The mean rate is ``qps`` either way.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
-
 import numpy as np
-
-from kvserve.experiments.workloads.request import WorkloadRequest
 
 
 def check_rate(qps: float, burstiness: float) -> None:
@@ -27,13 +22,6 @@ def arrival_times(num_requests: int, qps: float, rng: np.random.Generator, burst
     check_rate(qps, burstiness)
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (qps * burstiness), size=num_requests)
     return np.cumsum(gaps)
-
-
-def rescale_arrivals(requests: Sequence[WorkloadRequest], factor: float) -> list[WorkloadRequest]:
-    """The same requests with every arrival time multiplied by ``factor`` (a rate change of 1/factor)."""
-    if not factor > 0:
-        raise ValueError(f"factor must be > 0, got {factor}")
-    return [dataclasses.replace(r, arrival_time=r.arrival_time * factor) for r in requests]
 
 
 def zipf_probabilities(num_items: int, exponent: float) -> np.ndarray:

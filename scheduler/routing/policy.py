@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvserve.scheduler.block_hash import BlockHash
+from kvserve.scheduler.block_hash import BlockHash, num_cacheable_blocks
 from kvserve.scheduler.routing.load import ReplicaLoad
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 
@@ -36,7 +36,7 @@ class RoutingRequest:
     @property
     def max_cached_tokens(self) -> int:
         """The most prompt tokens a cache hit can cover: the last token is always computed."""
-        return (self.num_prompt_tokens - 1) // self.block_size * self.block_size
+        return num_cacheable_blocks(self.num_prompt_tokens, self.block_size) * self.block_size
 
     def cached_tokens(self, num_matched_blocks: int) -> int:
         """Prompt tokens served from the cache by a match of ``num_matched_blocks``."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvserve.scheduler.block_hash import BlockHash
+from kvserve.scheduler.block_hash import BlockHash, num_cacheable_blocks
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 
 
@@ -43,7 +43,7 @@ class QueueTracker:
         self.num_inflight_prefill_tokens = 0
 
     def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        num_cacheable = (num_tokens - 1) // self.block_size
+        num_cacheable = num_cacheable_blocks(num_tokens, self.block_size)
         num_blocks = self.index.num_leading_blocks(self.replica_id, block_hashes[:num_cacheable])
         if num_blocks:
             num_cached = num_blocks * self.block_size

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 
-from kvserve.scheduler.block_hash import BlockHasher
+from kvserve.scheduler.block_hash import BlockHasher, num_cacheable_blocks
 from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.routing.load import LoadSnapshot, LoadTable, NoAvailableReplicaError
@@ -115,7 +115,7 @@ class Router:
     def outcome(self, request: Request, replica_id: int) -> str:
         """How much of ``request``'s prompt ``replica_id`` held when it was routed there: "hit",
         every block a cache can serve (all but a last token's); "partial", some; "miss", none."""
-        cacheable = (request.num_tokens - 1) // self.hasher.block_size
+        cacheable = num_cacheable_blocks(request.num_tokens, self.hasher.block_size)
         held = self.index.num_leading_blocks(replica_id, request.block_hashes[:cacheable])
         return "hit" if cacheable and held == cacheable else "partial" if held else "miss"
 

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvserve.scheduler.block_hash import BlockHash
+from kvserve.scheduler.block_hash import BlockHash, num_cacheable_blocks
 from kvserve.scheduler.scheduler_load import SchedulerLoad
 from kvserve.scheduler.simulation.admission import Admission
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord, SimulatedRequest
@@ -349,7 +349,7 @@ class _QueueEventBuffer:
         self.block_size = block_size
 
     def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        cacheable = list(block_hashes[: (num_tokens - 1) // self.block_size])
+        cacheable = list(block_hashes[: num_cacheable_blocks(num_tokens, self.block_size)])
         self.events.append((self.replica_id, QUEUED, (req_id, cacheable, num_tokens)))
 
     def request_dequeued(self, req_id: str) -> None:
