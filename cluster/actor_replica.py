@@ -1,16 +1,19 @@
 """What the scheduler actor keeps per replica.
 
 ``ActorReplica`` is one replica as the actor drives it: its engine (scheduler and
-executor), its step loop, and the tasks that release or restart its workers.
+executor), its step loop, the tasks that release or restart its workers, and what
+monitoring tells of it (its counters, and how long its oldest step in flight has run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from kvserve.cluster.messages import ReplicaStatsInfo
 from kvserve.cluster.replica_launcher import ReplicaHandle
+from kvserve.cluster.replica_restart import RestartBackoff
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.executor import AsyncExecutor
 from kvserve.scheduler.request import Request
@@ -31,14 +34,16 @@ def started(request: Request) -> bool:
 class ActorReplica:
     """One replica as the actor drives it: its engine (scheduler and executor) and step loop.
 
-    ``retired`` are the monitoring counters of the replicas it replaced (started again
-    after a failure): its own go on from them.  ``num_failures`` counts the times replica
-    ``replica_id`` failed since the cluster started (the scheduler actor counts them).
+    ``previous`` is the replica it replaces (started again after a failure): its
+    counters go on from those of the replicas before it, and its restart backoff too.
+    ``num_failures`` counts the times replica ``replica_id`` failed since the cluster
+    started, ``num_restart_failures`` the tries to start it again that failed (the
+    scheduler actor counts both).
     """
 
     def __init__(
         self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle, device_kind: str,
-        retired: Counts = (0, 0, 0), *, num_failures: int = 0, async_scheduling: bool = False,
+        previous: ActorReplica | None = None, *, async_scheduling: bool = False,
     ) -> None:
         self.replica_id = replica_id
         self.scheduler = scheduler
@@ -47,12 +52,22 @@ class ActorReplica:
         self.executor: AsyncExecutor = handle.executor
         self.engine = EngineCore(scheduler, handle.executor, async_scheduling=async_scheduling)
         self.healthy = True
+        self.started_at = time.monotonic()
         self.wakeup = asyncio.Event()
         self.step_loop: asyncio.Task[None] | None = None
         self.release_task: asyncio.Task[None] | None = None
         self.restart: asyncio.Task[None] | None = None
-        self.retired = retired
-        self.num_failures = num_failures
+        self.retired: Counts = previous.counts() if previous is not None else (0, 0, 0)
+        self.num_failures = previous.num_failures if previous is not None else 0
+        self.num_restart_failures = previous.num_restart_failures if previous is not None else 0
+        self.backoff = previous.backoff if previous is not None else RestartBackoff()
+        # When the oldest step in flight was sent (monotonic clock); None while none is.
+        self.oldest_step_sent_at: float | None = None
+
+    def step_age_s(self) -> float:
+        """How long its oldest step in flight has been running; 0 when none is (a hung worker's grows)."""
+        sent_at = self.oldest_step_sent_at
+        return 0.0 if sent_at is None else time.monotonic() - sent_at
 
     def release(self) -> asyncio.Task[None]:
         """Shut the replica's workers down, once, in the background."""
@@ -90,4 +105,6 @@ class ActorReplica:
             prefix_cache_queried_tokens=queried,
             prefix_cache_hit_tokens=hit,
             num_failures=self.num_failures,
+            num_restart_failures=self.num_restart_failures,
+            step_age_s=self.step_age_s(),
         )

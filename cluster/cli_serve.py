@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.cli_values import add_cost_model_flag, check_utf8, cost_model_of_flag, key_value
+from kvserve.cluster.config import DEFAULT_STEP_TIMEOUT_S
 from kvserve.cluster.request_limits import (
     DEFAULT_MAX_CACHE_SALT_BYTES,
     DEFAULT_MAX_PROMPT_BYTES,
@@ -254,6 +255,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "cluster; with --address, no limit, since an autoscaler may still be adding nodes)",
     )
     parser.add_argument(
+        "--step-timeout", type=float, default=DEFAULT_STEP_TIMEOUT_S, metavar="S", dest="step_timeout_s",
+        help="seconds a replica's workers may take to answer one step before the replica counts as failed "
+        "(its requests move, it is started again): the only way a hung worker is found; a GPU replica's "
+        "first steps may compile kernels and a step may prefill a long prompt (default: %(default)g)",
+    )
+    parser.add_argument(
         "--routing", default=DEFAULT_POLICY, choices=sorted(POLICIES),
         help="the policy that picks each new request's replica (default: %(default)s)",
     )
@@ -367,6 +374,7 @@ def run_serve(args: argparse.Namespace) -> int:
             routing=args.routing,
             routing_args=_routing_args(args.routing, args.routing_args),
             placement_timeout_s=_placement_timeout(args),
+            step_timeout_s=args.step_timeout_s,
             simulation=simulation,
         )
         from kvserve.cluster.launcher import resolve_model_config

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from kvserve.worker.worker import WorkerConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
+# NOTE: generous: a GPU replica's first steps may compile kernels, and one step may prefill
+# a whole long prompt.  The step-age gauge of /metrics tells of a hung worker sooner.
+DEFAULT_STEP_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +129,8 @@ class ClusterConfig:
     for this long, the scheduler aborts the requests whose outputs wait.
     ``placement_timeout_s``: how long a replica may wait for its resources
     (``None``: as long as it takes, for clusters whose autoscaler adds nodes).
+    ``step_timeout_s``: a replica whose workers do not answer a step for this long
+    fails (and is started again): the only way a hung worker is found.
     ``simulation``: run simulated replicas (``SimulatedWorker``: no model, no
     torch; each step sleeps the cost model's time) with ``cache.num_blocks`` KV
     blocks each, on CPU worker slots; ``max_model_len`` may then exceed the
@@ -139,6 +144,7 @@ class ClusterConfig:
     routing_args: dict[str, Any] = field(default_factory=dict, hash=False)
     undelivered_output_timeout_s: float = 60.0
     placement_timeout_s: float | None = 60.0
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
     simulation: SimulationConfig | None = None
 
     @classmethod
@@ -168,6 +174,11 @@ class ClusterConfig:
             not isinstance(placement, (int, float)) or not math.isfinite(placement) or placement <= 0
         ):
             raise ValueError(f"placement_timeout_s must be a positive number or None, got {placement!r}")
+        step_timeout = self.step_timeout_s
+        if isinstance(step_timeout, bool) or not isinstance(step_timeout, (int, float)) or not (
+            math.isfinite(step_timeout) and step_timeout > 0
+        ):
+            raise ValueError(f"step_timeout_s must be a positive number of seconds, got {step_timeout!r}")
         if self.simulation is not None:
             if not isinstance(self.simulation, SimulationConfig):
                 raise ValueError(f"simulation must be a SimulationConfig, got {type(self.simulation).__name__}")

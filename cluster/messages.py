@@ -138,8 +138,13 @@ class ReplicaStatsInfo:
     healthy: bool
     # Counters since the cluster started (a restarted replica goes on from its predecessor's):
     # preempted requests, prompt tokens looked up in its prefix cache and found there, and the
-    # times it failed (and was started again: an outage between two scrapes of /metrics shows here).
+    # times it failed (and was started again: an outage between two scrapes of /metrics shows here),
+    # and the tries to start it again that failed.
     num_preemptions: int = 0
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     num_failures: int = 0
+    num_restart_failures: int = 0
+    # How long its oldest step in flight has been running (0.0 when none is): a hung worker's grows
+    # until the step timeout fails the replica.
+    step_age_s: float = 0.0

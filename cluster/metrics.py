@@ -14,7 +14,11 @@ counters (preemptions, prefix-cache queried and hit tokens per replica; routing
 decisions by policy and outcome: the chosen replica held all of the prompt a
 cache can serve, part of it, or none; a request moved off a failed replica is
 routed, and looked up, again), exposed as the counters they are.  A replica
-started again after a failure goes on from its predecessor's counters.
+started again after a failure goes on from its predecessor's counters.  For
+recovery: ``kvserve_replica_healthy``, the failures and the restart tries that
+failed per replica, and ``kvserve_replica_step_age_seconds``, how long a
+replica's oldest step in flight has run (a hung worker's grows until the step
+timeout fails it: alert well below ``--step-timeout``).
 
 Each ``FrontendMetrics`` has its own registry, so that two servers in one
 process (tests) do not share counters.
@@ -80,6 +84,12 @@ class FrontendMetrics:
         self.replica_healthy = Gauge(
             "kvserve_replica_healthy", "1 while a replica serves, 0 once it failed", ["replica"], registry=registry
         )
+        self.replica_step_age = Gauge(
+            "kvserve_replica_step_age_seconds",
+            "How long a replica's oldest step in flight has been running, 0 when none is: a hung worker's "
+            "grows until the step timeout fails the replica",
+            ["replica"], registry=registry,
+        )
         self._scheduler_counters = _SchedulerCounters()
         registry.register(self._scheduler_counters)
 
@@ -128,6 +138,7 @@ class FrontendMetrics:
             self.num_requests_waiting.labels(replica=replica).set(s.num_waiting)
             self.kv_cache_usage.labels(replica=replica).set(s.kv_cache_usage)
             self.replica_healthy.labels(replica=replica).set(1 if s.healthy else 0)
+            self.replica_step_age.labels(replica=replica).set(s.step_age_s)
         self._scheduler_counters.replica_stats = list(stats)
 
     def set_routing_decisions(self, policy: str, outcomes: dict[str, int]) -> None:
@@ -201,6 +212,10 @@ class _SchedulerCounters:
                 "Times a replica failed and was taken out of service (it is then started again): "
                 "an outage shorter than the scrape interval shows here, not in kvserve_replica_healthy",
                 "num_failures",
+            ),
+            "kvserve_replica_restart_failures": (
+                "Tries to start a failed replica again that failed (it keeps trying, with backoff)",
+                "num_restart_failures",
             ),
         }
         for name, (documentation, field) in families.items():

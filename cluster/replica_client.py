@@ -8,7 +8,9 @@ would otherwise be a good part of a short decode step.  Rank 0 answers with
 the samples, the other ranks with an empty result.  The first rank that
 fails, or does not answer within the step deadline, fails the whole replica:
 the streams are cancelled (the other ranks may be stuck in a collective
-waiting for the dead one) and every later call raises at once.
+waiting for the dead one) and every later call raises at once.  The step
+deadline (``step_timeout_s``, ``ClusterConfig.step_timeout_s``) is all that
+finds a rank that hangs (stopped, or stuck in a kernel) without dying.
 
 With overlapped scheduling (``launch``), the next plan is sent while the ranks
 still run the previous one, at most two in flight: the ranks read it from their
@@ -31,6 +33,7 @@ from typing import NoReturn, TypeVar
 
 import grpc
 
+from kvserve.cluster.config import DEFAULT_STEP_TIMEOUT_S
 from kvserve.cluster.grpc_auth import bearer_metadata
 from kvserve.cluster.step_codec import decode_result, encode_plan
 from kvserve.cluster.step_servicer import GRPC_OPTIONS
@@ -43,7 +46,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-DEFAULT_STEP_TIMEOUT_S = 120.0
 # A step running and the next one sent (overlapped scheduling).
 MAX_STEPS_IN_FLIGHT = 2
 _CONTROL_TIMEOUT_S = 60.0
@@ -236,7 +238,8 @@ class GrpcReplicaExecutor:
     def _fail(self, message: str) -> NoReturn:
         if self._failure is None:
             self._failure = message
-            logger.error("%s", message)
+            # NOTE: DEBUG: the scheduler actor logs the failure, with this message, as its one error.
+            logger.debug("%s", message)
         self._cancel_streams()
         raise ReplicaFailedError(message)
 

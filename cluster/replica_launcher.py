@@ -29,8 +29,9 @@ from ray.exceptions import ActorDiedError, RayError, RayTaskError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from kvserve.cluster.config import DEFAULT_STEP_TIMEOUT_S
 from kvserve.cluster.placement import DEFAULT_PLACEMENT_TIMEOUT_S, DeviceKind, place_replica
-from kvserve.cluster.replica_client import DEFAULT_STEP_TIMEOUT_S, GrpcReplicaExecutor
+from kvserve.cluster.replica_client import GrpcReplicaExecutor
 from kvserve.cluster.worker_actor import (
     RAY_NAMESPACE,
     WORKER_CPU_RESOURCE,
@@ -118,7 +119,9 @@ async def launch_replica(
     and no rendezvous.  Raises ``PlacementError`` when no node has room,
     ``ReplicaFailedError`` when a rank fails to start; nothing is left
     running then.  ``on_placed`` is called once its node's resources are
-    reserved, before its ranks start (load the model).
+    reserved, before its ranks start (load the model).  ``step_timeout_s``: how
+    long its ranks may take to answer a step before the replica fails
+    (``ClusterConfig.step_timeout_s``: the scheduler actor passes it to every launch).
     """
     kind = DeviceKind(device_kind)
     simulated = isinstance(worker_config, SimulatedWorkerConfig)

@@ -31,16 +31,23 @@ request's state), so that their streams go on without a gap or a repeat.  A
 request it had started moves at most ``MAX_MOVES_PER_REQUEST`` times (one of them may be what
 broke the replica); past that, or when no replica can take it, it ends with an
 error.  The failed replica's workers are stopped and started again on the same
-kind of resources, with backoff between tries (``replica_restart``); it then
-rejoins routing with an empty cache.
+kind of resources, with backoff between tries and no limit on their number
+(``replica_restart``; a crash-looping replica waits longer each time); it then
+rejoins routing with an empty cache.  Each failure is one ERROR line, with its
+cause and what became of the replica's requests.
+
+A failure is found at once when a step fails, within ``IDLE_CHECK_S`` when an idle
+replica's worker died, and, when a worker hangs, once a step ran ``step_timeout_s``
+(``ClusterConfig``); meanwhile the age of its oldest step in flight (``step_age_s``) shows it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from typing import Any
 
 from ray.util.placement_group import PlacementGroup
@@ -51,7 +58,7 @@ from kvserve.cluster.log_format import show_logs
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
 from kvserve.cluster.output_mailbox import OutputMailbox
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
-from kvserve.cluster.replica_restart import MAX_RESTART_TRIES, relaunch
+from kvserve.cluster.replica_restart import restart
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
@@ -124,13 +131,7 @@ class SchedulerActor:
             raise RuntimeError("the scheduler is shutting down")
         self._starting.add(replica_id)
         try:
-            handle = await launch_replica(
-                replica_id,
-                self.config.worker_config(self.model_config.max_model_len),
-                device_kind=device_kind,
-                placement_timeout_s=self.config.placement_timeout_s,
-                on_placed=lambda: self._placed.add(replica_id),
-            )
+            handle = await self._launch(replica_id, device_kind, on_placed=lambda: self._placed.add(replica_id))
         finally:
             self._starting.discard(replica_id)
             self._placed.discard(replica_id)
@@ -138,6 +139,17 @@ class SchedulerActor:
             await handle.shutdown()
             raise RuntimeError(f"the scheduler shut down while replica {replica_id} started")
         return self._install_replica(replica_id, handle, device_kind).stats()
+
+    def _launch(self, replica_id: int, device_kind: str, **kwargs: Any) -> Awaitable[ReplicaHandle]:
+        """``launch_replica`` of replica ``replica_id`` as this config says; ``kwargs`` go to it."""
+        return launch_replica(
+            replica_id,
+            self.config.worker_config(self.model_config.max_model_len),
+            device_kind=device_kind,
+            placement_timeout_s=self.config.placement_timeout_s,
+            step_timeout_s=self.config.step_timeout_s,
+            **kwargs,
+        )
 
     def _install_replica(self, replica_id: int, handle: ReplicaHandle, device_kind: str) -> ActorReplica:
         """Put a launched replica (new, or started again after a failure) into service."""
@@ -149,11 +161,9 @@ class SchedulerActor:
             observer=self._router.observer_for(replica_id),
             queue_observer=self._router.queue_observer_for(replica_id),
         )
-        # A replacement's counters go on from its predecessor's.
-        retired = previous.counts() if previous is not None else (0, 0, 0)
+        # A replacement's counters and restart backoff go on from its predecessor's.
         replica = ActorReplica(
-            replica_id, scheduler, handle, device_kind, retired,
-            num_failures=previous.num_failures if previous is not None else 0,
+            replica_id, scheduler, handle, device_kind, previous,
             async_scheduling=self.config.engine.runtime.async_scheduling,
         )
         self._replicas[replica_id] = replica
@@ -320,23 +330,26 @@ class SchedulerActor:
                     try:
                         await replica.handle.check_alive()
                     except ReplicaFailedError as exc:
-                        logger.error("replica %d failed while idle: %s", replica.replica_id, exc)
-                        self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc}")
+                        self._fail_replica(replica, f"replica {replica.replica_id} failed while idle: {exc}")
                         return
                 continue
+            # NOTE: the plan goes out now; with async scheduling, after the one launched before, if any.
+            sent_at = time.monotonic()
+            if replica.oldest_step_sent_at is None:
+                replica.oldest_step_sent_at = sent_at
             try:
                 # With async scheduling: launch this plan, apply the one launched before.
                 outputs = await engine.run_step_async(plan)
             except asyncio.CancelledError:
                 raise
             except ReplicaFailedError as exc:
-                logger.error("replica %d failed: %s", replica.replica_id, exc)
                 self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc}")
                 return
             except Exception as exc:  # noqa: BLE001 - nothing may crash the actor
-                logger.exception("replica %d: a step failed", replica.replica_id)
-                self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc!r}")
+                self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc!r}", bug=exc)
                 return
+            # The step applied is done; with async scheduling, the one just launched is the oldest.
+            replica.oldest_step_sent_at = sent_at if engine.step_in_flight else None
             if outputs:
                 self._collect(replica, outputs)
 
@@ -381,14 +394,17 @@ class SchedulerActor:
         if deliver and by_replica:
             self._outputs.notify()
 
-    def _fail_replica(self, replica: ActorReplica, reason: str, *, release: bool = True) -> None:
+    def _fail_replica(
+        self, replica: ActorReplica, reason: str, *, release: bool = True, bug: Exception | None = None
+    ) -> None:
         """Take ``replica`` out of service, move its requests to the others and start it again.
 
         Unless the cluster is shutting down, its requests are routed again (see
         the module docstring); those that cannot move end with ``reason`` as
-        their error.
+        their error.  ``bug``: an unexpected exception, logged with its traceback.
         """
         replica.healthy = False
+        replica.oldest_step_sent_at = None
         if not self._shutting_down:
             replica.num_failures += 1
         self._router.set_available(replica.replica_id, False)
@@ -416,18 +432,24 @@ class SchedulerActor:
             self._num_moves.pop(req_id, None)
             self._outputs.entry(req_id, replica.replica_id).finish(request, error=error)
             num_failed += 1
-        if mine and not self._shutting_down:
-            logger.warning(
-                "replica %d failed: %d of its requests moved to other replicas, %d ended with an error",
-                replica.replica_id, len(mine) - num_failed, num_failed,
-            )
+        if not self._shutting_down:
+            # NOTE: the incident's one error line: the executor logs its failure at DEBUG only.
+            outcome = f"; {len(mine) - num_failed} of its requests moved to other replicas, {num_failed} failed"
+            logger.error("%s%s", reason, outcome if mine else "", exc_info=bug)
         if num_failed:
             self._outputs.notify()
         if release:
             replica.release()
             if not self._shutting_down and replica.restart is None:
+                replica_id, device_kind = replica.replica_id, replica.device_kind
                 replica.restart = asyncio.create_task(
-                    self._restart_replica(replica), name=f"restart-r{replica.replica_id}"
+                    restart(
+                        replica,
+                        launch=lambda: self._launch(replica_id, device_kind),
+                        install=lambda handle: self._install_replica(replica_id, handle, device_kind),
+                        stopping=lambda: self._shutting_down,
+                    ),
+                    name=f"restart-r{replica_id}",
                 )
 
     def _move(
@@ -454,27 +476,6 @@ class SchedulerActor:
         if started:
             self._num_moves[req_id] = num_moves + 1
         return None
-
-    async def _restart_replica(self, failed: ActorReplica) -> None:
-        """Start ``failed``'s workers again on the same kind of resources (``relaunch``) and put them in service."""
-        replica_id = failed.replica_id
-        await failed.release()
-        relaunched = await relaunch(
-            replica_id,
-            lambda: launch_replica(
-                replica_id,
-                self.config.worker_config(self.model_config.max_model_len),
-                device_kind=failed.device_kind,
-                placement_timeout_s=self.config.placement_timeout_s,
-            ),
-            stopping=lambda: self._shutting_down,
-        )
-        if relaunched is None:
-            return
-        handle, attempt = relaunched
-        self._install_replica(replica_id, handle, failed.device_kind)
-        # NOTE: a warning, as its failure was an error: an operator sees the incident end too.
-        logger.warning("replica %d is back in service (try %d of %d)", replica_id, attempt, MAX_RESTART_TRIES)
 
     def _update_load(self, replica: ActorReplica) -> None:
         """Tell the router ``replica``'s current load (after its queues changed)."""

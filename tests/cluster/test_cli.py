@@ -173,6 +173,8 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
         (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be a positive integer, got 0"),
         (["--stream-interval", "-1"], "--stream-interval must be in [0, 1] seconds"),
         (["--placement-timeout", "-1"], "--placement-timeout must be a positive number of seconds, got -1.0"),
+        (["--step-timeout", "0"], "--step-timeout must be a positive number of seconds, got 0.0"),
+        (["--step-timeout", "inf"], "--step-timeout must be a positive number of seconds, got inf"),
         (["--port", "70000"], "port"),
         (["--max-messages-per-s", "-1"], "--max-messages-per-s must be >= 0 (0: no budget), got -1"),
         (["--address", "head-node"], "expected 'auto' or HOST:PORT"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvserve.cluster.config import ClusterConfig
 
 
@@ -43,3 +45,26 @@ def test_serve_flags_set_the_engine_settings_of_their_names_and_errors_name_the_
     assert (flags["tensor_parallel_size"], flags["http_port"]) == ("--tp", "--http-port")
     assert main(["serve", "--block-size", "0"]) == 2
     assert "--block-size must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_serve_passes_step_timeout_to_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvserve.cluster.launcher
+    from kvserve.cluster.cli import build_parser, main
+
+    configs: list[ClusterConfig] = []
+
+    def resolve_model_config(config: ClusterConfig) -> None:
+        configs.append(config)
+        raise ValueError("stop before starting anything")
+
+    monkeypatch.setattr(kvserve.cluster.launcher, "resolve_model_config", resolve_model_config)
+    assert build_parser().parse_args(["serve"]).step_timeout_s == 120.0
+    assert main(["serve", "--model", "/models/m", "--step-timeout", "30"]) == 2
+    assert main(["serve", "--model", "/models/m"]) == 2
+    assert [config.step_timeout_s for config in configs] == [30.0, 120.0]
+
+
+def test_config_refuses_a_step_timeout_that_is_not_a_positive_number_of_seconds() -> None:
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "120"):
+        with pytest.raises(ValueError, match="step_timeout_s must be a positive number of seconds"):
+            ClusterConfig.from_kwargs("/models/m", step_timeout_s=bad)
