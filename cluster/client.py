@@ -13,10 +13,20 @@
 The keyword arguments of ``generate`` and ``stream`` are ``SamplingKwargs``
 plus ``timeout`` (the call's deadline in seconds); an unknown one raises
 ``TypeError`` before anything is sent.  The server's refusals and failures
-raise ``RequestError`` with its status code and message.  A stream sends its
-request when its iteration starts; leaving it early (closing the iterator, or
-leaving a ``for`` over ``client.stream(...)`` by ``break`` or an exception)
-cancels the call, and the server aborts the request and frees its blocks.
+raise ``RequestError`` with its status code and message.
+
+``RequestError("UNAVAILABLE", ...)`` from a stream that had already yielded
+deltas means the stream was cut mid-way (its replica failed and no other could
+go on with it, or the server lost its scheduler or is stopping): the deltas
+received stand, but the completion cannot be resumed.  A retry starts over
+from the prompt, and its tokens need not repeat those received: discard what
+was shown of the cut stream before retrying, or do not retry.  Before the first
+delta, nothing was received: UNAVAILABLE may be retried as usual.
+
+A stream sends its request when its iteration starts; leaving it early
+(closing the iterator, or leaving a ``for`` over ``client.stream(...)`` by
+``break`` or an exception) cancels the call, and the server aborts the request
+and frees its blocks.
 
 ``token`` is sent as ``authorization: Bearer <token>`` with every call;
 ``tls_ca`` (a PEM file of the certificate authority to trust) switches the
@@ -148,6 +158,8 @@ class Client:
         """The completion of ``prompt`` as it is generated, one delta per message.
 
         The arguments are checked at once; the request is sent when the iteration starts.
+        ``RequestError("UNAVAILABLE")`` after some deltas: the stream was cut, and a retry
+        starts over (see the module docstring).
         """
         request = to_generate_request(prompt, dict(sampling))
         timeout = _check_timeout(timeout)
@@ -234,6 +246,8 @@ class AsyncClient:
         """The completion of ``prompt`` as it is generated, one delta per message.
 
         The arguments are checked at once; the request is sent when the iteration starts.
+        ``RequestError("UNAVAILABLE")`` after some deltas: the stream was cut, and a retry
+        starts over (see the module docstring).
         """
         request = to_generate_request(prompt, dict(sampling))
         timeout = _check_timeout(timeout)

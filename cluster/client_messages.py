@@ -112,7 +112,11 @@ class ReplicaStats:
 
 
 class RequestError(Exception):
-    """The server refused or failed a request; ``code`` is the gRPC status name (``INVALID_ARGUMENT``, ...)."""
+    """The server refused or failed a request; ``code`` is the gRPC status name (``INVALID_ARGUMENT``, ...).
+
+    ``UNAVAILABLE`` after a stream yielded deltas: the stream was cut (its replica failed and no
+    other could go on with it); the deltas received stand, and a retry starts over from the prompt.
+    """
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")

@@ -33,6 +33,9 @@ streams are in flight, or ``max_concurrent_requests_per_tenant`` of the caller's
 tenant (and, from gRPC itself, for a message over the size limit); ``UNAVAILABLE`` when the request's replica failed while computing it
 (a request it had not started goes to another replica) or no replica is
 healthy.  A cancelled call or an expired deadline aborts its request.
+A client told UNAVAILABLE is told its request id, under which the server log
+has the internals: each failed request at DEBUG, and each burst of failures
+once at WARNING, with a few of its ids (``FailureLog``).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
 from kvserve.cluster.auth import AuthenticationError, Tenant, TokenTable
+from kvserve.cluster.failure_log import FailureLog
 from kvserve.cluster.frontend_errors import (
     FrontendError,
     InvalidRequestError,
@@ -76,6 +80,8 @@ DRAIN_TIMEOUT_S = 5.0
 # tokenizer stalls every stream (about 0.5 ms per thousand characters, a second per megabyte);
 # the hand-off to the thread costs about 0.1 ms.
 _TOKENIZE_IN_THREAD_CHARS = 1 << 12
+# Requests that fail within this long of the first are logged as one burst (``FailureLog``).
+FAILURE_LOG_WINDOW_S = 1.0
 
 
 # What a client is told once the scheduler actor is gone (the details go to the log).
@@ -138,6 +144,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self._scheduler_error: str | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._poll = OutputPoll(scheduler)
+        self._failures = FailureLog(FAILURE_LOG_WINDOW_S)
         self.metrics = FrontendMetrics()
 
     def start(self) -> None:
@@ -154,6 +161,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         last = await self._poll.end()
         if last is not None:
             self._route(last)
+        self._failures.flush()
 
     # -- RPCs ------------------------------------------------------------------
 
@@ -251,7 +259,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             except (RuntimeError, RayActorError) as exc:
                 finished = True
                 raise UnavailableError(
-                    _public(req_id, public_id, "no replica can take it now", remote_error_message(exc))
+                    self._public(req_id, public_id, "no replica can take it now", remote_error_message(exc))
                 ) from None
             detokenizer = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
             stop = tuple(request.sampling_params.stop)
@@ -263,9 +271,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     finished = True
                     if delta.error in self._own_errors:  # the front end's own words, already for clients
                         raise UnavailableError(delta.error)
-                    raise UnavailableError(
-                        _public(req_id, public_id, "its replica failed and no other could go on with it", delta.error)
-                    )
+                    what = "its replica failed and no other could go on with it"
+                    raise UnavailableError(self._public(req_id, public_id, what, delta.error))
                 finished = delta.is_last
                 if matcher is None:
                     yield self.to_response(public_id, delta, detokenizer)
@@ -508,9 +515,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         except Exception:  # noqa: BLE001 - the scheduler going away is handled by the dispatcher
             logger.warning("could not abort %d requests", len(req_ids), exc_info=True)
 
-
-def _public(req_id: str, public_id: str, what: str, internals: str) -> str:
-    """The short message a client gets for a failure whose internals (actor ids, addresses,
-    stack details) go to the server log under the request id (``req_id``: with its tenant's name)."""
-    logger.warning("request %s: %s: %s", req_id, what, internals)
-    return f"request {public_id}: {what} (details in the server log under this request id)"
+    def _public(self, req_id: str, public_id: str, what: str, internals: str) -> str:
+        """The short message a client gets for a failure whose internals (actor ids, addresses,
+        stack details) go to the server log under the request id (``req_id``: with its tenant's name)."""
+        self._failures.add(req_id, what, internals)
+        return f"request {public_id}: {what} (details in the server log under this request id)"

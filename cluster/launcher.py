@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ray
+from ray.exceptions import RayActorError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -158,8 +159,9 @@ def _replica_list(replica_ids: list[int]) -> str:
     return ("replica " if len(replica_ids) == 1 else "replicas ") + ", ".join(map(str, replica_ids))
 
 
-def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | None = None) -> None:
-    """Start a new single-machine Ray instance on 127.0.0.1 (namespace ``kvserve``).
+def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | None = None) -> str:
+    """Start a new single-machine Ray instance on 127.0.0.1 (namespace ``kvserve``); returns its GCS
+    address (``host:port``: see ``ray_status_command``).
 
     ``num_worker_slots``: the ``WORKER_CPU_RESOURCE`` slots it offers, one per
     CPU (or simulated) rank.  Ctrl-C or SIGTERM while Ray starts (seconds) is
@@ -174,7 +176,7 @@ def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | No
     with interrupts_deferred(on_interrupt) as interrupted, _sigterm_handler_kept():
         # NOTE: address="local" always starts a new instance: without it, ray.init
         # joins whatever cluster this machine last started.
-        ray.init(
+        context = ray.init(
             address="local",
             _node_ip_address="127.0.0.1",
             include_dashboard=False,
@@ -186,10 +188,24 @@ def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | No
     if interrupted():
         ray.shutdown()
         raise KeyboardInterrupt
+    return context.address_info["gcs_address"]
 
 
-def join_ray(address: str) -> None:
-    """Connect to the running Ray cluster at ``address`` ('auto' or HOST:PORT), namespace ``kvserve``.
+# What the ray CLI, in another shell, needs to reach the instance that init_local_ray started: that it
+# keep to loopback addresses (keep_ray_on_loopback) and send Ray's token (ray.init sets "token" when the
+# cluster wants one, the default of new clusters in recent Ray); ray.init sets both in this process.
+_RAY_CLI_ENV = ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE")
+
+
+def ray_status_command(gcs_address: str) -> str:
+    """The shell command that shows the status of this process's Ray instance at ``gcs_address``."""
+    env = [f"{name}={os.environ[name]}" for name in _RAY_CLI_ENV if os.environ.get(name)]
+    return " ".join([*env, "ray status --address", gcs_address])
+
+
+def join_ray(address: str) -> str:
+    """Connect to the running Ray cluster at ``address`` ('auto' or HOST:PORT), namespace ``kvserve``;
+    returns its GCS address (``host:port``).
 
     ``ConnectionError`` at once when nothing listens at HOST:PORT (``ray.init``
     would retry for minutes), ``ValueError`` for a malformed address.
@@ -201,7 +217,7 @@ def join_ray(address: str) -> None:
         keep_ray_on_loopback()
     with _sigterm_handler_kept():
         try:
-            ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
+            context = ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
         except ConnectionError as exc:
             if os.environ.get("RAY_AUTH_MODE") is None:
                 # NOTE: Ray sends its token to a cluster named by address only when told to; a
@@ -212,6 +228,7 @@ def join_ray(address: str) -> None:
                 ) from exc
             raise
     _exit_on_unhandled_sigterm()
+    return context.address_info["gcs_address"]
 
 
 @contextlib.contextmanager
@@ -329,7 +346,11 @@ def _stop(scheduler: Any, placement_groups: tuple[PlacementGroup, ...], timeout_
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"no answer in {timeout_s:g} s")
         ray.get(done)
-    except Exception as exc:  # noqa: BLE001 - the actor may already be dead; kill it regardless
+    except RayActorError as exc:
+        # NOTE: the front end logged Ray's ~10 lines on the actor's death when it happened.
+        logger.warning("the scheduler did not shut down: its actor was dead already (%s)", type(exc).__name__)
+        logger.debug("the scheduler actor's death: %s", remote_error_message(exc))
+    except Exception as exc:  # noqa: BLE001 - kill it regardless
         logger.warning("the scheduler did not shut down cleanly: %s", remote_error_message(exc))
     # The worker actors are owned by the scheduler actor and die with it;
     # placement groups would outlive it (until this driver exits).

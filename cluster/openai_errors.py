@@ -4,12 +4,18 @@
 HTTP status.  The request pipeline (``Frontend.responses``) names the gRPC API's
 fields; :func:`frontend_error_response` renames them as the request spelled them
 (``FieldNames``: ``prompt`` or ``messages``, ``max_tokens`` or ``max_completion_tokens``).
+
+``code`` is, as in OpenAI's own errors, a string naming the error (``model_not_found``) or null,
+never the HTTP status: the status is the response's, and ``type`` names it.  A pipeline's error
+is the same object whether it is the body of an error status (before the first token) or the
+last event of a stream that failed mid-way (``frontend_error_body``).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
@@ -53,6 +59,11 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
 
 
 def frontend_error_response(error: FrontendError, fields: FieldNames = COMPLETION_FIELDS) -> JSONResponse:
+    """``error`` as an error status: its HTTP status and ``frontend_error_body``."""
+    return JSONResponse(frontend_error_body(error, fields), status_code=error.http_status)
+
+
+def frontend_error_body(error: FrontendError, fields: FieldNames = COMPLETION_FIELDS) -> dict[str, Any]:
     """``error`` in OpenAI's terms: the pipeline's messages name the gRPC API's fields, which become the
     request's (``fields``)."""
     message = str(error).replace("sampling_params.", "")
@@ -69,7 +80,7 @@ def frontend_error_response(error: FrontendError, fields: FieldNames = COMPLETIO
                 message += f" ({fields.max_tokens} was not given: it defaults to {fields.max_tokens_default})"
             if param == "max_tokens":
                 param = fields.max_tokens
-    return error_response(error.http_status, message, param=param)
+    return error_body(message, type_=error_type(error.http_status), param=param)
 
 
 def error_type(status: int, default: str = "invalid_request_error") -> str:

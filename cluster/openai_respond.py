@@ -27,9 +27,14 @@ from pydantic import BaseModel
 
 from kvserve.cluster.frontend import Frontend, FrontendError
 from kvserve.cluster.openai_choices import interleave
-from kvserve.cluster.openai_errors import COMPLETION_FIELDS, FieldNames, error_type, frontend_error_response
+from kvserve.cluster.openai_errors import (
+    COMPLETION_FIELDS,
+    FieldNames,
+    frontend_error_body,
+    frontend_error_response,
+)
 from kvserve.cluster.openai_kept_tokens import KeptTokens, kept_tokens
-from kvserve.cluster.openai_protocol import ChoiceOutput, CompletionUsage, error_body, finish_reason, to_usage
+from kvserve.cluster.openai_protocol import ChoiceOutput, CompletionUsage, finish_reason, to_usage
 from kvserve.proto import generate_pb2
 
 logger = logging.getLogger(__name__)
@@ -188,7 +193,7 @@ async def _stream(
         await choices.aclose()
         raise
     return StreamingResponse(
-        _events(request_id, first, choices, kept, shape, include_usage),
+        _events(request_id, first, choices, kept, shape, include_usage, fields),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -201,6 +206,7 @@ async def _events(
     kept: Sequence[KeptTokens | None],
     shape: ResponseShape,
     include_usage: bool,
+    fields: FieldNames,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     num_choices = len(kept)
@@ -228,8 +234,6 @@ async def _events(
                 index, response = await anext(choices)
         except StopAsyncIteration:  # the pipelines always end with a finish reason, or raise
             pass
-        except FrontendError as exc:
-            status = exc.http_status
-            body = error_body(str(exc), type_=error_type(status, "internal_error"), code=str(status))
-            yield f"data: {json.dumps(body)}\n\n"
+        except FrontendError as exc:  # the same error object as an error status would carry
+            yield f"data: {json.dumps(frontend_error_body(exc, fields))}\n\n"
     yield "data: [DONE]\n\n"

@@ -37,11 +37,12 @@ def check_local_gpus(config: ClusterConfig) -> None:
 
 
 def init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str], None]) -> None:
-    from kvserve.cluster.launcher import init_local_ray, join_ray
+    from kvserve.cluster.launcher import init_local_ray, join_ray, ray_status_command
 
     if address is not None:
-        join_ray(address)
-        progress(f"joined the Ray cluster at {address}")
+        gcs_address = join_ray(address)
+        joined = address if address == gcs_address else f"{address} ({gcs_address})"
+        progress(f"joined the Ray cluster at {joined}")
         return
 
     num_worker_slots = 0
@@ -53,8 +54,8 @@ def init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str
         if config.engine.runtime.device == "cpu" or not torch.cuda.is_available():
             num_worker_slots = config.parallel.num_workers
     progress("starting a local Ray instance")
-    init_local_ray(num_worker_slots, report=progress)
-    progress("started a local Ray instance on 127.0.0.1")
+    gcs_address = init_local_ray(num_worker_slots, report=progress)
+    progress(f"started a local Ray instance at {gcs_address} (its status: {ray_status_command(gcs_address)})")
 
 
 async def serve_until_signalled(

@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -98,7 +99,14 @@ class StepWorkerServicer(step_pb2_grpc.StepWorkerServicer):
         try:
             return fn(*args)
         except Exception as exc:  # noqa: BLE001 - reported to the caller, the server keeps serving
-            logger.exception("%s failed", getattr(fn, "__name__", fn))
+            what = getattr(fn, "__name__", fn)
+            if is_peer_failure(exc):
+                # NOTE: another rank died (its own log and the scheduler's say why): a traceback of
+                # the collective that noticed would be some 60 lines of noise.
+                logger.error("%s failed: %s", what, one_line(exc))
+                logger.debug("%s failed", what, exc_info=True)
+            else:
+                logger.exception("%s failed: %s", what, one_line(exc))
             context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
     def DetermineNumBlocks(self, request: step_pb2.Empty, context: grpc.ServicerContext) -> step_pb2.NumBlocks:
@@ -158,6 +166,27 @@ class StepWorkerServicer(step_pb2_grpc.StepWorkerServicer):
     def Shutdown(self, request: step_pb2.Empty, context: grpc.ServicerContext) -> step_pb2.Empty:
         self._run(context, self._runner.shutdown)
         return step_pb2.Empty()
+
+
+# What torch.distributed's backends say when a peer rank went away (gloo: "Connection reset by
+# peer", "Connection closed by peer ... a remote worker crashing"; NCCL: a communicator aborted).
+_PEER_FAILURE = re.compile(
+    r"(connection (reset|closed|refused)|broken pipe|remote worker crash|communicator was aborted|"
+    r"remote process exited)",
+    re.IGNORECASE,
+)
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` says that a peer (another rank, the step stream's other end) went away,
+    rather than that this rank's own code failed."""
+    return isinstance(exc, ConnectionError) or _PEER_FAILURE.search(str(exc)) is not None
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message``, its message cut at its first line (torch's may add a C++ stack)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def _decode(request: step_pb2.StepPlan, context: grpc.ServicerContext) -> StepPlan:

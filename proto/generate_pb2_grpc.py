@@ -55,6 +55,18 @@ class GenerationServicer:
         request; the last one also carries the finish reason and the usage.  The
         text may lag the token ids: held back while it could be the start of a
         stop string, or while a character is incomplete.
+
+        A failure ends the call with its status: INVALID_ARGUMENT (a bad request,
+        naming the field), RESOURCE_EXHAUSTED (too many requests in flight),
+        UNAUTHENTICATED, or UNAVAILABLE (no replica can take the request now, or
+        the replica computing it failed and no other could go on with it).
+        UNAVAILABLE after some messages means the stream was cut mid-way (also
+        when the server lost its scheduler or is stopping): the tokens already
+        received stand, but the completion cannot be resumed.  A retry (the
+        request_id may be reused) starts it over from the prompt, and its tokens
+        need not repeat those received: a client that retries must discard what
+        it has shown of the cut stream, or not retry.  Before the first message,
+        UNAVAILABLE may be retried as usual.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

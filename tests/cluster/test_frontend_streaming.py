@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 
+from kvserve.cluster.failure_log import FailureLog
 from kvserve.cluster.frontend import Frontend
 from kvserve.cluster.messages import ModelInfo, OutputBatch, RequestDelta, RequestSpec
 from kvserve.cluster.request_limits import RequestLimits
@@ -359,6 +360,71 @@ def test_a_failed_replicas_internals_go_to_the_log_and_the_client_gets_its_reque
     with caplog.at_level("WARNING", logger="kvserve.cluster.frontend"):
         serve(scenario)
     assert any("r-failed" in record.getMessage() and internals in record.getMessage() for record in caplog.records)
+
+
+def test_the_requests_of_a_failed_replica_are_one_warning_with_their_count_and_each_a_debug_line(caplog) -> None:
+    internals = "replica 1 rank 0 failed at step 68: actor_id 0a538afe57c3"
+    req_ids = [f"r{i}" for i in range(60)]
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        calls = [asyncio.ensure_future(collect(frontend, req_id)) for req_id in req_ids]
+        await asyncio.sleep(0.05)
+        scheduler.emit(*(RequestDelta(req_id, [], error=internals, replica=1) for req_id in req_ids))
+        for req_id, outcome in zip(req_ids, await asyncio.gather(*calls, return_exceptions=True)):
+            assert isinstance(outcome, Aborted) and outcome.code == grpc.StatusCode.UNAVAILABLE
+            assert str(outcome).endswith(
+                f"request {req_id}: its replica failed and no other could go on with it "
+                "(details in the server log under this request id)"
+            )
+
+    with caplog.at_level("DEBUG", logger="kvserve.cluster.frontend"):
+        serve(scenario)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    # Every id is in the one warning (up to FailureLog.NUM_EXAMPLE_IDS): the client was told to look for it.
+    assert warnings == [f"60 requests ({', '.join(req_ids)}): its replica failed and no other could go on with it: {internals}"]
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG" and internals in r.getMessage()]
+    assert sorted(debug) == sorted(f"request {req_id}: its replica failed and no other could go on with it: {internals}"
+                                   for req_id in req_ids)
+
+
+def test_a_burst_of_failures_is_logged_once_its_window_has_passed(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setattr("kvserve.cluster.frontend.FAILURE_LOG_WINDOW_S", 0.2)
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        for burst in ("a", "b"):
+            calls = [asyncio.ensure_future(collect(frontend, f"{burst}{i}")) for i in range(2)]
+            await asyncio.sleep(0.02)
+            scheduler.emit(*(RequestDelta(f"{burst}{i}", [], error="rank 0 died", replica=0) for i in range(2)))
+            await asyncio.gather(*calls, return_exceptions=True)
+            await asyncio.sleep(0.3)  # past the burst's window: logged
+        assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+            f"2 requests ({burst}0, {burst}1): its replica failed and no other could go on with it: rank 0 died"
+            for burst in ("a", "b")
+        ]
+
+    with caplog.at_level("WARNING", logger="kvserve.cluster.frontend"):
+        serve(scenario)
+
+
+def test_a_burst_of_failures_for_many_reasons_is_a_few_warning_lines(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    monkeypatch.setattr(FailureLog, "NUM_EXAMPLE_IDS", 3)
+
+    async def fail_for_six_reasons() -> None:
+        failures = FailureLog(window_s=60.0)
+        for i in range(6):
+            for j in range(6 - i):
+                failures.add(f"r{i}-{j}", "its replica failed", f"replica {i} died")
+        failures.flush()
+
+    with caplog.at_level("WARNING", logger="kvserve.cluster.frontend"):
+        asyncio.run(fail_for_six_reasons())
+    assert [r.getMessage() for r in caplog.records] == [
+        "6 requests (r0-0, r0-1, r0-2 and 3 more (every id at DEBUG)): its replica failed: replica 0 died",
+        "5 requests (r1-0, r1-1, r1-2 and 2 more (every id at DEBUG)): its replica failed: replica 1 died",
+        "4 requests (r2-0, r2-1, r2-2 and 1 more (every id at DEBUG)): its replica failed: replica 2 died",
+        "3 requests (r3-0, r3-1, r3-2): its replica failed: replica 3 died",
+        "3 more requests failed for 2 other reasons (each at DEBUG)",
+    ]
 
 
 def test_one_tenant_cannot_take_more_than_its_share_of_concurrent_requests() -> None:

@@ -186,6 +186,43 @@ def test_a_failing_rank_of_two_fails_the_replica_naming_it() -> None:
     asyncio.run(scenario())
 
 
+# What gloo raised on the surviving rank when the other rank of its replica died (torch 2.13).
+GLOO_PEER_GONE = (
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:26771. "
+    "This is typically caused by a remote worker crashing."
+)
+
+
+def failed_step_records(caplog, exception: Exception) -> list:
+    def fail(p: StepPlan) -> None:
+        raise exception
+
+    async def scenario() -> None:
+        async with replica(Rank(sample=True, execute_hook=fail)) as executor:
+            with pytest.raises(ReplicaFailedError):
+                await executor.execute(plan(0))
+
+    with caplog.at_level("DEBUG", logger="kvserve.cluster.step_servicer"):
+        asyncio.run(scenario())
+    return [r for r in caplog.records if r.name == "kvserve.cluster.step_servicer" and "execute failed" in r.getMessage()]
+
+
+def test_a_rank_whose_peer_died_logs_one_error_line_and_the_traceback_at_debug(caplog) -> None:
+    records = failed_step_records(caplog, RuntimeError(GLOO_PEER_GONE + "\nException raised from recvBytes"))
+
+    errors = [r for r in records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == [f"execute failed: RuntimeError: {GLOO_PEER_GONE}"]
+    assert errors[0].exc_info is None
+    assert [r.exc_info is not None for r in records if r.levelname == "DEBUG"] == [True]
+
+
+def test_a_rank_whose_own_code_failed_logs_the_traceback_at_error(caplog) -> None:
+    records = failed_step_records(caplog, KeyError("layers.3.weight"))
+
+    assert [(r.levelname, r.getMessage()) for r in records] == [("ERROR", "execute failed: KeyError: 'layers.3.weight'")]
+    assert records[0].exc_info is not None
+
+
 def test_a_cancelled_step_makes_the_replica_unusable() -> None:
     release = threading.Event()
     rank = Rank(sample=True, execute_hook=lambda p: release.wait(10))

@@ -1,0 +1,86 @@
+"""What the launcher tells an operator about Ray: the address it started, and a scheduler found dead at shutdown.
+
+Without Ray: its calls are stubbed, so that each report can be staged exactly.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import ray
+from ray.exceptions import ActorDiedError
+
+from kvserve.cluster import launcher
+from kvserve.cluster.serve_runtime import init_ray
+
+# Ray's account of an actor killed with SIGKILL (Ray 2.60), shortened.
+ACTOR_DEATH = (
+    "The actor died unexpectedly before finishing this task.\n\tclass_name: SchedulerActor\n"
+    "\tactor_id: eb4ef4f23adcd47846200f7601000000\n\tpid: 11991\n\tnamespace: kvserve\n\tip: 127.0.0.1\n"
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR"
+)
+CPU_CONFIG = SimpleNamespace(
+    simulation=None, engine=SimpleNamespace(runtime=SimpleNamespace(device="cpu")), parallel=SimpleNamespace(num_workers=1)
+)
+
+
+class _DeadActorMethod:
+    def remote(self) -> str:
+        return "a reference"
+
+
+class _DeadScheduler:
+    placement_groups = _DeadActorMethod()
+    shutdown = _DeadActorMethod()
+
+
+def _raise_actor_died(*args: object, **kwargs: object) -> None:
+    raise ActorDiedError()
+
+
+def test_a_scheduler_found_dead_at_shutdown_is_one_warning_line_and_rays_account_at_debug(
+    monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    monkeypatch.setattr(ActorDiedError, "__str__", lambda self: ACTOR_DEATH)
+    monkeypatch.setattr(ray, "get", _raise_actor_died)
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    killed = []
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart: killed.append(actor))
+
+    with caplog.at_level("DEBUG", logger="kvserve.cluster.launcher"):
+        launcher._stop(_DeadScheduler(), (), timeout_s=1.0)
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= 30]
+    assert warnings == ["the scheduler did not shut down: its actor was dead already (ActorDiedError)"]
+    assert {r.levelname for r in caplog.records if ACTOR_DEATH in r.getMessage()} == {"DEBUG"}
+    assert len(killed) == 1
+
+
+def test_serve_prints_the_gcs_address_of_the_ray_instance_it_started_and_how_to_reach_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def init_local_ray(slots: int, report: object) -> str:
+        # What keep_ray_on_loopback and ray.init (with token authentication) set.
+        monkeypatch.setenv("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        monkeypatch.setenv("RAY_AUTH_MODE", "token")
+        return "127.0.0.1:34957"
+
+    monkeypatch.setattr(launcher, "init_local_ray", init_local_ray)
+    lines: list[str] = []
+
+    init_ray(None, CPU_CONFIG, lines.append)
+
+    assert lines[-1] == (
+        "started a local Ray instance at 127.0.0.1:34957 (its status: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 "
+        "RAY_AUTH_MODE=token ray status --address 127.0.0.1:34957)"
+    )
+
+
+def test_serve_prints_the_gcs_address_of_the_cluster_that_auto_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launcher, "join_ray", lambda address: "10.0.0.5:6379")
+    lines: list[str] = []
+
+    init_ray("auto", CPU_CONFIG, lines.append)
+
+    assert lines == ["joined the Ray cluster at auto (10.0.0.5:6379)"]
