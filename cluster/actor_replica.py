@@ -1,7 +1,7 @@
 """What the scheduler actor keeps per replica.
 
 ``ActorReplica`` is one replica as the actor drives it: its engine (scheduler and
-executor), its step loop, the tasks that release or restart its workers, and what
+executor), its step loop, the tasks that check, release or restart its workers, and what
 monitoring tells of it (its counters, and how long its oldest step in flight has run).
 """
 
@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from kvserve.cluster.messages import ReplicaStatsInfo
 from kvserve.cluster.replica_launcher import ReplicaHandle
-from kvserve.cluster.replica_restart import RestartBackoff
+from kvserve.cluster.replica_restart import RestartBackoff, restart
 from kvserve.scheduler.engine_core import EngineCore
-from kvserve.scheduler.executor import AsyncExecutor
+from kvserve.scheduler.executor import AsyncExecutor, ReplicaFailedError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import Scheduler
 
@@ -55,6 +56,7 @@ class ActorReplica:
         self.started_at = time.monotonic()
         self.wakeup = asyncio.Event()
         self.step_loop: asyncio.Task[None] | None = None
+        self.idle_check: asyncio.Task[None] | None = None
         self.release_task: asyncio.Task[None] | None = None
         self.restart: asyncio.Task[None] | None = None
         self.retired: Counts = previous.counts() if previous is not None else (0, 0, 0)
@@ -68,6 +70,52 @@ class ActorReplica:
         """How long its oldest step in flight has been running; 0 when none is (a hung worker's grows)."""
         sent_at = self.oldest_step_sent_at
         return 0.0 if sent_at is None else time.monotonic() - sent_at
+
+    @property
+    def restarting(self) -> bool:
+        """Whether its workers are being started again (after its failure)."""
+        return self.restart is not None and not self.restart.done()
+
+    def check_idle(self, on_death: Callable[[str], None]) -> None:
+        """Check in the background that the idle replica's workers live (``ReplicaHandle.check_alive``);
+        ``on_death`` with the reason if one died, unless the replica failed meanwhile.  No check starts
+        while one runs.
+
+        NOTE: in the background because a hung worker's ping waits seconds: new work is not held up.
+        """
+        if self.idle_check is None or self.idle_check.done():
+            self.idle_check = asyncio.create_task(self._check_alive(on_death), name=f"idle-check-r{self.replica_id}")
+
+    async def _check_alive(self, on_death: Callable[[str], None]) -> None:
+        try:
+            await self.handle.check_alive()
+        except ReplicaFailedError as exc:
+            if self.healthy:
+                on_death(f"replica {self.replica_id} failed while idle: {exc}")
+
+    def take_out_of_service(self) -> None:
+        """Mark it failed, its requests ended there and its cache gone (the actor moves its requests)."""
+        self.healthy = False
+        self.oldest_step_sent_at = None
+        # Keep the pool's books straight: every block goes back.
+        self.scheduler.abort_requests(list(self.scheduler.requests))
+        # Its KV cache is gone with its workers: the pool forgets every cached
+        # block, and its event clears the replica from the router's index.
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        # Its step loop ends.
+        self.wakeup.set()
+
+    def start_restart(
+        self,
+        *,
+        launch: Callable[[], Awaitable[ReplicaHandle]],
+        install: Callable[[ReplicaHandle], object],
+        stopping: Callable[[], bool],
+    ) -> None:
+        """Start its workers again in the background (``replica_restart.restart``, which says how)."""
+        self.restart = asyncio.create_task(
+            restart(self, launch=launch, install=install, stopping=stopping), name=f"restart-r{self.replica_id}"
+        )
 
     def release(self) -> asyncio.Task[None]:
         """Shut the replica's workers down, once, in the background."""

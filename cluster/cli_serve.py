@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.cli_values import add_cost_model_flag, check_utf8, cost_model_of_flag, key_value
-from kvserve.cluster.config import DEFAULT_STEP_TIMEOUT_S
+from kvserve.cluster.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_STEP_TIMEOUT_S
 from kvserve.cluster.request_limits import (
     DEFAULT_MAX_CACHE_SALT_BYTES,
     DEFAULT_MAX_PROMPT_BYTES,
@@ -261,6 +261,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "first steps may compile kernels and a step may prefill a long prompt (default: %(default)g)",
     )
     parser.add_argument(
+        "--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT_S, metavar="S", dest="max_queue_wait_s",
+        help="while every replica is down and one is starting again, requests wait up to S seconds for it "
+        "before they fail with UNAVAILABLE (default: %(default)g; 0: they fail at once)",
+    )
+    parser.add_argument(
         "--routing", default=DEFAULT_POLICY, choices=sorted(POLICIES),
         help="the policy that picks each new request's replica (default: %(default)s)",
     )
@@ -375,6 +380,7 @@ def run_serve(args: argparse.Namespace) -> int:
             routing_args=_routing_args(args.routing, args.routing_args),
             placement_timeout_s=_placement_timeout(args),
             step_timeout_s=args.step_timeout_s,
+            max_queue_wait_s=args.max_queue_wait_s,
             simulation=simulation,
         )
         from kvserve.cluster.launcher import resolve_model_config

@@ -100,7 +100,12 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class ReplicaStats:
-    """Load and cache figures of one replica, as ``GetStats`` reports them."""
+    """Load and cache figures of one replica, as ``GetStats`` reports them.
+
+    ``num_failures``: times it failed (and was started again) since the server started;
+    ``step_age_s``: how long its oldest step in flight has run (0 when none; a hung worker
+    shows here before the server's step timeout fails it).
+    """
 
     replica: int
     num_running: int
@@ -109,6 +114,8 @@ class ReplicaStats:
     prefix_cache_hit_rate: float
     num_kv_blocks: int
     healthy: bool
+    num_failures: int = 0
+    step_age_s: float = 0.0
 
 
 class RequestError(Exception):
@@ -207,6 +214,8 @@ def to_replica_stats(response: generate_pb2.GetStatsResponse) -> tuple[ReplicaSt
             prefix_cache_hit_rate=s.prefix_cache_hit_rate,
             num_kv_blocks=s.num_kv_blocks,
             healthy=s.healthy,
+            num_failures=s.num_failures,
+            step_age_s=s.step_age_seconds,
         )
         for s in response.replicas
     )

@@ -32,6 +32,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 # NOTE: generous: a GPU replica's first steps may compile kernels, and one step may prefill
 # a whole long prompt.  The step-age gauge of /metrics tells of a hung worker sooner.
 DEFAULT_STEP_TIMEOUT_S = 120.0
+# NOTE: a restarted replica is back in about 5-15 s (a 1 s first wait, then its workers start and load
+# the model); twice that covers a slow restart or a failed first try, and a client held longer is better
+# told UNAVAILABLE and left to retry elsewhere.  The front end's stream limit bounds how many wait.
+DEFAULT_MAX_QUEUE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +135,8 @@ class ClusterConfig:
     (``None``: as long as it takes, for clusters whose autoscaler adds nodes).
     ``step_timeout_s``: a replica whose workers do not answer a step for this long
     fails (and is started again): the only way a hung worker is found.
+    ``max_queue_wait_s``: while no replica is available and some replica is starting
+    again, a request waits this long for one (0: it fails at once).
     ``simulation``: run simulated replicas (``SimulatedWorker``: no model, no
     torch; each step sleeps the cost model's time) with ``cache.num_blocks`` KV
     blocks each, on CPU worker slots; ``max_model_len`` may then exceed the
@@ -145,6 +151,7 @@ class ClusterConfig:
     undelivered_output_timeout_s: float = 60.0
     placement_timeout_s: float | None = 60.0
     step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
     simulation: SimulationConfig | None = None
 
     @classmethod
@@ -179,6 +186,13 @@ class ClusterConfig:
             math.isfinite(step_timeout) and step_timeout > 0
         ):
             raise ValueError(f"step_timeout_s must be a positive number of seconds, got {step_timeout!r}")
+        max_wait = self.max_queue_wait_s
+        if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)) or not (
+            math.isfinite(max_wait) and max_wait >= 0
+        ):
+            raise ValueError(
+                f"max_queue_wait_s must be a finite number of seconds >= 0 (0: no wait), got {max_wait!r}"
+            )
         if self.simulation is not None:
             if not isinstance(self.simulation, SimulationConfig):
                 raise ValueError(f"simulation must be a SimulationConfig, got {type(self.simulation).__name__}")

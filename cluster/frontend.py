@@ -271,7 +271,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     finished = True
                     if delta.error in self._own_errors:  # the front end's own words, already for clients
                         raise UnavailableError(delta.error)
-                    what = "its replica failed and no other could go on with it"
+                    # NOTE: no replica: it waited for one (a total outage) that did not come back in time.
+                    what = (
+                        "no replica can take it now" if delta.replica is None
+                        else "its replica failed and no other could go on with it"
+                    )
                     raise UnavailableError(self._public(req_id, public_id, what, delta.error))
                 finished = delta.is_last
                 if matcher is None:
@@ -360,6 +364,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     prefix_cache_hit_rate=s.prefix_cache_hit_rate,
                     healthy=s.healthy,
                     num_kv_blocks=s.num_kv_blocks,
+                    num_failures=s.num_failures,
+                    step_age_seconds=s.step_age_s,
                 )
                 for s in stats
             ]
@@ -483,7 +489,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         if self._serving:
             logger.info("a replica is healthy again: serving")
         else:
-            logger.error("no replica is healthy: requests fail with UNAVAILABLE until one is")
+            logger.error(
+                "no replica is healthy: requests wait for one to be back (--max-queue-wait), then fail with UNAVAILABLE"
+            )
         if self._on_serving_changed is not None:
             await self._on_serving_changed(self._serving)
 

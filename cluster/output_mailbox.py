@@ -27,7 +27,8 @@ class PendingOutput:
     """What one request produced since the front end last polled: its new tokens (and their
     logprobs, if it asked), and its end."""
 
-    replica: int
+    # None for a request no replica took (it waited for one in vain: ``replica_wait_queue``).
+    replica: int | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
     # The request's last delta once it ended, without its tokens.
@@ -60,7 +61,7 @@ class OutputMailbox:
         self._num_polls = 0
         self._last_poll_time = time.monotonic()
 
-    def entry(self, req_id: str, replica_id: int) -> PendingOutput:
+    def entry(self, req_id: str, replica_id: int | None) -> PendingOutput:
         """``req_id``'s pending output, new (from ``replica_id``) if it had none."""
         entry = self.pending.get(req_id)
         if entry is None:

@@ -14,10 +14,6 @@ does.  Each replica runs its own step loop, concurrently with the others::
 With ``async_scheduling`` the loop sends step N+1 to the workers before it awaits
 step N (``EngineCore``), so the step protocol's round trip hides behind their work.
 
-An idle replica's workers are checked every ``IDLE_CHECK_S`` seconds
-(``ReplicaHandle.check_alive``), so that one that died between requests is
-found before a request is sent to it.
-
 The front end adds and aborts requests and fetches what the steps produced
 with ``poll_outputs``: one remote call returns every token of every request
 since the previous call, so traffic between the two is per batch of steps,
@@ -34,11 +30,15 @@ error.  The failed replica's workers are stopped and started again on the same
 kind of resources, with backoff between tries and no limit on their number
 (``replica_restart``; a crash-looping replica waits longer each time); it then
 rejoins routing with an empty cache.  Each failure is one ERROR line, with its
-cause and what became of the replica's requests.
+cause and what became of the replica's requests.  While no replica is available
+and one is starting again (a total outage), new requests and moving ones wait for
+it in this actor, up to ``max_queue_wait_s`` (``ClusterConfig``; see ``replica_wait_queue``):
+``add_request`` returns ``None`` for one that waits, and its end comes as a delta.
 
 A failure is found at once when a step fails, within ``IDLE_CHECK_S`` when an idle
-replica's worker died, and, when a worker hangs, once a step ran ``step_timeout_s``
-(``ClusterConfig``); meanwhile the age of its oldest step in flight (``step_age_s``) shows it.
+replica's worker died (``ReplicaHandle.check_alive``, in the background: a hung worker's
+ping waits seconds, and new work does not), and, when a worker hangs, once a step ran
+``step_timeout_s``; meanwhile the age of its oldest step in flight (``step_age_s``) shows it.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 from ray.util.placement_group import PlacementGroup
@@ -57,11 +58,13 @@ from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.log_format import show_logs
 from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
 from kvserve.cluster.output_mailbox import OutputMailbox
+from kvserve.cluster.output_watchdog import watch_undelivered_outputs
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
-from kvserve.cluster.replica_restart import restart
+from kvserve.cluster.replica_wait_queue import ReplicaWaitQueue, WaitingRequest
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
+from kvserve.scheduler.routing.load import NoAvailableReplicaError
 from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
@@ -70,7 +73,6 @@ from kvserve.worker.model_config import ModelConfig
 logger = logging.getLogger(__name__)
 
 SCHEDULER_ACTOR_NAME = "kvserve-scheduler"
-_WATCHDOG_INTERVAL_S = 1.0
 # How often an idle replica's workers are checked (see the module docstring).
 IDLE_CHECK_S = 2.0
 # Recovery of a failed replica (see the module docstring).
@@ -115,6 +117,8 @@ class SchedulerActor:
         self._shutting_down = False
         # How many times each request in flight moved off a failed replica.
         self._num_moves: dict[str, int] = {}
+        # Requests waiting for a replica while none is available (see the module docstring).
+        self._waiting = ReplicaWaitQueue(config.max_queue_wait_s, route=self._queue, end=self._end_waiting)
         # Monitoring: every routing decision by how much of the prompt the chosen replica held.
         self._routing_outcomes: Counter[str] = Counter()
 
@@ -171,8 +175,11 @@ class SchedulerActor:
         self._router.set_available(replica_id, True)
         replica.step_loop = asyncio.create_task(self._step_loop(replica), name=f"step-loop-r{replica_id}")
         if self._watchdog is None:
-            self._watchdog = asyncio.create_task(self._watch_undelivered_outputs(), name="output-watchdog")
+            timeout_s = self.config.undelivered_output_timeout_s
+            watch = watch_undelivered_outputs(self._outputs, timeout_s, partial(self._abort, deliver=False))
+            self._watchdog = asyncio.create_task(watch, name="output-watchdog")
         logger.info("replica %d ready: %d KV blocks", replica_id, num_kv_blocks)
+        self._waiting.route_all()
         return replica
 
     async def placed_replicas(self) -> list[int]:
@@ -198,36 +205,43 @@ class SchedulerActor:
 
     # -- requests --------------------------------------------------------------
 
-    async def add_request(self, spec: RequestSpec) -> int:
-        """Route ``spec`` to a healthy replica and queue it there; returns the replica id.
+    async def add_request(self, spec: RequestSpec) -> int | None:
+        """Route ``spec`` to a healthy replica and queue it there; returns the replica id, or
+        ``None`` while it waits for one (none is available, one is starting again).
 
         ``ValueError`` for a request id already in flight or a request that can
         never fit the replica; ``RuntimeError`` (``NoAvailableReplicaError``)
-        when no replica is healthy.
+        when no replica is healthy and none is starting again (or ``max_queue_wait_s`` is 0).
         """
         if self._shutting_down:
             raise RuntimeError("the scheduler is shutting down")
-        if spec.req_id in self._requests or spec.req_id in self._outputs.pending:
-            raise ValueError(f"request_id {spec.req_id!r} is already in flight")
-        return self._queue(self._new_request(spec.req_id, spec.prompt_token_ids, spec.sampling_params, spec.cache_salt))
+        req_id = spec.req_id
+        if req_id in self._requests or req_id in self._outputs.pending or req_id in self._waiting:
+            raise ValueError(f"request_id {req_id!r} is already in flight")
+        request = self._new_request(req_id, spec.prompt_token_ids, spec.sampling_params, spec.cache_salt)
+        return self._queue_or_wait(request)
 
     def _new_request(
-        self,
-        req_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
-        cache_salt: str | None,
+        self, req_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, cache_salt: str | None,
         **kwargs: Any,
     ) -> Request:
         """A ``Request`` stopping at the model's EOS ids; ``kwargs`` go to ``Request``."""
-        return Request(
-            req_id,
-            prompt_token_ids,
-            sampling_params,
-            eos_token_ids=self.model_config.eos_token_ids,
-            cache_salt=cache_salt,
-            **kwargs,
-        )
+        eos_token_ids = self.model_config.eos_token_ids
+        return Request(req_id, prompt_token_ids, sampling_params, eos_token_ids=eos_token_ids, cache_salt=cache_salt,
+                       **kwargs)
+
+    def _queue_or_wait(self, request: Request, moved_from: int | None = None, reason: str | None = None) -> int | None:
+        """``_queue``, or, when no replica is available and one is starting again, ``None``: ``request``
+        waits for it.  ``moved_from``: the replica it moves off, which failed with ``reason``."""
+        try:
+            return self._queue(request)
+        except NoAvailableReplicaError as exc:
+            may_wait = any(replica.restarting for replica in self._replicas.values())
+            if not may_wait or self.config.max_queue_wait_s == 0 or self._shutting_down:
+                raise
+            why = str(exc) if reason is None else f"{reason}; no other replica took it: {exc}"
+            self._waiting.add(request, why, moved_from)
+            return None
 
     def _queue(self, request: Request) -> int:
         """Route ``request`` and queue it on the chosen replica; returns the replica id."""
@@ -250,12 +264,12 @@ class SchedulerActor:
         """The routing policy's name, and how many requests it routed by outcome (hit / partial / miss)."""
         return self.config.routing, dict(self._routing_outcomes)
 
-    async def add_requests(self, specs: Sequence[RequestSpec]) -> list[int | Exception]:
+    async def add_requests(self, specs: Sequence[RequestSpec]) -> list[int | None | Exception]:
         """``add_request`` for each of ``specs`` in one remote call (a front end batches the
-        requests that arrive together): the replica id of each, or the ``ValueError`` /
-        ``RuntimeError`` it was refused with.
+        requests that arrive together): the replica id of each (``None``: it waits for one),
+        or the ``ValueError`` / ``RuntimeError`` it was refused with.
         """
-        results: list[int | Exception] = []
+        results: list[int | None | Exception] = []
         for spec in specs:
             try:
                 results.append(await self.add_request(spec))
@@ -300,8 +314,8 @@ class SchedulerActor:
         for replica in self._replicas.values():
             if replica.healthy:
                 self._fail_replica(replica, "the cluster is shutting down", release=False)
-        tasks = [r.step_loop for r in self._replicas.values() if r.step_loop is not None]
-        tasks += [r.restart for r in self._replicas.values() if r.restart is not None]
+        self._waiting.end_all("the cluster is shutting down")
+        tasks = [t for r in self._replicas.values() for t in (r.step_loop, r.idle_check, r.restart) if t is not None]
         if self._watchdog is not None:
             tasks.append(self._watchdog)
         for task in tasks:
@@ -327,11 +341,7 @@ class SchedulerActor:
                 try:
                     await asyncio.wait_for(replica.wakeup.wait(), IDLE_CHECK_S)
                 except asyncio.TimeoutError:
-                    try:
-                        await replica.handle.check_alive()
-                    except ReplicaFailedError as exc:
-                        self._fail_replica(replica, f"replica {replica.replica_id} failed while idle: {exc}")
-                        return
+                    replica.check_idle(on_death=partial(self._fail_replica, replica))
                 continue
             # NOTE: the plan goes out now; with async scheduling, after the one launched before, if any.
             sent_at = time.monotonic()
@@ -347,6 +357,8 @@ class SchedulerActor:
                 return
             except Exception as exc:  # noqa: BLE001 - nothing may crash the actor
                 self._fail_replica(replica, f"replica {replica.replica_id} failed: {exc!r}", bug=exc)
+                return
+            if not replica.healthy:  # its idle check found a dead worker while the step ran: its requests moved
                 return
             # The step applied is done; with async scheduling, the one just launched is the oldest.
             replica.oldest_step_sent_at = sent_at if engine.step_in_flight else None
@@ -374,15 +386,21 @@ class SchedulerActor:
 
     def _abort(self, req_ids: Iterable[str], *, deliver: bool) -> None:
         by_replica: dict[int, list[str]] = {}
+        num_ended = 0
         for req_id in req_ids:
             entry = self._requests.pop(req_id, None)
-            if entry is None:
+            if entry is not None:
+                replica, request = entry
+                replica_id: int | None = replica.replica_id
+                by_replica.setdefault(replica.replica_id, []).append(req_id)
+            elif (waiting := self._waiting.pop(req_id)) is not None:
+                request, replica_id = waiting.request, waiting.replica
+            else:
                 continue
             self._num_moves.pop(req_id, None)
-            replica, request = entry
-            by_replica.setdefault(replica.replica_id, []).append(req_id)
+            num_ended += 1
             if deliver:
-                self._outputs.entry(req_id, replica.replica_id).finish(request, reason="abort")
+                self._outputs.entry(req_id, replica_id).finish(request, reason="abort")
             else:
                 self._outputs.pending.pop(req_id, None)
         for replica_id, ids in by_replica.items():
@@ -391,7 +409,7 @@ class SchedulerActor:
             self._update_load(replica)
             # The next plan tells the workers to drop these requests.
             replica.wakeup.set()
-        if deliver and by_replica:
+        if deliver and num_ended:
             self._outputs.notify()
 
     def _fail_replica(
@@ -399,98 +417,82 @@ class SchedulerActor:
     ) -> None:
         """Take ``replica`` out of service, move its requests to the others and start it again.
 
-        Unless the cluster is shutting down, its requests are routed again (see
-        the module docstring); those that cannot move end with ``reason`` as
+        Unless the cluster is shutting down, its requests are routed again or wait for a replica
+        (see the module docstring); those that cannot move end with ``reason`` as
         their error.  ``bug``: an unexpected exception, logged with its traceback.
         """
-        replica.healthy = False
-        replica.oldest_step_sent_at = None
+        if not replica.healthy:  # failed already: its idle check found a dead worker while a step ran
+            return
         if not self._shutting_down:
             replica.num_failures += 1
         self._router.set_available(replica.replica_id, False)
-        mine = [(req_id, request) for req_id, (r, request) in self._requests.items() if r is replica]
-        # Taken before the abort below finishes them all: what each had produced, and whether it had
-        # started (was computed there: it may be what broke the replica, and its moves are counted).
-        resumes = {
-            req_id: (request.prompt_token_ids, list(request.output_token_ids), started(request))
-            for req_id, request in mine
-        }
-        # Keep the pool's books straight: every block goes back.
-        scheduler = replica.scheduler
-        scheduler.abort_requests(list(scheduler.requests))
-        # Its KV cache is gone with its workers: the pool forgets every cached
-        # block, and its event clears the replica from the router's index.
-        scheduler.kv_cache_manager.reset_prefix_cache()
+        # Taken before they all end there: each as it arrived plus what it produced (a preempted request's
+        # state), and whether it had started (was computed there: it may be what broke the replica).
+        mine = [(self._resumed(request), started(request)) for r, request in self._requests.values() if r is replica]
+        replica.take_out_of_service()
         self._update_load(replica)
-        replica.wakeup.set()
-        num_failed = 0
-        for req_id, request in mine:
+        if release:
+            # NOTE: before its requests move: while it restarts, they may wait for it.
+            replica.release()
+            if not self._shutting_down and replica.restart is None:
+                replica_id, device_kind = replica.replica_id, replica.device_kind
+                replica.start_restart(
+                    launch=lambda: self._launch(replica_id, device_kind),
+                    install=lambda handle: self._install_replica(replica_id, handle, device_kind),
+                    stopping=lambda: self._shutting_down,
+                )
+        num_failed, num_waiting = 0, len(self._waiting)
+        for request, was_started in mine:
+            req_id = request.req_id
             del self._requests[req_id]
-            error = self._move(req_id, request, *resumes[req_id], reason=reason)
+            error = self._move(request, was_started, replica.replica_id, reason)
             if error is None:
                 continue
             self._num_moves.pop(req_id, None)
             self._outputs.entry(req_id, replica.replica_id).finish(request, error=error)
             num_failed += 1
+        num_waiting = len(self._waiting) - num_waiting
         if not self._shutting_down:
             # NOTE: the incident's one error line: the executor logs its failure at DEBUG only.
-            outcome = f"; {len(mine) - num_failed} of its requests moved to other replicas, {num_failed} failed"
-            logger.error("%s%s", reason, outcome if mine else "", exc_info=bug)
+            waiting = f"{num_waiting} wait for a replica, " if num_waiting else ""
+            outcome = f"; {len(mine) - num_failed - num_waiting} of its requests moved to other replicas, {waiting}"
+            logger.error("%s%s", reason, f"{outcome}{num_failed} failed" if mine else "", exc_info=bug)
         if num_failed:
             self._outputs.notify()
-        if release:
-            replica.release()
-            if not self._shutting_down and replica.restart is None:
-                replica_id, device_kind = replica.replica_id, replica.device_kind
-                replica.restart = asyncio.create_task(
-                    restart(
-                        replica,
-                        launch=lambda: self._launch(replica_id, device_kind),
-                        install=lambda handle: self._install_replica(replica_id, handle, device_kind),
-                        stopping=lambda: self._shutting_down,
-                    ),
-                    name=f"restart-r{replica_id}",
-                )
 
-    def _move(
-        self, req_id: str, request: Request, prompt: list[int], outputs: list[int], started: bool, reason: str
-    ) -> str | None:
-        """Queue ``request`` again elsewhere, resumed after ``outputs``; ``None``, or why it could not move."""
-        if self._shutting_down:
-            return reason
-        num_moves = self._num_moves.get(req_id, 0)
-        if started and num_moves >= MAX_MOVES_PER_REQUEST:
-            return f"{reason}; it had moved {num_moves} times already"
-        # As it arrived (its hashes and arrival time kept), plus what it produced: a preempted request's state.
-        moved = self._new_request(
-            req_id, prompt, request.sampling_params, request.cache_salt,
+    def _resumed(self, request: Request) -> Request:
+        """``request`` as it arrived (its hashes and arrival time kept), plus what it produced."""
+        resumed = self._new_request(
+            request.req_id, request.prompt_token_ids, request.sampling_params, request.cache_salt,
             arrival_time=request.arrival_time, block_hashes=request.block_hashes,
         )
-        for token_id in outputs:
-            moved.append_output_token(token_id)
-        moved.num_cached_tokens = request.num_cached_tokens
+        for token_id in request.output_token_ids:
+            resumed.append_output_token(token_id)
+        resumed.num_cached_tokens = request.num_cached_tokens
+        return resumed
+
+    def _move(self, request: Request, started: bool, moved_from: int, reason: str) -> str | None:
+        """Queue ``request`` (``_resumed``) again elsewhere, or let it wait for a replica (``moved_from``
+        failed with ``reason``); ``None``, or why it could not move."""
+        if self._shutting_down:
+            return reason
+        num_moves = self._num_moves.get(request.req_id, 0)
+        if started and num_moves >= MAX_MOVES_PER_REQUEST:
+            return f"{reason}; it had moved {num_moves} times already"
         try:
-            self._queue(moved)
+            self._queue_or_wait(request, moved_from, reason)
         except (ValueError, RuntimeError) as exc:
             return f"{reason}; no other replica took it: {exc}"
         if started:
-            self._num_moves[req_id] = num_moves + 1
+            self._num_moves[request.req_id] = num_moves + 1
         return None
+
+    def _end_waiting(self, waiting: WaitingRequest, error: str) -> None:
+        """End a request that waited for a replica with ``error``."""
+        self._num_moves.pop(waiting.request.req_id, None)
+        self._outputs.entry(waiting.request.req_id, waiting.replica).finish(waiting.request, error=error)
+        self._outputs.notify()
 
     def _update_load(self, replica: ActorReplica) -> None:
         """Tell the router ``replica``'s current load (after its queues changed)."""
         self._router.update_load(replica.replica_id, replica.scheduler.get_load())
-
-    async def _watch_undelivered_outputs(self) -> None:
-        """Abort requests whose outputs nobody fetched for ``undelivered_output_timeout_s``."""
-        timeout_s = self.config.undelivered_output_timeout_s
-        while True:
-            await asyncio.sleep(min(_WATCHDOG_INTERVAL_S, timeout_s))
-            idle_s = self._outputs.unfetched_s()
-            if idle_s < timeout_s:
-                continue
-            req_ids = list(self._outputs.pending)
-            logger.warning("no front end fetched outputs for %.0f s: aborting %d requests", idle_s, len(req_ids))
-            self._abort(req_ids, deliver=False)
-            self._outputs.pending.clear()
-

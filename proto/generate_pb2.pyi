@@ -109,7 +109,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "healthy", "num_kv_blocks")
+    __slots__ = ("replica", "num_running", "num_waiting", "kv_cache_usage", "prefix_cache_hit_rate", "healthy", "num_kv_blocks", "num_failures", "step_age_seconds")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,8 @@ class ReplicaStats(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    STEP_AGE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     replica: int
     num_running: int
     num_waiting: int
@@ -124,7 +126,9 @@ class ReplicaStats(_message.Message):
     prefix_cache_hit_rate: float
     healthy: bool
     num_kv_blocks: int
-    def __init__(self, replica: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., healthy: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ...) -> None: ...
+    num_failures: int
+    step_age_seconds: float
+    def __init__(self, replica: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., healthy: _Optional[bool] = ..., num_kv_blocks: _Optional[int] = ..., num_failures: _Optional[int] = ..., step_age_seconds: _Optional[float] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("replicas",)

@@ -175,6 +175,8 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
         (["--placement-timeout", "-1"], "--placement-timeout must be a positive number of seconds, got -1.0"),
         (["--step-timeout", "0"], "--step-timeout must be a positive number of seconds, got 0.0"),
         (["--step-timeout", "inf"], "--step-timeout must be a positive number of seconds, got inf"),
+        (["--max-queue-wait", "-1"], "--max-queue-wait must be a finite number of seconds >= 0 (0: no wait), got -1.0"),
+        (["--max-queue-wait", "inf"], "--max-queue-wait must be a finite number of seconds >= 0 (0: no wait), got inf"),
         (["--port", "70000"], "port"),
         (["--max-messages-per-s", "-1"], "--max-messages-per-s must be >= 0 (0: no budget), got -1"),
         (["--address", "head-node"], "expected 'auto' or HOST:PORT"),

@@ -68,3 +68,26 @@ def test_config_refuses_a_step_timeout_that_is_not_a_positive_number_of_seconds(
     for bad in (0, -1.0, float("inf"), float("nan"), True, "120"):
         with pytest.raises(ValueError, match="step_timeout_s must be a positive number of seconds"):
             ClusterConfig.from_kwargs("/models/m", step_timeout_s=bad)
+
+
+def test_serve_passes_max_queue_wait_to_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvserve.cluster.launcher
+    from kvserve.cluster.cli import main
+
+    configs: list[ClusterConfig] = []
+
+    def resolve_model_config(config: ClusterConfig) -> None:
+        configs.append(config)
+        raise ValueError("stop before starting anything")
+
+    monkeypatch.setattr(kvserve.cluster.launcher, "resolve_model_config", resolve_model_config)
+    for flags in (["--max-queue-wait", "5"], ["--max-queue-wait", "0"], []):
+        assert main(["serve", "--model", "/models/m", *flags]) == 2
+    assert [config.max_queue_wait_s for config in configs] == [5.0, 0.0, 30.0]
+
+
+def test_config_refuses_a_max_queue_wait_that_is_not_a_finite_number_of_seconds_from_0() -> None:
+    assert ClusterConfig.from_kwargs("/models/m", max_queue_wait_s=0).max_queue_wait_s == 0
+    for bad in (-1.0, float("inf"), float("nan"), True, "30"):
+        with pytest.raises(ValueError, match="max_queue_wait_s must be a finite number of seconds >= 0"):
+            ClusterConfig.from_kwargs("/models/m", max_queue_wait_s=bad)

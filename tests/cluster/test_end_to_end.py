@@ -503,6 +503,9 @@ def test_killing_a_worker_moves_its_streams_without_a_gap_and_the_replica_comes_
         time.sleep(0.2)
     stats = wait_until_pools_are_full(served)
     assert stats[1].kv_cache_usage == 0
+    # GetStats tells the outage after it ended (healthy could not), and no step is left hanging.
+    assert [s.num_failures for s in stats] == [0, 1]
+    assert [s.step_age_seconds for s in stats] == [0.0, 0.0]
 
     # Without the fault, the same prompts give the same tokens: nothing lost, nothing repeated.
     again = [collect(served.stub.Generate(request(prompt, params), timeout=RPC_TIMEOUT_S)) for prompt in prompts]

@@ -461,3 +461,19 @@ def test_one_tenant_cannot_take_more_than_its_share_of_concurrent_requests() -> 
         assert not frontend._tenant_streams  # nothing counted once every stream ended
 
     serve(scenario, max_concurrent_requests_per_tenant=2)
+
+
+def test_a_request_no_replica_took_is_told_so_not_that_its_replica_failed() -> None:
+    # It waited for a replica in a total outage (replica_wait_queue) and none came back in time.
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        call = asyncio.ensure_future(collect(frontend, "waited"))
+        await asyncio.sleep(0.05)
+        scheduler.emit(RequestDelta("waited", [], error="none of the 1 replicas is available; it waited 30.0 s"))
+        with pytest.raises(Aborted) as info:
+            await call
+        assert info.value.code == grpc.StatusCode.UNAVAILABLE
+        assert str(info.value).endswith(
+            "request waited: no replica can take it now (details in the server log under this request id)"
+        )
+
+    serve(scenario)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import ray
@@ -157,7 +158,9 @@ class FakeExecutor:
         pass
 
 
-def fake_actor(monkeypatch: pytest.MonkeyPatch, routing: str) -> tuple[SchedulerActor, list[FakeExecutor]]:
+def fake_actor(
+    monkeypatch: pytest.MonkeyPatch, routing: str, **config: Any
+) -> tuple[SchedulerActor, list[FakeExecutor]]:
     executors = [FakeExecutor(), FakeExecutor()]
 
     async def launch_replica(replica_id: int, *args, **kwargs) -> SimpleNamespace:
@@ -179,6 +182,7 @@ def fake_actor(monkeypatch: pytest.MonkeyPatch, routing: str) -> tuple[Scheduler
         block_size=BLOCK_SIZE,
         max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         routing=routing,
+        **config,
     )
     model = SimpleNamespace(model_dir="m", model_id="m", vocab_size=1000, max_model_len=1024, eos_token_ids=())
     return SchedulerActor(config, model), executors
@@ -478,7 +482,8 @@ def test_a_queued_request_with_no_replica_left_ends_with_an_error_saying_so(monk
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
 
     async def scenario() -> dict[str, RequestDelta]:
-        actor, executors = fake_actor(monkeypatch, "round_robin")
+        # Requests do not wait for the replica starting again (tests/cluster/test_recovery_outage.py).
+        actor, executors = fake_actor(monkeypatch, "round_robin", max_queue_wait_s=0)
         await actor.start_replica(0, "cpu")
         executors[0].failed = True
         for k in range(2):
