@@ -8,7 +8,6 @@ waits until the test lets it through (``back``), and backoff constants are shrun
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from types import SimpleNamespace
@@ -24,6 +23,7 @@ from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 from tests.cluster.test_recovery_restart import TIMEOUT_S, Cluster
+from tests.cluster.test_routing import last_deltas
 
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
@@ -48,19 +48,6 @@ class OutageCluster(Cluster):
         self.executors[0].died = True
         await self.until(0, healthy=False)
         self.executors[0].died = False  # the restarted workers are sound
-
-
-async def last_deltas(actor: SchedulerActor, req_ids: set[str]) -> dict[str, RequestDelta]:
-    """Every request's last delta, with every token the request got."""
-    last: dict[str, RequestDelta] = {}
-    tokens: dict[str, list[int]] = {}
-    async with asyncio.timeout(TIMEOUT_S):
-        while set(last) != req_ids:
-            for delta in await actor.poll_outputs(TIMEOUT_S):
-                tokens.setdefault(delta.req_id, []).extend(delta.token_ids)
-                if delta.is_last:
-                    last[delta.req_id] = dataclasses.replace(delta, token_ids=tokens[delta.req_id])
-    return last
 
 
 def test_a_request_added_while_the_only_replica_is_down_waits_and_is_served_once_it_is_back(

@@ -246,11 +246,12 @@ async def last_deltas(actor: SchedulerActor, req_ids: set[str]) -> dict[str, Req
     """Every request's last delta, with every token the request got."""
     last: dict[str, RequestDelta] = {}
     tokens: dict[str, list[int]] = {}
-    while set(last) != req_ids:
-        for delta in await actor.poll_outputs(TIMEOUT_S):
-            tokens.setdefault(delta.req_id, []).extend(delta.token_ids)
-            if delta.is_last:
-                last[delta.req_id] = dataclasses.replace(delta, token_ids=tokens[delta.req_id])
+    async with asyncio.timeout(TIMEOUT_S):
+        while set(last) != req_ids:
+            for delta in await actor.poll_outputs(TIMEOUT_S):
+                tokens.setdefault(delta.req_id, []).extend(delta.token_ids)
+                if delta.is_last:
+                    last[delta.req_id] = dataclasses.replace(delta, token_ids=tokens[delta.req_id])
     return last
 
 
