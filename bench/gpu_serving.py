@@ -325,7 +325,7 @@ def run_grpc(model_dir: Path, workload: Workload, port: int, device: str, timeou
     from kvserve.proto import generate_pb2, generate_pb2_grpc
 
     server = subprocess.Popen(
-        [sys.executable, "-c", "from kvserve.cluster.cli import main; raise SystemExit(main())", "serve", "--model", str(model_dir), "--device", device,
+        [sys.executable, "-c", "from kvserve.cli import main; raise SystemExit(main())", "serve", "--model", str(model_dir), "--device", device,
          "--port", str(port), "--max-concurrent-requests", "4096"]
         + ([] if device == "cuda" else ["--num-blocks", "4096"]),
         stdout=subprocess.DEVNULL, stderr=None,

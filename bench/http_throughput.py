@@ -81,7 +81,7 @@ class _Served:
 
     def __init__(self, model_dir: Path, max_streams: int) -> None:
         self._args = [
-            sys.executable, "-m", "kvserve.cluster.cli", "serve", "--model", str(model_dir),
+            sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir),
             "--port", "0", "--http-port", "0", "--num-blocks", str(max(256, max_streams * 16)),
             "--max-concurrent-requests", str(max_streams * 2),
         ]

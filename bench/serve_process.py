@@ -47,7 +47,7 @@ class ServeProcess:
     def __init__(self, args: list[str]) -> None:
         env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}  # its own Ray instance
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cluster.cli", "serve", *args],
+            [sys.executable, "-m", "kvserve.cli", "serve", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, env=env,
             start_new_session=True,
         )

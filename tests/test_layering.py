@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # ARCHITECTURE.md's table, top to bottom: each package may import those before it.
-LAYERS = ("scheduler", "kernels", "worker", "proto", "cluster", "kvserve", "experiments", "bench")
+LAYERS = ("scheduler", "kernels", "worker", "proto", "cluster", "experiments", "kvserve", "bench")
 # Third-party packages allowed where the table restricts them (elsewhere: any).
 THIRD_PARTY = {
     "scheduler": {"numpy", "xxhash"},
@@ -23,9 +23,6 @@ THIRD_PARTY = {
     "worker": {"torch", "transformers", "tokenizers", "safetensors", "numpy"},
     "proto": {"google", "grpc", "grpc_tools"},
 }
-# The one exception ARCHITECTURE.md names: the `kvserve` command's root parser registers
-# `kvserve experiment` and reads the version of the checkout.
-EXCEPTIONS = {"cluster/cli.py": {"experiments", "kvserve"}}
 
 
 def imports_of(path: Path) -> list[tuple[str, int]]:
@@ -60,7 +57,7 @@ def test_each_package_imports_only_what_its_layer_may(package: str) -> None:
             top = module.split(".")[0]
             layer = layer_of(module)
             if layer is not None:
-                if layer not in allowed_layers | EXCEPTIONS.get(name, set()):
+                if layer not in allowed_layers:
                     offenders.append(f"{name}:{line} imports {module}")
             elif package in THIRD_PARTY and top not in sys.stdlib_module_names and top != "__future__":
                 if top not in THIRD_PARTY[package]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.cluster.cli import main
+from kvserve.cli import main
 from kvserve.cluster.cli_serve import security_warnings
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.tls import TlsFiles

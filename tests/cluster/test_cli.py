@@ -21,8 +21,8 @@ from unittest import mock
 import pytest
 import torch
 
-from kvserve.cluster import cli
-from kvserve.cluster.cli import main
+from kvserve import cli
+from kvserve.cli import main
 from kvserve.kernels.extension_build import CACHE_DIR_ENV, build_root
 from kvserve.worker.tiny_model import create_tiny_model
 
@@ -31,7 +31,7 @@ COMMAND_TIMEOUT_S = 60.0
 
 
 def kvserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvserve.cluster.cli", *args]
+    return [sys.executable, "-m", "kvserve.cli", *args]
 
 
 class ServeProcess:
@@ -297,7 +297,7 @@ def test_serve_refuses_an_unusable_chat_template_before_starting(capsys, tmp_pat
 
 
 def test_no_http_turns_the_http_api_off():
-    from kvserve.cluster.cli import build_parser
+    from kvserve.cli import build_parser
 
     assert build_parser().parse_args(["serve", "--no-http"]).http_port is None
     assert build_parser().parse_args(["serve"]).http_port == 8000
@@ -619,7 +619,7 @@ def test_serve_stops_cleanly_on_sigterm(server):
 def test_every_engine_setting_has_a_serve_flag_that_sets_it(tmp_path):
     # dtype, seed, the cache's sizing, prefix caching, chunked prefill, the attention kernels and the CPU
     # threads could be set in-process (LLM(...)) but had no flag and no config-file key.
-    from kvserve.cluster.cli import build_parser
+    from kvserve.cli import build_parser
     from kvserve.cluster.cli_serve import engine_config
     from kvserve.scheduler.engine_config import EngineConfig
 
@@ -643,7 +643,7 @@ def test_every_engine_setting_has_a_serve_flag_that_sets_it(tmp_path):
 
 
 def test_placement_waits_without_limit_when_joining_a_cluster_unless_told():
-    from kvserve.cluster.cli import build_parser
+    from kvserve.cli import build_parser
     from kvserve.cluster.cli_serve import _placement_timeout
 
     parse = build_parser().parse_args
@@ -684,7 +684,7 @@ def test_version_prints_the_installed_version(capsys):
     ],
 )
 def test_verbosity_is_accepted_before_and_after_the_subcommand(argv, level):
-    from kvserve.cluster.cli import build_parser, log_level
+    from kvserve.cli import build_parser, log_level
 
     assert log_level(build_parser().parse_args(argv)) == level
 
@@ -711,7 +711,7 @@ def test_the_log_level_after_the_subcommand_sets_what_is_logged(tmp_path, flags,
 
 def parsed(tmp_path: Path, text: str, *argv: str) -> argparse.Namespace:
     """``kvserve serve --config FILE *argv`` parsed, FILE holding ``text``."""
-    from kvserve.cluster.cli import _subcommand_parser, build_parser
+    from kvserve.cli import _subcommand_parser, build_parser
     from kvserve.cluster.cli_config_file import parse_args_with_config_file
 
     path = tmp_path / "serve.yaml"

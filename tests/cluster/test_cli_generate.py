@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvserve.cluster.cli import main
+from kvserve.cli import main
 from kvserve.cluster.cli_generate import in_argument_terms
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
@@ -120,7 +120,7 @@ def test_text_that_is_not_utf8_is_refused_naming_the_argument(capsys, args, mess
 def test_a_prompt_of_bytes_that_are_not_utf8_is_one_line_from_the_shell():
     # What a shell passes for $'\xff\xfe': it printed a UnicodeEncodeError traceback.
     result = subprocess.run(
-        [sys.executable, "-m", "kvserve.cluster.cli", "generate", b"\xff\xfe"],
+        [sys.executable, "-m", "kvserve.cli", "generate", b"\xff\xfe"],
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2

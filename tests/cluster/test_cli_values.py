@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.cluster.cli import build_parser
+from kvserve.cli import build_parser
 from kvserve.cluster.cli_values import key_value, setting_value
 
 

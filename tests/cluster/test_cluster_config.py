@@ -30,7 +30,7 @@ def test_the_engine_settings_are_the_engines_and_the_cluster_adds_its_own() -> N
 
 
 def test_serve_flags_set_the_engine_settings_of_their_names_and_errors_name_the_flags(capsys) -> None:
-    from kvserve.cluster.cli import build_parser, main
+    from kvserve.cli import build_parser, main
     from kvserve.scheduler.engine_config import EngineConfig
 
     parser = build_parser()
@@ -49,7 +49,7 @@ def test_serve_flags_set_the_engine_settings_of_their_names_and_errors_name_the_
 
 def test_serve_passes_step_timeout_to_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvserve.cluster.launcher
-    from kvserve.cluster.cli import build_parser, main
+    from kvserve.cli import build_parser, main
 
     configs: list[ClusterConfig] = []
 
@@ -72,7 +72,7 @@ def test_config_refuses_a_step_timeout_that_is_not_a_positive_number_of_seconds(
 
 def test_serve_passes_max_queue_wait_to_the_cluster_config(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvserve.cluster.launcher
-    from kvserve.cluster.cli import main
+    from kvserve.cli import main
 
     configs: list[ClusterConfig] = []
 

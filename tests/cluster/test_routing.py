@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import ray
 
-from kvserve.cluster.cli import build_parser, main
+from kvserve.cli import build_parser, main
 from kvserve.cluster.config import ClusterConfig
 from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.launcher import ClusterHandle, start_cluster

@@ -226,7 +226,7 @@ def test_http_needs_the_token_except_for_health_and_speaks_tls(secured, caplog) 
 
 
 def test_kvserve_generate_sends_the_token_of_its_file_over_tls(secured, tmp_path, capsys) -> None:
-    from kvserve.cluster.cli import main
+    from kvserve.cli import main
 
     server, ca, _ = secured
     token_file = tmp_path / "tokens"
@@ -250,7 +250,7 @@ def test_kvserve_generate_sends_the_token_of_its_file_over_tls(secured, tmp_path
     ],
 )
 def test_serve_refuses_bad_security_flags_before_starting_anything(flags, message, capsys) -> None:
-    from kvserve.cluster.cli import main
+    from kvserve.cli import main
 
     assert main(["serve", *flags]) == 2
     assert message in capsys.readouterr().err

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from kvserve.client import AsyncClient, Client, RequestError
-from kvserve.cluster.cli import main
+from kvserve.cli import main
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.serve_runtime import api_url
 from kvserve.cluster.server import add_port

@@ -388,7 +388,7 @@ def test_build_context_lets_in_what_the_dockerfile_copies() -> None:
     ("source", "argv"), COMMAND_LINES, ids=[f"{source}: {shlex.join(argv)}" for source, argv in COMMAND_LINES]
 )
 def test_kvserve_command_line_parses(source: str, argv: tuple[str, ...]) -> None:
-    from kvserve.cluster.cli import build_parser
+    from kvserve.cli import build_parser
 
     try:
         build_parser().parse_args(list(argv[1:]))

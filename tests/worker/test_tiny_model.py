@@ -14,7 +14,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from kvserve.cluster import cli
+from kvserve import cli
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tiny_model import (
     FAMILIES,
@@ -361,7 +361,7 @@ def test_cli_reports_a_file_in_the_way(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_cli_runs_as_a_module(tmp_path: Path) -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    command = ["-m", "kvserve.cluster.cli", "create-tiny-model", str(tmp_path / "m"), "--family", "qwen3"]
+    command = ["-m", "kvserve.cli", "create-tiny-model", str(tmp_path / "m"), "--family", "qwen3"]
     result = subprocess.run(
         [sys.executable, *command],
         capture_output=True,

@@ -1,9 +1,9 @@
-"""The ``kvserve`` command line.
+"""The ``kvserve`` command line: the top layer, which assembles the subcommands of the layers below.
 
 Each subcommand is one ``add_<name>_parser`` function that registers its
 arguments and sets ``handler`` to the function that runs it; ``main`` only
-parses and dispatches.  ``serve`` lives in ``cli_serve``, ``generate`` in
-``cli_generate``, ``experiment`` in ``kvserve.experiments``.  Heavy imports
+parses and dispatches.  ``serve`` lives in ``kvserve.cluster.cli_serve``, ``generate`` in
+``kvserve.cluster.cli_generate``, ``experiment`` in ``kvserve.experiments``.  Heavy imports
 (torch, transformers) happen inside the handlers so that ``kvserve --help``
 stays fast.
 """
@@ -20,6 +20,7 @@ from kvserve.cluster.cli_config_file import parse_args_with_config_file
 from kvserve.cluster.cli_generate import add_generate_parser
 from kvserve.cluster.cli_serve import add_serve_parser
 from kvserve.cluster.log_format import LOG_FORMAT
+from kvserve.experiments.experiment import add_experiment_parser
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 _LOG_LEVELS = {
@@ -72,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_create_tiny_model_parser(subparsers)
     add_serve_parser(subparsers)
     add_generate_parser(subparsers)
-    from kvserve.experiments.experiment import add_experiment_parser
-
     add_experiment_parser(subparsers)
     for subparser in subparsers.choices.values():
         # After the subcommand too: `kvserve serve --log-level debug`.
