@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hmac
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -179,6 +180,19 @@ class TokenTable:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    @property
+    def tenant_names(self) -> frozenset[str]:
+        return frozenset(tenant.name for _, tenant in self._tokens)
+
+    def check_tenant_names(self, names: Iterable[str], *, flag: str) -> None:
+        """``ValueError`` naming ``flag`` for a name of ``names`` that no token's tenant has."""
+        unknown = sorted(set(names) - self.tenant_names)
+        if unknown:
+            raise ValueError(
+                f"{flag}: no token of the auth token file is of tenant {', '.join(map(repr, unknown))}; "
+                f"its tenants: {', '.join(sorted(self.tenant_names))}"
+            )
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``authorization`` header value; ``AuthenticationError`` when it is not valid."""

@@ -191,6 +191,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "a name is a tenant of its own named line-N by its line; read at start-up only (default: no "
         "authentication; binding a non-loopback --host without it logs a warning)",
     )
+    security.add_argument(
+        "--monitoring-tenant", action="append", default=[], metavar="NAME", dest="monitoring_tenants",
+        help="with --auth-token-file: only tokens of tenant NAME (repeatable) may read GetStats and /metrics, "
+        "the cluster-wide figures; others get PERMISSION_DENIED / HTTP 403 (default: every tenant's token may)",
+    )
     security.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
     security.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the PEM private key of --tls-cert")
     security.add_argument(
@@ -351,11 +356,15 @@ def run_serve(args: argparse.Namespace) -> int:
             ),
             auth_token_file=None if args.auth_token_file is None else str(args.auth_token_file),
             tls=_tls_files(args),
+            monitoring_tenants=tuple(args.monitoring_tenants),
         )
         if server_config.auth_token_file is not None:
             from kvserve.cluster.auth import TokenTable
 
-            TokenTable.from_file(server_config.auth_token_file)  # a bad file is told before start-up
+            # A bad file is told before start-up.
+            TokenTable.from_file(server_config.auth_token_file).check_tenant_names(
+                server_config.monitoring_tenants, flag="--monitoring-tenant"
+            )
         if not server_config.is_loopback and server_config.auth_token_file is None:
             logger.warning(
                 "SERVING WITHOUT AUTHENTICATION on %s: anyone who can reach this address can generate and see "

@@ -75,6 +75,8 @@ class ServerConfig:
     auth_token_file: str | None = None
     # TLS on both front doors; None: plaintext.
     tls: TlsFiles | None = None
+    # The tenants whose tokens may read GetStats and /metrics (cluster-wide figures); empty: every tenant's.
+    monitoring_tenants: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.host, str) or not self.host:
@@ -105,6 +107,11 @@ class ServerConfig:
             raise ValueError(f"limits must be a RequestLimits, got {type(self.limits).__name__}")
         if self.auth_token_file is not None and not isinstance(self.auth_token_file, str):
             raise ValueError(f"auth_token_file must be a path string, got {self.auth_token_file!r}")
+        if self.monitoring_tenants and self.auth_token_file is None:
+            raise ValueError(
+                "monitoring_tenants needs an auth token file (auth_token_file, --auth-token-file): its tokens "
+                "are the tenants"
+            )
 
     @property
     def is_loopback(self) -> bool:

@@ -57,6 +57,7 @@ from kvserve.cluster.frontend_errors import (
     FrontendError,
     InvalidRequestError,
     OverloadedError,
+    PermissionDeniedError,
     UnauthenticatedError,
     UnavailableError,
 )
@@ -112,10 +113,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         on_scheduler_lost: Callable[[], Awaitable[None]] | None = None,
         on_serving_changed: Callable[[bool], Awaitable[None]] | None = None,
         tokens: TokenTable | None = None,
+        monitoring_tenants: frozenset[str] = frozenset(),
         limits: RequestLimits | None = None,
     ) -> None:
         self._scheduler = scheduler
         self.tokens = tokens
+        # The tenants whose tokens may read GetStats and /metrics; empty: every tenant's may.
+        self.monitoring_tenants = monitoring_tenants
         self.limits = limits or RequestLimits()
         self._conversion = RequestConversion(model_info, tokenizer, self.limits)
         # The errors the front end itself ends streams with: told to clients as they are.
@@ -192,6 +196,15 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             return self.tokens.authenticate(authorization)
         except AuthenticationError as exc:
             raise UnauthenticatedError(str(exc)) from None
+
+    def check_monitoring(self, tenant: Tenant | None) -> None:
+        """``PermissionDeniedError`` unless ``tenant`` may read the cluster's monitoring figures
+        (GetStats, /metrics): any tenant may unless ``monitoring_tenants`` names some."""
+        if tenant is None or not self.monitoring_tenants or tenant.name in self.monitoring_tenants:
+            return
+        raise PermissionDeniedError(
+            f"tenant {tenant.name!r} may not read the cluster's monitoring figures (the server's --monitoring-tenant)"
+        )
 
     def responses(
         self, request: generate_pb2.GenerateRequest, *, tenant: Tenant | None = None, measured: bool = True
@@ -351,8 +364,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     ) -> generate_pb2.GetStatsResponse:
         await abort_if_undecodable(request, context)
         try:
+            self.check_monitoring(self.authenticate(authorization_header(context.invocation_metadata())))
             stats = await self.replica_stats()
-        except UnavailableError as exc:
+        except (PermissionDeniedError, UnauthenticatedError, UnavailableError) as exc:
             await context.abort(exc.grpc_code, str(exc))
         return generate_pb2.GetStatsResponse(
             replicas=[

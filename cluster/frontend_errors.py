@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["FrontendError", "InvalidRequestError", "OverloadedError", "UnauthenticatedError", "UnavailableError"]
+__all__ = [
+    "FrontendError", "InvalidRequestError", "OverloadedError", "PermissionDeniedError", "UnauthenticatedError",
+    "UnavailableError",
+]
 
 
 class FrontendError(Exception):
@@ -44,3 +47,10 @@ class UnauthenticatedError(FrontendError):
 
     grpc_code = grpc.StatusCode.UNAUTHENTICATED
     http_status = 401
+
+
+class PermissionDeniedError(FrontendError):
+    """A valid token whose tenant may not do this (read the cluster's monitoring figures)."""
+
+    grpc_code = grpc.StatusCode.PERMISSION_DENIED
+    http_status = 403

@@ -121,7 +121,11 @@ def create_app(
         return error_response(503, "no replica is healthy")
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        try:
+            frontend.check_monitoring(request.state.tenant)
+        except FrontendError as exc:
+            return frontend_error_response(exc)
         try:
             frontend.metrics.set_replica_stats(await frontend.replica_stats())
             frontend.metrics.set_routing_decisions(*await frontend.routing_decisions())

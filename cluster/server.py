@@ -140,6 +140,8 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
     (``UNAUTHENTICATED`` otherwise); with ``config.tls`` the port speaks TLS.
     """
     tokens = TokenTable.from_file(config.auth_token_file) if config.auth_token_file is not None else None
+    if tokens is not None:
+        tokens.check_tenant_names(config.monitoring_tenants, flag="monitoring_tenants")
     credentials = config.tls.server_credentials() if config.tls is not None else None
     health_servicer = health.aio.HealthServicer()
 
@@ -165,6 +167,7 @@ async def start_server(scheduler: Any, model_info: ModelInfo, config: ServerConf
         on_scheduler_lost=on_scheduler_lost,
         on_serving_changed=set_serving,
         tokens=tokens,
+        monitoring_tenants=frozenset(config.monitoring_tenants),
         limits=config.limits,
     )
 

@@ -1,0 +1,112 @@
+"""--monitoring-tenant: only the named tenants' tokens read the cluster-wide figures (GetStats, /metrics).
+
+Any tenant's token could read every replica's load and the cluster's request counts.  The front
+end runs in process over the fake scheduler of test_frontend_streaming; HTTP through the real app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import httpx
+import pytest
+
+from kvserve.cli import main
+from kvserve.cluster.auth import TokenTable
+from kvserve.cluster.frontend import Frontend
+from kvserve.cluster.messages import ReplicaStatsInfo
+from kvserve.cluster.openai_api import create_app
+from kvserve.proto import generate_pb2
+from tests.cluster.test_frontend_streaming import MODEL_INFO, Aborted, FakeScheduler, _Remote
+
+OPS, TEAM_B = "ops-token-0123456789", "team-b-token-0123456789"
+TOKENS = TokenTable({OPS: "ops", TEAM_B: "team-b"})
+STATS = [ReplicaStatsInfo(0, 1, 2, 0.5, 0.25, 64, True, num_failures=1)]
+
+
+class StatsScheduler(FakeScheduler):
+    def __init__(self) -> None:
+        super().__init__()
+
+        async def get_stats() -> list[ReplicaStatsInfo]:
+            return STATS
+
+        async def routing_decisions() -> tuple[str, dict[str, int]]:
+            return "round_robin", {"miss": 3}
+
+        self.get_stats = _Remote(get_stats)
+        self.routing_decisions = _Remote(routing_decisions)
+
+
+class MetadataContext:
+    def __init__(self, token: str | None) -> None:
+        self._metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+
+    def invocation_metadata(self):
+        return self._metadata
+
+    async def abort(self, code, details: str) -> None:
+        raise Aborted(code, details)
+
+
+def with_frontend(scenario, monitoring_tenants: frozenset[str]):
+    async def run():
+        frontend = Frontend(
+            StatsScheduler(), MODEL_INFO, None, max_concurrent_requests=4, tokens=TOKENS,
+            monitoring_tenants=monitoring_tenants,
+        )
+        frontend.start()
+        try:
+            return await scenario(frontend)
+        finally:
+            await frontend.stop()
+
+    return asyncio.run(run())
+
+
+def test_get_stats_answers_only_the_monitoring_tenants() -> None:
+    async def scenario(frontend: Frontend):
+        ops = await frontend.GetStats(generate_pb2.GetStatsRequest(), MetadataContext(OPS))
+        with pytest.raises(Aborted) as refused:
+            await frontend.GetStats(generate_pb2.GetStatsRequest(), MetadataContext(TEAM_B))
+        return ops, refused.value
+
+    ops, refused = with_frontend(scenario, frozenset({"ops"}))
+    assert [(s.num_running, s.num_failures) for s in ops.replicas] == [(1, 1)]
+    assert refused.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "tenant 'team-b' may not read the cluster's monitoring figures" in str(refused)
+
+
+def test_metrics_answer_only_the_monitoring_tenants_over_http() -> None:
+    async def scenario(frontend: Frontend):
+        app = create_app(frontend, max_body_bytes=1 << 20, max_choices=4)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            return [
+                await client.get("/metrics", headers={} if token is None else {"Authorization": f"Bearer {token}"})
+                for token in (OPS, TEAM_B, None)
+            ]
+
+    ops, team_b, anonymous = with_frontend(scenario, frozenset({"ops"}))
+    assert ops.status_code == 200 and 'kvserve_replica_failures_total{replica="0"} 1.0' in ops.text
+    assert team_b.status_code == 403 and team_b.json()["error"]["type"] == "permission_error"
+    assert anonymous.status_code == 401
+
+
+def test_without_monitoring_tenants_every_tenant_reads_them() -> None:
+    async def scenario(frontend: Frontend):
+        return await frontend.GetStats(generate_pb2.GetStatsRequest(), MetadataContext(TEAM_B))
+
+    assert len(with_frontend(scenario, frozenset()).replicas) == 1
+
+
+def test_serve_refuses_a_monitoring_tenant_the_token_file_does_not_have_or_no_token_file(capsys, tmp_path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{OPS} ops\n{TEAM_B} team-b\n")
+    tokens.chmod(0o600)
+    assert main(["serve", "--auth-token-file", str(tokens), "--monitoring-tenant", "opz"]) == 2
+    assert "--monitoring-tenant: no token of the auth token file is of tenant 'opz'; its tenants: ops, team-b" in (
+        capsys.readouterr().err
+    )
+    assert main(["serve", "--monitoring-tenant", "ops"]) == 2
+    assert "--monitoring-tenant needs an auth token file" in capsys.readouterr().err
