@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cluster.cli_serve_engine import CPU_KV_CACHE_MIB, engine_default, add_engine_arguments, engine_config
+from kvserve.cluster.cli_serve_security import add_security_arguments, security_warnings, tls_files
 from kvserve.cluster.cli_values import add_cost_model_flag, check_utf8, cost_model_of_flag, key_value
 from kvserve.cluster.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_STEP_TIMEOUT_S
 from kvserve.cluster.request_limits import (
@@ -21,12 +23,9 @@ from kvserve.cluster.request_limits import (
     RequestLimits,
 )
 from kvserve.cluster.serve_runtime import check_local_gpus, init_ray, serve_until_signalled
-from kvserve.scheduler.engine_config import ATTENTION_BACKENDS, DTYPES, EngineConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
 
 if TYPE_CHECKING:
-    from kvserve.cluster.config import ServerConfig
-    from kvserve.cluster.tls import TlsFiles
     from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 
 logger = logging.getLogger(__name__)
@@ -36,12 +35,6 @@ _MAX_MESSAGE_BYTES = 4 * 2**20
 # NOTE: kvserve.cluster.worker_actor.WORKER_CPU_RESOURCE, spelled out so that
 # `kvserve serve --help` need not import torch (a test keeps the two equal).
 _WORKER_CPU_RESOURCE = "kvserve_worker_slot"
-# NOTE: kvserve.worker.worker.DEFAULT_CPU_KV_CACHE_BYTES in MiB, for the same
-# reason (a test keeps the two equal).
-_CPU_KV_CACHE_MIB = 512
-# NOTE: the shortest token kvserve.cluster.auth.TokenTable accepts, for the same reason
-# (a test keeps the two equal).
-_MIN_AUTH_TOKEN_CHARS = 16
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -72,11 +65,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--tp", type=int, default=None, metavar="N", dest="tensor_parallel_size",
-        help=f"tensor-parallel ranks per replica (default: {_engine_default('tensor_parallel_size')})",
+        help=f"tensor-parallel ranks per replica (default: {engine_default('tensor_parallel_size')})",
     )
     parser.add_argument(
         "--replicas", type=int, default=None, metavar="M", dest="num_replicas",
-        help=f"data-parallel replicas (default: {_engine_default('num_replicas')})",
+        help=f"data-parallel replicas (default: {engine_default('num_replicas')})",
     )
     parser.add_argument(
         "--host", default="127.0.0.1",
@@ -110,21 +103,21 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--block-size", type=int, default=None,
-        help=f"tokens per KV-cache block (default: {_engine_default('block_size')})",
+        help=f"tokens per KV-cache block (default: {engine_default('block_size')})",
     )
     parser.add_argument(
         "--num-blocks", type=int, default=None,
         help="KV-cache blocks per replica, one of them the null block (default: as many as fit in "
-        f"{_engine_default('gpu_memory_utilization') * 100:.0f}%% of a "
-        f"GPU's memory less what is in use, or in {_CPU_KV_CACHE_MIB} MiB on CPU)",
+        f"{engine_default('gpu_memory_utilization') * 100:.0f}%% of a "
+        f"GPU's memory less what is in use, or in {CPU_KV_CACHE_MIB} MiB on CPU)",
     )
     parser.add_argument(
         "--max-num-seqs", type=int, default=None,
-        help=f"most requests running at once per replica (default: {_engine_default('max_num_seqs')})",
+        help=f"most requests running at once per replica (default: {engine_default('max_num_seqs')})",
     )
     parser.add_argument(
         "--max-num-batched-tokens", type=int, default=None,
-        help=f"token budget of one step (default: {_engine_default('max_num_batched_tokens')})",
+        help=f"token budget of one step (default: {engine_default('max_num_batched_tokens')})",
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None,
@@ -140,68 +133,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         help="plan each step while the workers run the one before (overlapped scheduling): the scheduler's "
         "round trip hides behind their work; outputs stay the same",
     )
-    engine = parser.add_argument_group("model runtime, KV cache and scheduling (every replica)")
-    engine.add_argument(
-        "--dtype", choices=DTYPES, default=None,
-        help="weights' and activations' type (default: auto: bfloat16 on GPUs, float32 on CPU)",
-    )
-    engine.add_argument(
-        "--seed", type=int, default=None, metavar="N",
-        help=f"seeds the sampling of requests without a seed of their own (default: {_engine_default('seed')})",
-    )
-    engine.add_argument(
-        "--gpu-memory-utilization", type=float, default=None, metavar="F",
-        help="without --num-blocks: the share of each GPU's memory that may be in use once the KV cache is "
-        f"allocated (weights and all), in (0, 1] (default: {_engine_default('gpu_memory_utilization')})",
-    )
-    engine.add_argument(
-        "--cpu-kv-cache-bytes", type=int, default=None, metavar="N",
-        help=f"without --num-blocks, on CPU: bytes of KV cache per rank (default: {_CPU_KV_CACHE_MIB} MiB)",
-    )
-    engine.add_argument(
-        "--no-prefix-caching", action="store_const", const=False, default=None, dest="enable_prefix_caching",
-        help="never reuse cached blocks of earlier prompts (every prompt is computed in full)",
-    )
-    engine.add_argument(
-        "--no-chunked-prefill", action="store_const", const=False, default=None, dest="enable_chunked_prefill",
-        help="compute each prompt in one step (then --max-num-batched-tokens must be at least --max-model-len)",
-    )
-    engine.add_argument(
-        "--long-prefill-token-threshold", type=int, default=None, metavar="N",
-        help="a prompt's chunk in one step holds at most N tokens, so that long prompts share steps "
-        "(default: no limit but the step's budget)",
-    )
-    engine.add_argument(
-        "--attention-backend", choices=ATTENTION_BACKENDS, default=None,
-        help="the attention kernels (default: the device's: cuda on GPUs, cpu on CPU, torch where "
-        "neither builds)",
-    )
-    engine.add_argument(
-        "--cpu-threads", type=int, default=None, metavar="N",
-        help="torch threads of each CPU rank (default: the cores this process may use, divided among a "
-        "replica's ranks)",
-    )
-    security = parser.add_argument_group("authentication and TLS (both front doors)")
-    security.add_argument(
-        "--auth-token-file", type=Path, default=None, metavar="FILE",
-        help="require 'authorization: Bearer <token>' on every call but health: one token per line, optionally "
-        f"'token tenant-name', each token at least {_MIN_AUTH_TOKEN_CHARS} characters long (e.g. from "
-        "`openssl rand -hex 24`) of A-Z a-z 0-9 - . _ ~ + / (then = padding); '#' starts a comment at the "
-        "start of a line or after whitespace; each tenant gets a prefix cache of its own, and a token without "
-        "a name is a tenant of its own named line-N by its line; read at start-up only (default: no "
-        "authentication; binding a non-loopback --host without it logs a warning)",
-    )
-    security.add_argument(
-        "--monitoring-tenant", action="append", default=[], metavar="NAME", dest="monitoring_tenants",
-        help="with --auth-token-file: only tokens of tenant NAME (repeatable) may read GetStats and /metrics, "
-        "the cluster-wide figures; others get PERMISSION_DENIED / HTTP 403 (default: every tenant's token may)",
-    )
-    security.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
-    security.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the PEM private key of --tls-cert")
-    security.add_argument(
-        "--tls-client-ca", type=Path, default=None, metavar="FILE",
-        help="with --tls-cert: require client certificates signed by this PEM CA (mutual TLS)",
-    )
+    add_engine_arguments(parser)
+    add_security_arguments(parser)
     limits = parser.add_argument_group("per-request limits (refused with INVALID_ARGUMENT / HTTP 400 naming the limit)")
     limits.add_argument(
         "--max-stop-token-ids", type=int, default=DEFAULT_MAX_STOP_TOKEN_IDS, metavar="N",
@@ -355,7 +288,7 @@ def run_serve(args: argparse.Namespace) -> int:
                 max_prompt_tokens=args.max_prompt_tokens,
             ),
             auth_token_file=None if args.auth_token_file is None else str(args.auth_token_file),
-            tls=_tls_files(args),
+            tls=tls_files(args),
             monitoring_tenants=tuple(args.monitoring_tenants),
         )
         if server_config.auth_token_file is not None:
@@ -468,60 +401,6 @@ def run_serve(args: argparse.Namespace) -> int:
     return status
 
 
-def _tls_files(args: argparse.Namespace) -> TlsFiles | None:
-    """``--tls-cert``/``--tls-key``/``--tls-client-ca`` as ``TlsFiles``; ``ValueError`` for a partial set."""
-    if args.tls_cert is None and args.tls_key is None:
-        if args.tls_client_ca is not None:
-            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
-        return None
-    if args.tls_cert is None or args.tls_key is None:
-        raise ValueError("--tls-cert and --tls-key go together")
-    from kvserve.cluster.tls import TlsFiles, check_ca_file, check_key_pair
-
-    try:
-        tls = TlsFiles(
-            str(args.tls_cert), str(args.tls_key), None if args.tls_client_ca is None else str(args.tls_client_ca)
-        )
-    except ValueError as exc:
-        raise ValueError(f"--{str(exc).replace('_', '-', 1)}") from None
-    # NOTE: grpc took files it could not use, and the server failed only after the
-    # cluster's start-up, with "cannot listen on ...: Failed to bind".
-    check_key_pair(tls.cert, tls.key, cert_name="--tls-cert", key_name="--tls-key")
-    if tls.client_ca is not None:
-        check_ca_file(tls.client_ca, name="--tls-client-ca")
-    return tls
-
-
-def security_warnings(config: ServerConfig) -> list[str]:
-    """What ``config`` exposes that start-up should warn of (warnings, not errors: the
-    operator may know better): bearer tokens in clear text off this machine, and
-    secret files that others on this machine may read."""
-    warnings = []
-    if not config.is_loopback and config.auth_token_file is not None and config.tls is None:
-        warnings.append(
-            f"--host {config.host} with --auth-token-file but without --tls-cert: bearer tokens travel in "
-            "clear text, and anyone on the network path can read and replay them"
-        )
-    secrets = [("--auth-token-file", config.auth_token_file), ("--tls-key", config.tls.key if config.tls else None)]
-    for flag, path in secrets:
-        if path is not None and _readable_by_others(path):
-            warnings.append(
-                f"{flag} {path} is open to group or others (mode {_mode(path):o}, a secret's is 600): chmod 600 it"
-            )
-    return warnings
-
-
-def _readable_by_others(path: str) -> bool:
-    try:
-        return _mode(path) & 0o077 != 0
-    except OSError:
-        return False  # the file's own reading tells what is wrong with it
-
-
-def _mode(path: str) -> int:
-    return os.stat(path).st_mode & 0o777
-
-
 def _read_chat_template(path: Path | None) -> str | None:
     """``--chat-template``'s text; ``ValueError`` for a file that cannot be read or is empty."""
     if path is None:
@@ -546,18 +425,6 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     cost_model = cost_model_of_flag(args.cost_model)
     time_scale = 1.0 if args.time_scale is None else args.time_scale
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
-
-
-def engine_config(args: argparse.Namespace, model_dir: str | Path) -> EngineConfig:
-    """The engine settings serve's flags (``args``) give for ``model_dir``; a flag not given keeps the default."""
-    # NOTE: a flag's dest is its setting's name (``--tp``: tensor_parallel_size).
-    settings = {name: getattr(args, name) for name in EngineConfig.field_names() if hasattr(args, name)}
-    return EngineConfig.from_kwargs(str(model_dir), **{k: v for k, v in settings.items() if v is not None})
-
-
-def _engine_default(name: str) -> object:
-    """The default of the engine's setting ``name`` (``EngineConfig``), for --help."""
-    return EngineConfig.default(name)
 
 
 def _flags_of_settings(parser: argparse.ArgumentParser) -> dict[str, str]:

@@ -10,7 +10,7 @@ status codes.  It tokenizes and validates each request, hands it to
 the scheduler actor, and streams the tokens back with their text, decoded
 incrementally.  Remote calls to the actor are few and batched, because each
 costs both sides about a millisecond of CPU: the requests that arrive while
-one ``add_requests`` call is in flight go together in the next, and one
+one ``add_requests`` call is in flight go together in the next (``request_adder``), and one
 background task fetches the outputs of every request (``poll_outputs``, one
 call per batch of steps) and routes them to per-request ``OutputStream``s,
 which pace the messages of each stream (see ``output_stream.py``).  Outputs
@@ -66,7 +66,8 @@ from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, R
 from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.cluster.output_poll import POLL_TIMEOUT_S, OutputPoll
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
-from kvserve.cluster.request_conversion import RequestConversion, client_request_id, to_response
+from kvserve.cluster.request_adder import RequestAdder
+from kvserve.cluster.request_conversion import RequestConversion, client_request_id, to_response, to_stats_response
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.stop_strings import StopStringMatcher
@@ -138,13 +139,13 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         self._streams: dict[str, OutputStream] = {}
         # Requests aborted by their call's end, until their last delta comes (see the module docstring).
         self._draining: dict[str, asyncio.Event] = {}
-        # Requests sent to the scheduler (in an add call) whose call has not ended: only those can drain.
-        self._sent: set[str] = set()
         # Streams that have not received a token yet: outputs are fetched without pause for them.
         self._awaiting_first: set[str] = set()
         self._pause: asyncio.Future[None] | None = None
-        self._to_add: list[tuple[RequestSpec, asyncio.Future[int]]] = []
-        self._adder: asyncio.Task[None] | None = None
+        # Requests sent to the scheduler in batches.  Its ``sent``: those sent whose call has not
+        # ended, the only ones that can drain; one refused after its call left has no abort to
+        # come back: its drain ends then.
+        self._adder = RequestAdder(scheduler, on_refused_after_leaving=self._end_drain)
         self._scheduler_error: str | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._poll = OutputPoll(scheduler)
@@ -156,11 +157,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             self._dispatcher = asyncio.create_task(self._dispatch_outputs(), name="output-dispatcher")
 
     async def stop(self) -> None:
-        tasks = [task for task in (self._dispatcher, self._adder) if task is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        self._dispatcher = self._adder = None
+        if self._dispatcher is not None:
+            self._dispatcher.cancel()
+            await asyncio.gather(self._dispatcher, return_exceptions=True)
+        self._dispatcher = None
+        await self._adder.stop()
         # The stopped dispatcher's poll goes on in the actor unless ended (output_poll.py).
         last = await self._poll.end()
         if last is not None:
@@ -319,10 +320,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 resolve_waiter(self._pause)  # the interval is shorter now: the next fetch may be due
             if not finished and not stream.ended:  # an ended request has nothing to abort or drain
                 logger.debug("request %s ended early: aborting it", req_id)
-                if req_id in self._sent:  # else it never reached the scheduler: no abort will come back
+                if req_id in self._adder.sent:  # else it never reached the scheduler: no abort will come back
                     self._draining.setdefault(req_id, asyncio.Event())
                 self._abort_quietly([req_id])
-            self._sent.discard(req_id)
+            self._adder.sent.discard(req_id)
 
     async def _stop_request(self, req_id: str, stream: OutputStream) -> RequestDelta:
         """Abort ``req_id``, whose text reached a stop string, and wait for its last delta (its usage)."""
@@ -368,22 +369,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             stats = await self.replica_stats()
         except (PermissionDeniedError, UnauthenticatedError, UnavailableError) as exc:
             await context.abort(exc.grpc_code, str(exc))
-        return generate_pb2.GetStatsResponse(
-            replicas=[
-                generate_pb2.ReplicaStats(
-                    replica=s.replica,
-                    num_running=s.num_running,
-                    num_waiting=s.num_waiting,
-                    kv_cache_usage=s.kv_cache_usage,
-                    prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-                    healthy=s.healthy,
-                    num_kv_blocks=s.num_kv_blocks,
-                    num_failures=s.num_failures,
-                    step_age_seconds=s.step_age_s,
-                )
-                for s in stats
-            ]
-        )
+        return to_stats_response(stats)
 
     # -- protobuf <-> dataclasses (``request_conversion``) -------------------------
 
@@ -399,39 +385,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     # -- requests and outputs ----------------------------------------------------
 
-    async def _add_request(self, spec: RequestSpec) -> int:
-        """Queue ``spec`` for the scheduler; its replica, or the exception it was refused with."""
-        added: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._to_add.append((spec, added))
-        if self._adder is None or self._adder.done():
-            self._adder = asyncio.create_task(self._add_queued_requests(), name="request-adder")
-        # NOTE: a call cancelled here cancels ``added``: a request not sent yet
-        # is dropped; one in flight is aborted by Generate (a call sent after).
-        return await added
-
-    async def _add_queued_requests(self) -> None:
-        """Send the queued requests: all that came while the previous call was in flight go in one."""
-        while self._to_add:
-            batch = [(spec, added) for spec, added in self._to_add if not added.done()]
-            self._to_add = []
-            if not batch:
-                continue
-            self._sent.update(spec.req_id for spec, _ in batch)
-            try:
-                results = await self._scheduler.add_requests.remote([spec for spec, _ in batch])
-            except Exception as exc:  # noqa: BLE001 - every request of the call fails with it
-                results = [exc] * len(batch)
-            for (spec, added), result in zip(batch, results, strict=True):
-                if added.done():
-                    if isinstance(result, Exception):
-                        # Its call ended while this one was in flight, and the scheduler refused it:
-                        # it has no abort to send back.
-                        self._end_drain(spec.req_id)
-                    continue
-                if isinstance(result, Exception):
-                    added.set_exception(result)
-                else:
-                    added.set_result(result)
+    async def _add_request(self, spec: RequestSpec) -> int | None:
+        """Queue ``spec`` for the scheduler (``RequestAdder``); its replica, or the exception it was refused with."""
+        return await self._adder.add(spec)
 
     async def _dispatch_outputs(self) -> None:
         """Fetch every request's outputs from the scheduler and route them to their streams."""

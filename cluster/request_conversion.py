@@ -16,7 +16,7 @@ from typing import Any
 from kvserve.cluster.auth import Tenant, tenant_cache_salt
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
 from kvserve.cluster.frontend_errors import InvalidRequestError
-from kvserve.cluster.messages import ModelInfo, RequestDelta, RequestSpec
+from kvserve.cluster.messages import ModelInfo, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.stop_strings import check_stop_strings
 from kvserve.proto import generate_pb2
@@ -245,3 +245,23 @@ def _max_text_chars(tokenizer: Any | None, max_model_len: int) -> int | None:
         return None
     longest = max((len(token.encode("utf-8")) for token in get_vocab()), default=0)
     return _TEXT_BOUND_FACTOR * max_model_len * longest if longest else None
+
+
+def to_stats_response(stats: list[ReplicaStatsInfo]) -> generate_pb2.GetStatsResponse:
+    """The actor's figures of every replica as ``GetStats`` answers them."""
+    return generate_pb2.GetStatsResponse(
+        replicas=[
+            generate_pb2.ReplicaStats(
+                replica=s.replica,
+                num_running=s.num_running,
+                num_waiting=s.num_waiting,
+                kv_cache_usage=s.kv_cache_usage,
+                prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+                healthy=s.healthy,
+                num_kv_blocks=s.num_kv_blocks,
+                num_failures=s.num_failures,
+                step_age_seconds=s.step_age_s,
+            )
+            for s in stats
+        ]
+    )

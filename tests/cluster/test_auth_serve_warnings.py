@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli import main
-from kvserve.cluster.cli_serve import security_warnings
+from kvserve.cluster.cli_serve_security import security_warnings
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.tls import TlsFiles
 

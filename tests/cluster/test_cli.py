@@ -235,16 +235,16 @@ def test_serve_refuses_an_address_that_is_not_utf8_naming_the_flag(capsys, flag,
 
 def test_serve_help_gives_the_shortest_auth_token_the_server_accepts(capsys, tmp_path):
     from kvserve.cluster.auth import TokenTable
-    from kvserve.cluster.cli_serve import _MIN_AUTH_TOKEN_CHARS
+    from kvserve.cluster.cli_serve_security import MIN_AUTH_TOKEN_CHARS
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
-    assert f"each token at least {_MIN_AUTH_TOKEN_CHARS} characters long" in " ".join(capsys.readouterr().out.split())
+    assert f"each token at least {MIN_AUTH_TOKEN_CHARS} characters long" in " ".join(capsys.readouterr().out.split())
     path = tmp_path / "tokens"
-    path.write_text("a" * _MIN_AUTH_TOKEN_CHARS + "\n")
+    path.write_text("a" * MIN_AUTH_TOKEN_CHARS + "\n")
     assert len(TokenTable.from_file(path)) == 1
-    path.write_text("a" * (_MIN_AUTH_TOKEN_CHARS - 1) + "\n")
-    with pytest.raises(ValueError, match=f"at least {_MIN_AUTH_TOKEN_CHARS} characters"):
+    path.write_text("a" * (MIN_AUTH_TOKEN_CHARS - 1) + "\n")
+    with pytest.raises(ValueError, match=f"at least {MIN_AUTH_TOKEN_CHARS} characters"):
         TokenTable.from_file(path)
 
 
@@ -620,7 +620,7 @@ def test_every_engine_setting_has_a_serve_flag_that_sets_it(tmp_path):
     # dtype, seed, the cache's sizing, prefix caching, chunked prefill, the attention kernels and the CPU
     # threads could be set in-process (LLM(...)) but had no flag and no config-file key.
     from kvserve.cli import build_parser
-    from kvserve.cluster.cli_serve import engine_config
+    from kvserve.cluster.cli_serve_engine import engine_config
     from kvserve.scheduler.engine_config import EngineConfig
 
     args = build_parser().parse_args([
@@ -816,14 +816,14 @@ def test_a_missing_config_file_is_refused(capsys, tmp_path):
 
 
 def test_serve_help_spells_out_the_defaults_of_modules_it_does_not_import() -> None:
-    from kvserve.cluster import cli_serve
+    from kvserve.cluster import cli_serve, cli_serve_engine
     from kvserve.cluster.config import DEFAULT_MAX_MESSAGE_BYTES
     from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
     from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES
 
     assert cli_serve._MAX_MESSAGE_BYTES == DEFAULT_MAX_MESSAGE_BYTES
     assert cli_serve._WORKER_CPU_RESOURCE == WORKER_CPU_RESOURCE
-    assert cli_serve._CPU_KV_CACHE_MIB * 2**20 == DEFAULT_CPU_KV_CACHE_BYTES
+    assert cli_serve_engine.CPU_KV_CACHE_MIB * 2**20 == DEFAULT_CPU_KV_CACHE_BYTES
 
 
 def test_serve_exits_non_zero_at_once_when_the_scheduler_actor_dies(tmp_path, model_dir):
