@@ -43,10 +43,10 @@ from pathlib import Path
 from kvserve import LLM
 from kvserve.bench.arg_types import float_above, int_at_least
 from kvserve.experiments.experiment_report import RunResult, RunSummary, replayed_counts, summarize
-from kvserve.experiments.experiment_setup import parse_key_values
+from kvserve.experiments.experiment_setup import StreamSpec, parse_key_values
 from kvserve.bench.model_source import add_model_arguments, model_dir_for, model_vocab_size
 from kvserve.experiments.report import format_table
-from kvserve.experiments.workloads import WORKLOADS, WorkloadRequest, make_workload
+from kvserve.experiments.workloads import WORKLOADS, WorkloadRequest
 from kvserve.experiments.workloads.registry import TRACE_WORKLOAD
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
@@ -182,11 +182,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model: {exc}")
     try:
         workload_args = dict(parse_key_values(args.workload_arg, "--workload-arg"))
+        burstiness = workload_args.pop("burstiness", 1.0)
         # As kvserve experiment --live does: token ids from the model's vocabulary unless given.
-        given = workload_args.setdefault("vocab_size", vocab_size)
-        if isinstance(given, int) and given > vocab_size:
-            parser.error(f"--workload-arg vocab_size={given} exceeds the model's vocabulary of {vocab_size}")
-        stream = make_workload(args.workload, args.requests, args.qps, seed=args.seed, **workload_args)
+        spec = StreamSpec(args.workload, args.requests, args.seed, burstiness, workload_args)
+        stream = spec.with_vocab_size(vocab_size).at(args.qps)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     longest = max(len(r.prompt_token_ids) + r.output_len for r in stream)

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from kvserve.cluster.cli_values import check_utf8
-from kvserve.cluster.host_port import GRPC_SCHEMES, split_host_port
+from kvserve.cluster.host_port import check_grpc_target
 
 # The request's fields that the server's errors start with -> the arguments that set them.
 _ARGUMENT_OF_FIELD = {
@@ -110,8 +110,10 @@ def _first_token(path: Path | None) -> str | None:
 
 def _tls_ca(path: Path | None) -> Path | None:
     """``--tls-ca``'s file, checked to be readable and to hold a PEM certificate."""
-    if path is not None and b"-----BEGIN CERTIFICATE-----" not in _read_file(path, "--tls-ca"):
-        raise ValueError(f"--tls-ca: {path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)")
+    if path is not None:
+        from kvserve.cluster.tls import read_pem_certificates
+
+        read_pem_certificates(path, name="--tls-ca")
     return path
 
 
@@ -126,23 +128,12 @@ def _check_client_certificate(cert: Path | None, key: Path | None) -> None:
     check_key_pair(cert, key, cert_name="--tls-cert", key_name="--tls-key")
 
 
-def _read_file(path: Path, flag: str) -> bytes:
-    """The bytes of ``flag``'s file; ``ValueError`` naming the flag when it cannot be read."""
-    try:
-        return path.read_bytes()
-    except OSError as exc:
-        raise ValueError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
-
-
 def _target(text: str) -> str:
     """A gRPC target: ``HOST:PORT`` checked, one with a resolver's scheme passed on as is."""
-    if text.startswith(GRPC_SCHEMES):
-        return text
     try:
-        split_host_port(text)
+        return check_grpc_target(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
 
 def _positive_seconds(text: str) -> float:

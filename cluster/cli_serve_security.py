@@ -8,13 +8,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvserve.cluster.auth import MIN_TOKEN_CHARS
+
 if TYPE_CHECKING:
     from kvserve.cluster.config import ServerConfig
     from kvserve.cluster.tls import TlsFiles
 
-# NOTE: the shortest token kvserve.cluster.auth.TokenTable accepts, spelled out so that
-# `kvserve serve --help` imports little (a test keeps the two equal).
-MIN_AUTH_TOKEN_CHARS = 16
 
 
 def add_security_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +22,7 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     security.add_argument(
         "--auth-token-file", type=Path, default=None, metavar="FILE",
         help="require 'authorization: Bearer <token>' on every call but health: one token per line, optionally "
-        f"'token tenant-name', each token at least {MIN_AUTH_TOKEN_CHARS} characters long (e.g. from "
+        f"'token tenant-name', each token at least {MIN_TOKEN_CHARS} characters long (e.g. from "
         "`openssl rand -hex 24`) of A-Z a-z 0-9 - . _ ~ + / (then = padding); '#' starts a comment at the "
         "start of a line or after whitespace; each tenant gets a prefix cache of its own, and a token without "
         "a name is a tenant of its own named line-N by its line; read at start-up only (default: no "

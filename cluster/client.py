@@ -47,7 +47,6 @@ import asyncio
 import math
 import os
 from collections.abc import AsyncIterator, Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -64,8 +63,8 @@ from kvserve.cluster.client_messages import (
     to_generate_request,
     to_replica_stats,
 )
-from kvserve.cluster.host_port import GRPC_SCHEMES, split_host_port
-from kvserve.cluster.tls import check_key_pair
+from kvserve.cluster.host_port import GRPC_SCHEMES, check_grpc_target
+from kvserve.cluster.tls import check_key_pair, read_pem_certificates
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
@@ -91,7 +90,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 # of ~40 s, calls still failed with UNAVAILABLE for 11 s.  A failed attempt on a
 # refused port costs next to nothing, so the wait is capped.
 MAX_RECONNECT_BACKOFF_S = 2.0
-_PEM_CERTIFICATE = b"-----BEGIN CERTIFICATE-----"
 
 
 class _Settings:
@@ -317,15 +315,12 @@ def _check_target(target: str) -> str:
     """
     if not isinstance(target, str):
         raise TypeError(f"target must be a str such as '127.0.0.1:50051', got {type(target).__name__}")
-    if target.startswith(GRPC_SCHEMES):
-        return target
-    if "://" in target:
+    if "://" in target and not target.startswith(GRPC_SCHEMES):  # dns:///host:port is a gRPC target
         raise ValueError(f"target is the server's HOST:PORT, not a URL: got {target!r} (tls_ca=... for TLS)")
     try:
-        split_host_port(target)
+        return check_grpc_target(target)
     except ValueError as exc:
         raise ValueError(f"target: {exc}") from None
-    return target
 
 
 def _check_open(client: Client | AsyncClient) -> None:
@@ -362,7 +357,7 @@ def _tls_credentials(
         raise ValueError("tls_cert and tls_key go together: give both (a client certificate and its key) or neither")
     if tls_ca is None and tls_cert is None:
         return None
-    root_certificates = None if tls_ca is None else _root_certificates(tls_ca)
+    root_certificates = None if tls_ca is None else read_pem_certificates(tls_ca, name="tls_ca")
     if tls_cert is None or tls_key is None:
         return grpc.ssl_channel_credentials(root_certificates=root_certificates)
     # NOTE: grpc takes any bytes here too and fails only at the first call, as UNAVAILABLE;
@@ -372,14 +367,3 @@ def _tls_credentials(
         root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
     )
 
-
-def _root_certificates(tls_ca: str | os.PathLike[str]) -> bytes:
-    try:
-        root_certificates = Path(tls_ca).read_bytes()
-    except OSError as exc:
-        raise ValueError(f"tls_ca: cannot read {os.fspath(tls_ca)}: {exc.strerror or exc}") from None
-    if _PEM_CERTIFICATE not in root_certificates:
-        # NOTE: grpc takes any bytes here and fails every call later with
-        # "UNAVAILABLE: ... Failed to create security handshaker".
-        raise ValueError(f"tls_ca: {os.fspath(tls_ca)} holds no PEM certificate ({_PEM_CERTIFICATE.decode()} ...)")
-    return root_certificates

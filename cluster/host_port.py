@@ -6,6 +6,14 @@ from __future__ import annotations
 GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "xds:")
 
 
+def check_grpc_target(target: str) -> str:
+    """``target`` if it is ``HOST:PORT`` or starts with a resolver's scheme (``GRPC_SCHEMES``), passed on
+    as is; ``ValueError`` (``split_host_port``'s) otherwise."""
+    if not target.startswith(GRPC_SCHEMES):
+        split_host_port(target)
+    return target
+
+
 def split_host_port(address: str) -> tuple[str, int]:
     """``HOST:PORT`` (``[V6]:PORT`` for IPv6) as ``(host, port)``.
 

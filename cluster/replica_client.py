@@ -58,7 +58,7 @@ class GrpcReplicaExecutor:
     """An ``AsyncExecutor`` that sends each plan to the StepWorker servers of every rank.
 
     ``addresses[r]`` is rank ``r``'s ``host:port``; ``secret`` is the one its servers
-    were started with (``None`` for servers started without).  Create it, and use it,
+    were started with.  Create it, and use it,
     on one running event loop (``grpc.aio`` channels belong to their loop).
     ``initialize_cache()`` must run once before the first step; steps are
     answered in the order they were sent (``execute``, or ``launch`` to send one
@@ -70,13 +70,11 @@ class GrpcReplicaExecutor:
         replica_id: int,
         addresses: Sequence[str],
         *,
-        secret: str | None,
+        secret: str,
         step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S,
     ) -> None:
         if not addresses:
             raise ValueError("addresses must name at least one rank")
-        if secret == "":
-            raise ValueError("secret must not be empty")
         if step_timeout_s <= 0:
             raise ValueError(f"step_timeout_s must be > 0, got {step_timeout_s}")
         try:
@@ -86,7 +84,7 @@ class GrpcReplicaExecutor:
         self.replica_id = replica_id
         self.addresses = list(addresses)
         self.step_timeout_s = step_timeout_s
-        self._metadata = bearer_metadata(secret) if secret is not None else None
+        self._metadata = bearer_metadata(secret)
         self._channels = [grpc.aio.insecure_channel(address, options=GRPC_OPTIONS) for address in self.addresses]
         self._stubs = [step_pb2_grpc.StepWorkerStub(channel) for channel in self._channels]
         # NOTE: the plan is serialized once and the same bytes go to every rank,

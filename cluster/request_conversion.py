@@ -21,7 +21,7 @@ from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.stop_strings import check_stop_strings
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.logprobs import TokenLogprobs
-from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids
 
 MAX_REQUEST_ID_LENGTH = 256
 # Room in the quick refusal of text too long to fit (see ``_max_text_chars``).
@@ -137,12 +137,10 @@ class RequestConversion:
 
     def to_sampling_params(self, params: generate_pb2.SamplingParams) -> SamplingParams:
         """``params`` checked against the vocabulary and the limits; ``SamplingParams`` validates the rest."""
-        vocab_size = self._model_info.vocab_size
-        for token_id in params.stop_token_ids:
-            if not 0 <= token_id < vocab_size:
-                raise InvalidRequestError(
-                    f"sampling_params.stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
+        try:
+            check_stop_token_ids(params.stop_token_ids, self._model_info.vocab_size)
+        except ValueError as exc:
+            raise InvalidRequestError(f"sampling_params.{exc}") from None
         if params.stop:
             if self._tokenizer is None:
                 raise InvalidRequestError("sampling_params.stop: stop strings need a tokenizer and this model has none")

@@ -232,23 +232,18 @@ class StepServer:
 
 
 async def start_step_server(
-    runner: StepRunner, thread: ThreadPoolExecutor, host: str, *, secret: str | None
+    runner: StepRunner, thread: ThreadPoolExecutor, host: str, *, secret: str
 ) -> tuple[StepServer, str]:
     """Start a StepWorker server for ``runner`` on ``host`` and a free port; returns it and ``host:port``.
 
     ``thread`` is the rank's worker thread, a ``ThreadPoolExecutor`` of one
     thread: the server runs every RPC on it, so every call into ``runner``
-    runs there.  Every call must carry ``secret`` (module docstring); ``None``
-    serves anyone who can reach ``host``, for a caller that knows no one else can.
+    runs there.  Every call must carry ``secret`` (module docstring).
     """
-    if secret is None:
-        interceptors = []
-        logger.warning("the StepWorker server on %s takes calls without a secret", host)
-    elif not secret:
+    if not secret:
         raise ValueError("a StepWorker server's secret must not be empty")
-    else:
-        interceptors = [ThreadedBearerTokenInterceptor(TokenTable({secret: "replica"}))]
-    server = grpc.server(thread, interceptors=interceptors, options=GRPC_OPTIONS)
+    interceptor = ThreadedBearerTokenInterceptor(TokenTable({secret: "replica"}))
+    server = grpc.server(thread, interceptors=[interceptor], options=GRPC_OPTIONS)
     step_pb2_grpc.add_StepWorkerServicer_to_server(StepWorkerServicer(runner), server)
     port = server.add_insecure_port(join_host_port(host, 0))
     if port == 0:

@@ -15,7 +15,7 @@ from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import FinishReason, Request
-from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
@@ -144,10 +144,7 @@ class LLM:
                 )
         vocab_size = self.model_config.vocab_size
         for params in params_list:
-            # NOTE: as the cluster refuses them: an id the model cannot sample would never stop anything.
-            bad = next((t for t in params.stop_token_ids if t >= vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
+            check_stop_token_ids(params.stop_token_ids, vocab_size)  # as the cluster checks them
         requests: dict[str, Request] = {}
         try:
             for prompt, params in zip(prompt_list, params_list):

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 # The most alternatives a request may ask for at each position (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
+
+
+def check_stop_token_ids(stop_token_ids: Iterable[int], vocab_size: int) -> None:
+    """``ValueError`` naming the first stop token id outside the vocabulary ``[0, vocab_size)``:
+    an id the model cannot sample would never stop anything."""
+    for token_id in stop_token_ids:
+        if not 0 <= token_id < vocab_size:
+            raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True, slots=True)

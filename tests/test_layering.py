@@ -34,6 +34,8 @@ def imports_of(path: Path) -> list[tuple[str, int]]:
         elif isinstance(node, ast.ImportFrom):
             assert node.level == 0, f"{path}:{node.lineno}: a relative import (the table is checked on absolute ones)"
             found.append((node.module, node.lineno))
+            if node.module == "kvserve":  # `from kvserve import bench` imports the package kvserve.bench
+                found += [(f"kvserve.{alias.name}", node.lineno) for alias in node.names]
     return found
 
 
@@ -72,9 +74,12 @@ def test_the_check_catches_an_upward_import_and_an_unlisted_package(tmp_path, mo
         (fake_root / package).mkdir()
         (fake_root / package / "ok.py").write_text("import json\n")
     (fake_root / "scheduler" / "bad.py").write_text("import yaml\nfrom kvserve.worker.worker import Worker\n")
+    (fake_root / "kvserve" / "bad.py").write_text("from kvserve import bench\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake_root)
     with pytest.raises(AssertionError) as info:
         test_each_package_imports_only_what_its_layer_may("scheduler")
     assert "scheduler/bad.py:1 imports yaml" in str(info.value)
     assert "scheduler/bad.py:2 imports kvserve.worker.worker" in str(info.value)
     test_each_package_imports_only_what_its_layer_may("cluster")  # a lower layer is fine
+    with pytest.raises(AssertionError, match="kvserve/bad.py:1 imports kvserve.bench"):
+        test_each_package_imports_only_what_its_layer_may("kvserve")

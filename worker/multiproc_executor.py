@@ -118,6 +118,8 @@ class MultiprocExecutor:
         self._num_blocks = num_blocks
         self._plans: queue.SimpleQueue[StepPlan | None] = queue.SimpleQueue()
         self._sent_step_ids: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        # The step id of each plan the sender wrote to the ranks' pipes, or failed to (``_send`` waits for it).
+        self._sent_or_failed: queue.SimpleQueue[int] = queue.SimpleQueue()
         # (step id, rank 0's result or the error), in the order the plans were sent.
         self._results: queue.SimpleQueue[tuple[int, StepResult | WorkerProcessError]] = queue.SimpleQueue()
         self._threads = [
@@ -145,8 +147,22 @@ class MultiprocExecutor:
         return PendingRankReplies(self, plan.step_id)
 
     def _send(self, plan: StepPlan) -> None:
+        """Hand ``plan`` to the sender thread, and wait until it wrote it to the ranks' pipes.
+
+        NOTE: the wait blocks, which gives the sender the GIL at once: without it, a caller
+        that goes on planning (async scheduling, its previous result already there) kept
+        the plan from the ranks for up to the interpreter's 5 ms switch interval.  The
+        writes stay on the sender thread, so an interrupt never cuts one in half.
+        """
         self._check_ranks()
         self._plans.put(plan)
+        while True:
+            try:
+                done = self._sent_or_failed.get(timeout=_WAKE_INTERVAL_S)
+            except queue.Empty:
+                continue
+            if done >= plan.step_id:  # smaller: a plan whose wait an exception ended
+                return
 
     def _receive(self, step_id: int) -> StepResult:
         """Rank 0's reply to step ``step_id`` (after every rank's).
@@ -195,6 +211,7 @@ class MultiprocExecutor:
                 self._results.put((plan.step_id, self._failure))
             else:
                 self._sent_step_ids.put(plan.step_id)
+            self._sent_or_failed.put(plan.step_id)
         self._sent_step_ids.put(None)
         for conn in self._conns:
             try:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from itertools import chain
 
 from kvserve.experiments.workloads.request import WorkloadRequest
-from kvserve.scheduler.block_hash import BlockHasher
+from kvserve.scheduler.block_hash import BlockHasher, num_cacheable_blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ def infinite_cache_reference(
     for request in requests:
         prompt = list(request.prompt_token_ids)
         hashes = hasher.hash_token_ids(prompt, request.cache_salt)
-        max_hit = (len(prompt) - 1) // block_size
+        max_hit = num_cacheable_blocks(len(prompt), block_size)
         num_hit = 0
         for block_hash in hashes[:max_hit]:
             if block_hash not in cached:

@@ -12,7 +12,6 @@ import pytest
 
 from kvserve.client import Client
 from kvserve.cluster.config import ClusterConfig, ServerConfig
-from kvserve.cluster.http_server import HttpServer, start_http_server
 from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.request_limits import RequestLimits
 from kvserve.worker.tiny_model import create_tiny_model
@@ -43,7 +42,7 @@ class Served:
 def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     model_dir = create_tiny_model(tmp_path_factory.mktemp("openai-model") / "tiny-llama", "llama", seed=0)
     handle = start_cluster(ClusterConfig.from_kwargs(str(model_dir), block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS))
-    server = http = None
+    server = None
     try:
         config = ServerConfig(
             port=0, http_port=0, stream_interval_s=0.0, max_concurrent_requests=MAX_CONCURRENT_REQUESTS,
@@ -51,14 +50,12 @@ def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
         )
         server = ServerThread(handle, config)
         # The tiny model's tokenizer ships its chat template (worker/tiny_model.py), as real ones do.
-        http: HttpServer = server._run(start_http_server(server.server.frontend, config))
+        http = server.start_http(config)
         yield Served(
             f"http://127.0.0.1:{http.port}", f"127.0.0.1:{server.server.port}", "tiny-llama", server,
             load_tokenizer(model_dir), model_dir,
         )
     finally:
-        if http is not None:
-            server._run(http.stop(grace_s=1.0))
         if server is not None:
             server.stop()
         handle.shutdown()

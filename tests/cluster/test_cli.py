@@ -234,17 +234,16 @@ def test_serve_refuses_an_address_that_is_not_utf8_naming_the_flag(capsys, flag,
 
 
 def test_serve_help_gives_the_shortest_auth_token_the_server_accepts(capsys, tmp_path):
-    from kvserve.cluster.auth import TokenTable
-    from kvserve.cluster.cli_serve_security import MIN_AUTH_TOKEN_CHARS
+    from kvserve.cluster.auth import MIN_TOKEN_CHARS, TokenTable
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
-    assert f"each token at least {MIN_AUTH_TOKEN_CHARS} characters long" in " ".join(capsys.readouterr().out.split())
+    assert f"each token at least {MIN_TOKEN_CHARS} characters long" in " ".join(capsys.readouterr().out.split())
     path = tmp_path / "tokens"
-    path.write_text("a" * MIN_AUTH_TOKEN_CHARS + "\n")
+    path.write_text("a" * MIN_TOKEN_CHARS + "\n")
     assert len(TokenTable.from_file(path)) == 1
-    path.write_text("a" * (MIN_AUTH_TOKEN_CHARS - 1) + "\n")
-    with pytest.raises(ValueError, match=f"at least {MIN_AUTH_TOKEN_CHARS} characters"):
+    path.write_text("a" * (MIN_TOKEN_CHARS - 1) + "\n")
+    with pytest.raises(ValueError, match=f"at least {MIN_TOKEN_CHARS} characters"):
         TokenTable.from_file(path)
 
 

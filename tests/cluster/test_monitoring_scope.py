@@ -18,7 +18,7 @@ from kvserve.cluster.frontend import Frontend
 from kvserve.cluster.messages import ReplicaStatsInfo
 from kvserve.cluster.openai_api import create_app
 from kvserve.proto import generate_pb2
-from tests.cluster.test_frontend_streaming import MODEL_INFO, Aborted, FakeScheduler, _Remote
+from tests.cluster.test_frontend_streaming import MODEL_INFO, Aborted, FakeContext, FakeScheduler, _Remote
 
 OPS, TEAM_B = "ops-token-0123456789", "team-b-token-0123456789"
 TOKENS = TokenTable({OPS: "ops", TEAM_B: "team-b"})
@@ -39,15 +39,12 @@ class StatsScheduler(FakeScheduler):
         self.routing_decisions = _Remote(routing_decisions)
 
 
-class MetadataContext:
+class MetadataContext(FakeContext):
     def __init__(self, token: str | None) -> None:
         self._metadata = () if token is None else (("authorization", f"Bearer {token}"),)
 
     def invocation_metadata(self):
         return self._metadata
-
-    async def abort(self, code, details: str) -> None:
-        raise Aborted(code, details)
 
 
 def with_frontend(scenario, monitoring_tenants: frozenset[str]):

@@ -117,6 +117,14 @@ def test_a_completion_field_sent_as_null_takes_its_default(served: Served, field
     assert response.json()["choices"][0]["logprobs"] is None
 
 
+def test_max_tokens_sent_as_null_is_the_legacy_16_not_the_rest_of_the_context(served: Served):
+    # As a None it would pass validation and mean "the rest of the context": a 200 either way.
+    response = complete(served, max_tokens=None, temperature=0, ignore_eos=True)
+
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 16
+
+
 @pytest.mark.parametrize(
     "field", ["n", "stream", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "max_tokens",
               "max_completion_tokens", "response_format", "tools", "tool_choice", "store", "metadata"],

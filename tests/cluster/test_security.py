@@ -26,7 +26,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvserve.client import Client, RequestError
 from kvserve.cluster.config import ClusterConfig, ServerConfig
 from kvserve.scheduler.engine_config import ParallelConfig
-from kvserve.cluster.http_server import start_http_server
 from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.tls import TlsFiles
@@ -86,18 +85,15 @@ def secured(ray_cluster, tmp_path_factory: pytest.TempPathFactory, tls_files) ->
         simulation=SimulationConfig(cost_model=StepCostModel(a=0.002, b=1e-5, c=1e-4, d=0.0), time_scale=1.0),
     ))
     tls, ca = tls_files
-    server = http = None
+    server = None
     try:
         config = ServerConfig(
             port=0, http_port=0, auth_token_file=str(tokens), tls=tls,
             limits=RequestLimits(max_stop_token_ids=8, max_cache_salt_bytes=16),
         )
         server = ServerThread(handle, config)
-        http = server._run(start_http_server(server.server.frontend, config))
-        yield server, ca, http.port
+        yield server, ca, server.start_http(config).port
     finally:
-        if http is not None:
-            server._run(http.stop(grace_s=1.0))
         if server is not None:
             server.stop()
         handle.shutdown()

@@ -7,8 +7,6 @@ by it, and grpc servers that require client certificates as ``--tls-client-ca`` 
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import socket
 from collections.abc import Iterator
 from concurrent import futures
@@ -18,9 +16,8 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from kvserve.client import AsyncClient, Client, RequestError
 from kvserve.cli import main
@@ -29,6 +26,7 @@ from kvserve.cluster.serve_runtime import api_url
 from kvserve.cluster.server import add_port
 from kvserve.cluster.tls import TlsFiles
 from kvserve.proto import generate_pb2, generate_pb2_grpc
+from tests.cluster.test_security import _certificate as security_certificate
 
 _PEM = serialization.Encoding.PEM
 
@@ -48,21 +46,10 @@ class Pki:
 
 
 def _certificate(subject: str, key, ca_key, *, ca: bool) -> x509.Certificate:
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-        .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kvserve test CA")]))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    """Signed by the test CA; a leaf one names 127.0.0.1 and localhost (test_security's certificates)."""
+    return security_certificate(
+        subject, ca_key, key.public_key(), "kvserve test CA", ca=ca, ip=None if ca else "127.0.0.1"
     )
-    if not ca:
-        names = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
-    return builder.sign(ca_key, hashes.SHA256())
 
 
 def _write_key(path: Path, key, encryption=None) -> Path:

@@ -101,7 +101,7 @@ def test_cpu_threads_leaves_the_callers_torch_threads_as_it_found_them(model_dir
     torch.set_num_threads(2)
     try:
         with LLM(model_dir, cpu_threads=1, device="cpu"):
-            pass
+            assert torch.get_num_threads() == 1  # set while it runs: else "put back" is "never touched"
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
