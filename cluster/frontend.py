@@ -62,7 +62,7 @@ from kvserve.cluster.frontend_errors import (
     UnavailableError,
 )
 from kvserve.cluster.grpc_auth import authorization_header
-from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
+from kvserve.cluster.messages import ClusterStatsInfo, ModelInfo, OutputBatch, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.metrics import FrontendMetrics
 from kvserve.cluster.output_poll import POLL_TIMEOUT_S, OutputPoll
 from kvserve.cluster.output_stream import OutputStream, StreamPacing, resolve_waiter
@@ -339,10 +339,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         except RayActorError as exc:
             raise UnavailableError(remote_error_message(exc)) from None
 
-    async def routing_decisions(self) -> tuple[str, dict[str, int]]:
-        """The routing policy and its decisions by outcome; ``UnavailableError`` once the scheduler is gone."""
+    async def cluster_stats(self) -> ClusterStatsInfo:
+        """The scheduler's cluster-wide figures; ``UnavailableError`` once it is gone."""
         try:
-            return await self._scheduler.routing_decisions.remote()
+            return await self._scheduler.cluster_stats.remote()
         except RayActorError as exc:
             raise UnavailableError(remote_error_message(exc)) from None
 

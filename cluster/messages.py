@@ -128,6 +128,17 @@ class ModelInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterStatsInfo:
+    """The scheduler's cluster-wide figures: the routing policy, the requests it routed by outcome
+    (hit / partial / miss), and how many requests wait for a replica to come back (none can take
+    them now: see ``replica_wait_queue``)."""
+
+    routing_policy: str
+    routing_outcomes: dict[str, int]
+    num_waiting_for_replica: int
+
+
+@dataclass(frozen=True, slots=True)
 class ReplicaStatsInfo:
     replica: int
     num_running: int

@@ -16,9 +16,11 @@ cache can serve, part of it, or none; a request moved off a failed replica is
 routed, and looked up, again), exposed as the counters they are.  A replica
 started again after a failure goes on from its predecessor's counters.  For
 recovery: ``kvserve_replica_healthy``, the failures and the restart tries that
-failed per replica, and ``kvserve_replica_step_age_seconds``, how long a
+failed per replica, ``kvserve_replica_step_age_seconds``, how long a
 replica's oldest step in flight has run (a hung worker's grows until the step
-timeout fails it: alert well below ``--step-timeout``).
+timeout fails it: alert well below ``--step-timeout``), and
+``kvserve_num_requests_waiting_for_replica``, requests held while no replica can
+take them (every replica is down; they fail after ``--max-queue-wait``).
 
 Each ``FrontendMetrics`` has its own registry, so that two servers in one
 process (tests) do not share counters.
@@ -35,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.cluster.frontend_errors import FrontendError
-from kvserve.cluster.messages import ReplicaStatsInfo
+from kvserve.cluster.messages import ClusterStatsInfo, ReplicaStatsInfo
 from kvserve.proto import generate_pb2
 
 __all__ = ["CONTENT_TYPE_LATEST", "FrontendMetrics"]
@@ -90,6 +92,11 @@ class FrontendMetrics:
             "grows until the step timeout fails the replica",
             ["replica"], registry=registry,
         )
+        self.num_requests_waiting_for_replica = Gauge(
+            "kvserve_num_requests_waiting_for_replica",
+            "Requests waiting in the scheduler for a replica to come back (none can take them now); "
+            "each fails after --max-queue-wait", registry=registry,
+        )
         self._scheduler_counters = _SchedulerCounters()
         registry.register(self._scheduler_counters)
 
@@ -141,9 +148,10 @@ class FrontendMetrics:
             self.replica_step_age.labels(replica=replica).set(s.step_age_s)
         self._scheduler_counters.replica_stats = list(stats)
 
-    def set_routing_decisions(self, policy: str, outcomes: dict[str, int]) -> None:
-        """The scheduler's count of routing decisions by outcome, as of this scrape."""
-        self._scheduler_counters.routing = (policy, dict(outcomes))
+    def set_cluster_stats(self, stats: ClusterStatsInfo) -> None:
+        """The scheduler's cluster-wide figures, as of this scrape."""
+        self.num_requests_waiting_for_replica.set(stats.num_waiting_for_replica)
+        self._scheduler_counters.routing = (stats.routing_policy, dict(stats.routing_outcomes))
 
     def exposition(self) -> bytes:
         """The metrics in Prometheus' text format."""

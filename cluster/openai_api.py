@@ -128,7 +128,7 @@ def create_app(
             return frontend_error_response(exc)
         try:
             frontend.metrics.set_replica_stats(await frontend.replica_stats())
-            frontend.metrics.set_routing_decisions(*await frontend.routing_decisions())
+            frontend.metrics.set_cluster_stats(await frontend.cluster_stats())
         except FrontendError:
             pass  # the request metrics still tell what happened; /health says the cluster is gone
         return Response(frontend.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)

@@ -56,7 +56,7 @@ from ray.util.placement_group import PlacementGroup
 from kvserve.cluster.actor_replica import ActorReplica, started
 from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.log_format import show_logs
-from kvserve.cluster.messages import ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
+from kvserve.cluster.messages import ClusterStatsInfo, ModelInfo, OutputBatch, ReplicaStatsInfo, RequestSpec
 from kvserve.cluster.output_mailbox import OutputMailbox
 from kvserve.cluster.output_watchdog import watch_undelivered_outputs
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
@@ -260,9 +260,9 @@ class SchedulerActor:
         replica.wakeup.set()
         return replica.replica_id
 
-    async def routing_decisions(self) -> tuple[str, dict[str, int]]:
-        """The routing policy's name, and how many requests it routed by outcome (hit / partial / miss)."""
-        return self.config.routing, dict(self._routing_outcomes)
+    async def cluster_stats(self) -> ClusterStatsInfo:
+        """The routing policy's name, how many requests it routed by outcome, and how many wait for a replica."""
+        return ClusterStatsInfo(self.config.routing, dict(self._routing_outcomes), len(self._waiting))
 
     async def add_requests(self, specs: Sequence[RequestSpec]) -> list[int | None | Exception]:
         """``add_request`` for each of ``specs`` in one remote call (a front end batches the

@@ -15,7 +15,7 @@ import pytest
 from kvserve.cli import main
 from kvserve.cluster.auth import TokenTable
 from kvserve.cluster.frontend import Frontend
-from kvserve.cluster.messages import ReplicaStatsInfo
+from kvserve.cluster.messages import ClusterStatsInfo, ReplicaStatsInfo
 from kvserve.cluster.openai_api import create_app
 from kvserve.proto import generate_pb2
 from tests.cluster.test_frontend_streaming import MODEL_INFO, Aborted, FakeContext, FakeScheduler, _Remote
@@ -32,11 +32,11 @@ class StatsScheduler(FakeScheduler):
         async def get_stats() -> list[ReplicaStatsInfo]:
             return STATS
 
-        async def routing_decisions() -> tuple[str, dict[str, int]]:
-            return "round_robin", {"miss": 3}
+        async def cluster_stats() -> ClusterStatsInfo:
+            return ClusterStatsInfo("round_robin", {"miss": 3}, num_waiting_for_replica=2)
 
         self.get_stats = _Remote(get_stats)
-        self.routing_decisions = _Remote(routing_decisions)
+        self.cluster_stats = _Remote(cluster_stats)
 
 
 class MetadataContext(FakeContext):
@@ -86,6 +86,8 @@ def test_metrics_answer_only_the_monitoring_tenants_over_http() -> None:
 
     ops, team_b, anonymous = with_frontend(scenario, frozenset({"ops"}))
     assert ops.status_code == 200 and 'kvserve_replica_failures_total{replica="0"} 1.0' in ops.text
+    assert "kvserve_num_requests_waiting_for_replica 2.0" in ops.text
+    assert 'kvserve_routing_decisions_total{outcome="miss",policy="round_robin"} 3.0' in ops.text
     assert team_b.status_code == 403 and team_b.json()["error"]["type"] == "permission_error"
     assert anonymous.status_code == 401
 

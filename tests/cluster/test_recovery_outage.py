@@ -53,19 +53,23 @@ class OutageCluster(Cluster):
 def test_a_request_added_while_the_only_replica_is_down_waits_and_is_served_once_it_is_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def scenario() -> tuple[int | None, int, RequestDelta]:
+    async def scenario() -> tuple[int | None, int, list[int], RequestDelta]:
         cluster = OutageCluster(monkeypatch)
         await cluster.outage()
+        waiting = [(await cluster.actor.cluster_stats()).num_waiting_for_replica]
         added = await cluster.actor.add_request(RequestSpec("r", [1, 2, 3], PARAMS))
+        waiting.append((await cluster.actor.cluster_stats()).num_waiting_for_replica)
         while_down = len(await cluster.actor.poll_outputs(0.05))
         cluster.back.set()
         last = (await last_deltas(cluster.actor, {"r"}))["r"]
+        waiting.append((await cluster.actor.cluster_stats()).num_waiting_for_replica)
         await cluster.actor.shutdown()
-        return added, while_down, last
+        return added, while_down, waiting, last
 
-    added, while_down, last = asyncio.run(scenario())
+    added, while_down, waiting, last = asyncio.run(scenario())
     assert added is None  # it waits: no replica yet
     assert while_down == 0
+    assert waiting == [0, 1, 0]  # kvserve_num_requests_waiting_for_replica's figure
     assert (last.error, last.finish_reason, last.replica) == (None, "length", 0)
     assert last.token_ids == [7] * 6 and last.num_output_tokens == 6
 
