@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -46,3 +47,12 @@ def positive_ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
+
+
+def model_directory(text: str) -> Path:
+    """An argparse ``type``: a directory with a ``config.json`` (a model to load), else a usage error."""
+    path = Path(text)
+    if not (path / "config.json").is_file():
+        reason = "no such directory" if not path.is_dir() else "it has no config.json"
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model directory: {reason}")
+    return path

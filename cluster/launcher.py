@@ -93,6 +93,9 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
             # It waits on the network and the workers; it needs no core of its own.
             num_cpus=0,
             max_restarts=0,
+            # NOTE: Ray's GCS would keep a record of every call (3-4 per request served: adds, polls,
+            # aborts), about 11 KB each, up to 100,000 of them: its memory grew without bound in a soak.
+            enable_task_events=False,
             # Next to the front end (this process), whose every poll it answers.
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
         )

@@ -45,6 +45,8 @@ __all__ = ["CONTENT_TYPE_LATEST", "FrontendMetrics"]
 # Client-closed request (nginx's convention): the call or connection ended before the answer.
 CLIENT_LEFT = "499"
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+# A first token can wait for a replica to come back, up to --max-queue-wait (30 s by default).
+_TTFT_BUCKETS_S = _LATENCY_BUCKETS_S + (20.0, 30.0, 60.0)
 _E2E_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
@@ -63,7 +65,7 @@ class FrontendMetrics:
         )
         self.time_to_first_token = Histogram(
             "kvserve_time_to_first_token_seconds", "From a request's arrival to its first token",
-            buckets=_LATENCY_BUCKETS_S, registry=registry,
+            buckets=_TTFT_BUCKETS_S, registry=registry,
         )
         self.inter_token_latency = Histogram(
             "kvserve_inter_token_latency_seconds", "Time per output token after the first",

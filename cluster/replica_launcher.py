@@ -175,6 +175,8 @@ def _create_actor(replica_id: int, rank: int, kind: DeviceKind, group: Placement
         namespace=RAY_NAMESPACE,
         num_cpus=0,
         max_restarts=0,
+        # No record in Ray's GCS of each call (liveness checks, restarts): see the scheduler actor's.
+        enable_task_events=False,
         scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=rank),
         **device_options,
     ).remote(replica_id, rank)

@@ -290,6 +290,24 @@ def test_concurrent_streams_generate_exactly_what_the_in_process_engine_does(ser
     wait_until_pools_are_full(served)
 
 
+def test_the_clusters_actors_leave_no_record_of_their_calls_in_rays_gcs(served: Served):
+    """Ray's GCS keeps an event per actor call unless told not to: 3-4 calls per request served,
+    about 11 KB each, up to 100,000 of them (its memory grew linearly in a soak test)."""
+    from ray._private.state import state as ray_state
+
+    params = generate_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert sum(len(m.token_ids) for m in collect(served.stub.Generate(request("events", params)))) == 4
+    actors = [served.handle.scheduler] + [
+        ray.get_actor(worker_actor_name(replica, rank), namespace=RAY_NAMESPACE)
+        for replica in range(NUM_REPLICAS) for rank in range(TP_SIZE)
+    ]
+    ids = {actor._actor_id.binary() for actor in actors}
+    time.sleep(1.5)  # workers send their task events to the GCS once a second
+    events = ray_state._get_all_task_events()
+    assert events  # the driver's own calls are recorded: the query itself works
+    assert [e.task_info.name for e in events if e.task_info.actor_id in ids] == []
+
+
 def test_a_stream_interval_sends_the_tokens_of_several_steps_per_message(served: Served):
     params = generate_pb2.SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     messages = collect(served.stub.Generate(request("batched", params), timeout=RPC_TIMEOUT_S))

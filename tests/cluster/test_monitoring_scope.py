@@ -109,3 +109,21 @@ def test_serve_refuses_a_monitoring_tenant_the_token_file_does_not_have_or_no_to
     )
     assert main(["serve", "--monitoring-tenant", "ops"]) == 2
     assert "--monitoring-tenant needs an auth token file" in capsys.readouterr().err
+
+
+def test_time_to_first_token_buckets_reach_past_the_longest_wait_for_a_replica() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvserve.cluster.config import ClusterConfig
+    from kvserve.cluster.metrics import FrontendMetrics
+
+    metrics = FrontendMetrics()
+    metrics.time_to_first_token.observe(25.0)  # waited out most of a total outage
+    family = next(
+        f for f in text_string_to_metric_families(metrics.exposition().decode())
+        if f.name == "kvserve_time_to_first_token_seconds"
+    )
+    bounds = {float(s.labels["le"]): s.value for s in family.samples if s.name.endswith("_bucket")}
+    default_wait_s = ClusterConfig.from_kwargs("/models/m").max_queue_wait_s
+    assert max(b for b in bounds if b != float("inf")) >= default_wait_s
+    assert bounds[30.0] == 1 and bounds[20.0] == 0
