@@ -56,3 +56,20 @@ def model_directory(text: str) -> Path:
         reason = "no such directory" if not path.is_dir() else "it has no config.json"
         raise argparse.ArgumentTypeError(f"{text!r} is not a model directory: {reason}")
     return path
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why a file cannot be written at ``path`` (checked by opening it to append, as a benchmark's
+    output will be; a file this creates is removed again), or ``None`` if it can: checked before the
+    minutes of measuring rather than after them."""
+    if path.is_dir() or not path.parent.is_dir():
+        return "not a file in an existing directory"
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        path.unlink()
+    return None

@@ -30,12 +30,13 @@ import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvserve.bench.arg_types import int_at_least, positive_ints
+from kvserve.bench.arg_types import int_at_least, positive_ints, unwritable_reason
 from kvserve.experiments.report import format_table
 from kvserve.kernels import AttentionMetadata, build_attention_metadata
 from kvserve.kernels.attention_metadata import attention_metadata_from_arrays
@@ -66,6 +67,7 @@ class DecodeResult:
     graphs: bool
 
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=positive_ints, default="1,16,64,256",
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", action="store_true", help="also time chunked prefill against the reference")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
+    if args.json is not None and (reason := unwritable_reason(Path(args.json))) is not None:
+        parser.error(f"--json {args.json}: {reason}")  # before the minutes of measuring, not after
     if not torch.cuda.is_available():
         print(
             f"kvserve.bench.attention needs a CUDA device, and none is visible "

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import tempfile
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from kvserve import LLM
-from kvserve.bench.arg_types import int_at_least, positive_ints
+from kvserve.bench.arg_types import int_at_least, positive_ints, unwritable_reason
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.experiments.report import format_table
 from kvserve.scheduler.simulation.calibration import CalibrationGrid, calibrate
@@ -56,18 +57,20 @@ def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
         ["prefill tok", "decodes", "context tok", "measured ms", "model ms", "error"], rows
     )
     summary = format_table(
-        ["model", "mean relative error", "ratio to constant"],
+        ["model", "mean relative error (lower is better)", "ratio to constant (below 1: the fit is better)"],
         [["fitted linear", f"{fit_error:.1%}", f"{fit_error / constant_error:.2f}x"],
          ["constant (baseline)", f"{constant_error:.1%}", "1.00x"]],
     )
     return f"{table}\n\n{summary}"
 
 
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="where to write the cost model JSON")
     add_model_arguments(parser)
-    parser.add_argument("--block-size", type=int_at_least(1), default=16)
+    parser.add_argument("--block-size", type=int_at_least(1), default=16,
+                        help="tokens per KV block of the replica timed (default 16)")
     parser.add_argument("--quick", action="store_true", help="a small grid (seconds on a CPU)")
     defaults = CalibrationGrid()
     for name, help_text in (("prefill_lengths", "prompt lengths timed as pure prefills"),
@@ -77,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                             help=f"{help_text}, comma-separated (default {','.join(map(str, getattr(defaults, name)))})")
     parser.add_argument("--repeats", type=int_at_least(1), metavar="N",
                         help=f"times each shape is measured (default {defaults.repeats})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int_at_least(0), default=0,
+                        help="seed of the model's weights and the timed prompts (default 0)")
     parser.add_argument("--threads", type=int_at_least(1), help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
     grid = QUICK_GRID if args.quick else defaults
@@ -89,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     if num_shapes < 4:
         parser.error(f"the grid gives {num_shapes} step shapes and fitting 4 coefficients needs 4: add a prefill "
                      "length, a decode batch or a context length")
-    if args.out.is_dir() or not args.out.parent.is_dir():
-        parser.error(f"--out {args.out}: not a file in an existing directory")
+    if (reason := unwritable_reason(args.out)) is not None:
+        parser.error(f"--out {args.out}: {reason}")
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -109,12 +113,18 @@ def main(argv: list[str] | None = None) -> int:
             )
         finally:
             llm.shutdown()
-    model.save(args.out)
     timed = args.model or (f"a {args.shape}-shaped model" if args.shape else "a tiny Llama")
     print(f"calibrated on {timed} ({len(samples)} step shapes)")
     print(describe_fit(model, samples))
     print(f"a={model.a:.4g} s  b={model.b:.4g} s/prefill token  c={model.c:.4g} s/decode  "
-          f"d={model.d:.4g} s/context token -> {args.out}")
+          f"d={model.d:.4g} s/context token", flush=True)
+    # Printed first: a save that fails now (the file changed since the check) loses no measurement.
+    try:
+        model.save(args.out)
+    except OSError as exc:
+        print(f"could not write --out {args.out}: {exc.strerror or exc}; the fit is printed above", file=sys.stderr)
+        return 1
+    print(f"saved to {args.out}")
     return 0
 
 

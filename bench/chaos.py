@@ -35,9 +35,10 @@ its own (greedy requests, EOS ignored):
 
 The kills by name and the PID lookups go through a Ray driver in a child process, connected to
 serve's Ray instance (its GCS address is on serve's Ray daemons' command lines).  Every scenario
-is bounded in time; one that breaks or times out is a failed row, and the next still run.
-Prints progress, then one table (scenario, sent, ok, expected, observed, pass/FAIL) and notes
-under it.  Exits 1 when a check failed or serve or the Ray driver could not start, 2 on bad flags.
+is bounded in time; one that breaks or times out is a failed row, and the next still run; one that
+sent nothing (no odd case among a few ``--fuzz-requests``) is NOT EXERCISED, a failure too: exit
+code 0 vouches for every check.  Prints progress, then one table and notes under it.  Exits 1 when
+a check failed or was not exercised, or serve or the Ray driver could not start, 2 on bad flags.
 Loopback only; a few minutes on 2 cores.
 """
 
@@ -87,7 +88,8 @@ SCENARIO_TIMEOUT_S = 240.0
 
 @dataclass(frozen=True, slots=True)
 class Check:
-    """One row of the table: one check of one scenario (``sent``/``ok`` None where no requests count)."""
+    """One row of the table: one check of one scenario (``sent``/``ok`` None where no requests count);
+    ``passed``: observed as expected, but one that sent none (``sent`` 0) was not exercised and fails."""
 
     scenario: str
     sent: int | None
@@ -95,6 +97,10 @@ class Check:
     expected: str
     observed: str
     passed: bool
+
+    @property
+    def result(self) -> str:
+        return "NOT EXERCISED" if self.sent == 0 else "pass" if self.passed else "FAIL"
 
 
 # A scenario's rows, and its notes for under the table.
@@ -107,8 +113,7 @@ def table(checks: list[Check]) -> str:
 
     return format_table(
         ["scenario", "sent", "ok", "expected", "observed", "result"],
-        [[c.scenario, count(c.sent), count(c.ok), c.expected, c.observed, "pass" if c.passed else "FAIL"]
-         for c in checks],
+        [[c.scenario, count(c.sent), count(c.ok), c.expected, c.observed, c.result] for c in checks],
     )
 
 
@@ -398,8 +403,8 @@ async def bounded(name: str, scenario: Coroutine[Any, Any, Outcome], timeout_s: 
         checks, notes = [Check(name, None, None, f"done < {timeout_s:.0f} s", "timed out", False)], []
     except Exception as exc:  # noqa: BLE001 - a scenario that breaks is a failed row; the next ones still run
         checks, notes = [Check(name, None, None, "completes", f"{type(exc).__name__}: {exc}"[:160], False)], []
-    print(f"{name}: {sum(c.passed for c in checks)}/{len(checks)} checks passed in {time.monotonic() - start:.0f} s",
-          flush=True)
+    passed = [c.result for c in checks].count("pass")
+    print(f"{name}: {passed}/{len(checks)} checks passed in {time.monotonic() - start:.0f} s", flush=True)
     return checks, notes
 
 
@@ -485,9 +490,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(checks))
     for note in notes:
         print(note)
-    failed = sum(not c.passed for c in checks)
-    print(f"\n{len(checks) - failed}/{len(checks)} checks passed", flush=True)
-    return 1 if failed else 0
+    idle = [c.scenario for c in checks if c.result == "NOT EXERCISED"]
+    print(f"\n{sum(c.result == 'pass' for c in checks)}/{len(checks)} checks passed"
+          + (f"; not exercised (sent nothing): {', '.join(idle)}: raise --fuzz-requests" if idle else ""), flush=True)
+    return 0 if all(c.result == "pass" for c in checks) else 1
 
 
 if __name__ == "__main__":

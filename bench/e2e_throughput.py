@@ -50,7 +50,7 @@ from contextlib import contextmanager
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from kvserve.bench.arg_types import float_above, int_at_least
+from kvserve.bench.arg_types import float_above, int_at_least, model_directory
 from kvserve.experiments.report import format_table
 
 BLOCK_SIZE = 16
@@ -226,12 +226,17 @@ def time_cluster(
         server_loop.run(server.stop(grace_s=1.0))
 
 
+def best_round(runs: list[tuple[float, float, list[int]]]) -> tuple[float, float, list[int]]:
+    """The fastest of ``runs`` (seconds, CPU seconds, messages per stream), whole: its figures belong together."""
+    return min(runs, key=lambda run: run[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     from kvserve.cluster.config import ServerConfig
 
     defaults = ServerConfig()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
+    parser.add_argument("--model", type=model_directory, help="model directory (default: a fresh tiny Llama)")
     parser.add_argument("--num-requests", type=int_at_least(1), default=256, help="concurrent requests (default: 256)")
     parser.add_argument("--threads", type=int_at_least(1), default=1,
                         help="torch threads of the model, in both runs (default: 1)")
@@ -272,10 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in max_tokens]
         schedulings = ["plain", "overlapped"] if args.scheduling == "both" else [args.scheduling]
         local_runs: dict[str, list[tuple[float, float]]] = {scheduling: [] for scheduling in schedulings}
-        cluster_runs: dict[tuple[str, str], list[tuple[float, float]]] = {
+        # (seconds, CPU seconds, messages per stream) of each round.
+        cluster_runs: dict[tuple[str, str], list[tuple[float, float, list[int]]]] = {
             (scheduling, label): [] for scheduling in schedulings for label in variants
         }
-        messages: dict[tuple[str, str], list[int]] = {}
         llm = LLM(
             model_dir,
             block_size=BLOCK_SIZE,
@@ -306,10 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                                 elapsed, tokens, num_messages = time_cluster(
                                     handle, server_loop, client, pacing, args.num_requests
                                 )
-                                cluster_runs[scheduling, label].append((elapsed, cpu_clock.seconds() - cpu_start))
+                                cluster_runs[scheduling, label].append(
+                                    (elapsed, cpu_clock.seconds() - cpu_start, num_messages)
+                                )
                                 if tokens != local_tokens:
                                     raise RuntimeError("the cluster generated other tokens than the in-process engine")
-                                messages[scheduling, label] = num_messages
                 finally:
                     server_loop.close()
     load_after = os.getloadavg()[0]
@@ -326,10 +332,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{local_cpu_s / num_generated * 1e6:.0f}",
         ])
         for label in variants:
-            seconds, cpu_s = min(cluster_runs[scheduling, label])
+            # The best round's time, and its messages: the figures of one round.
+            seconds, cpu_s, per_stream = best_round(cluster_runs[scheduling, label])
             rate = num_generated / seconds
             best_rate[scheduling, label] = rate
-            per_stream = messages[scheduling, label]
             rows.append([
                 "cluster over gRPC", scheduling, label, num_generated, f"{seconds:.2f}", f"{rate:.0f}",
                 f"{rate / local_rate:.2f}", f"{sum(per_stream) / len(per_stream):.1f}",

@@ -180,6 +180,11 @@ async def scenario_fuzz(target: str | Endpoint, requests: FuzzedRequests, good_p
                  p99([r.seconds for r in beside]), p99([r.seconds for r in quiet]),
                  divergences([(r, StreamResult(token_ids=expected[i])) for i, r in good])),
     ]
+    rows[0].requirements = [("every one refused with a clear code", not outcome.unclear()),
+                            ("the server alive after", outcome.server_alive)]
+    rows[1].requirements = [("every one served as its plain form", rows[1].correct == rows[1].sent)]
+    rows[2].requirements = [("every one OK with its tokens", rows[2].correct == rows[2].sent),
+                            ("0 blocks in use after idle", blocks == 0)]
     fuzz_s = sum(end - start for start, end in bursts)
     rows[0].notes = fuzz_notes(name, outcome, requests, fuzz_s, plain.token_ids)
     rows[0].notes.append(

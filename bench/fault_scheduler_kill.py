@@ -138,6 +138,14 @@ async def scenario_scheduler_kill(serve: ServeProcess, channel, stub, prompts: l
         p99([r.seconds for r in results if r.code == "OK"]), p99([b.seconds for b in baseline]),
         divergences(list(zip(results, baseline))), kill.notes(name),
     )
+    ended_clearly = sum(scenario.codes[code] for code in ("OK", "UNAVAILABLE"))
+    scenario.requirements = [
+        ("serve exits non-zero", exit_code not in (None, 0)),
+        ("health not SERVING again", kill.first_not_serving_s is not None and not kill.serving_again),
+        ("no process of its session left", not kill.processes_left),
+        ("streams end OK with their tokens or UNAVAILABLE",
+         ended_clearly == scenario.sent and scenario.correct == scenario.codes["OK"]),
+    ]
     details = Counter(r.details for r in results if r.code != "OK")
     scenario.notes += [f"{name}: {n} stream(s) ended with: {text}" for text, n in details.most_common(3)]
     return scenario, kill

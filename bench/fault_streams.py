@@ -1,7 +1,8 @@
 """What every fault scenario (``bench/faults.py``) measures: streams, their endings, the table.
 
 A ``Scenario`` is one row of the faults table; ``notes`` are the lines printed
-under it (what a row's columns cannot say: an exit code, a health timeline).
+under it (what a row's columns cannot say: an exit code, a health timeline);
+``requirements`` are what it checks, each with whether it held: the row's verdict.
 An ``Endpoint`` says how a client reaches the server: plaintext, or TLS with a
 bearer token on every call.
 """
@@ -20,6 +21,8 @@ from kvserve.experiments.report import format_table
 from kvserve.proto import generate_pb2
 
 RPC_TIMEOUT_S = 120.0
+# How long a scenario that measures recovery waits for every replica to serve again.
+RECOVERY_TIMEOUT_S = 90.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,34 @@ class Scenario:
     # For each completed stream whose tokens differ from its baseline's: the index of the first difference.
     divergences: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # What the row checks, each with whether it held.
+    requirements: list[tuple[str, bool]] = field(default_factory=list)
+    # Set where the row measures recovery: then a ``recovery_s`` of None means it timed out after this long.
+    recovery_timeout_s: float | None = None
+
+    @property
+    def unmet(self) -> list[str]:
+        return [text for text, met in self.requirements if not met]
+
+    @property
+    def exercised(self) -> bool:
+        """Whether the row sent anything: one that sent nothing checked nothing."""
+        return self.sent > 0
+
+    @property
+    def passed(self) -> bool:
+        return self.exercised and not self.unmet
+
+    def verdict(self) -> str:
+        if self.unmet:
+            return "FAIL: " + "; ".join(self.unmet)
+        return "pass" if self.exercised else "NOT EXERCISED (nothing sent)"
+
+
+def failed_scenario(name: str, exc: BaseException) -> Scenario:
+    """The row of a scenario that raised ``exc`` instead of finishing."""
+    return Scenario(name, 0, None, 0, Counter(), None, None, None, None,
+                    requirements=[(f"completes ({type(exc).__name__}: {exc})"[:200], False)])
 
 
 def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
@@ -157,7 +188,8 @@ async def blocks_in_use(stub, timeout_s: float = 10.0) -> int:
         await asyncio.sleep(0.1)
 
 
-async def until_all_healthy(stub, since: float, timeout_s: float = 90.0) -> float | None:
+async def until_all_healthy(stub, since: float, timeout_s: float = RECOVERY_TIMEOUT_S) -> float | None:
+    """Seconds from ``since`` until every replica is healthy; None when that took over ``timeout_s``."""
     while time.monotonic() - since < timeout_s:
         stats = (await stub.GetStats(generate_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S)).replicas
         if all(s.healthy for s in stats):
@@ -167,20 +199,27 @@ async def until_all_healthy(stub, since: float, timeout_s: float = 90.0) -> floa
 
 
 def table(scenarios: list[Scenario]) -> str:
+    """The faults table: one row per scenario, its verdict last ("-": the column does not apply)."""
+
     def seconds(value: float | None) -> str:
         return "-" if value is None else f"{value:.2f}"
+
+    def recovery(s: Scenario) -> str:
+        if s.recovery_s is None and s.recovery_timeout_s is not None:
+            return f"TIMED OUT (> {s.recovery_timeout_s:.0f})"
+        return seconds(s.recovery_s)
 
     def count(value: int | None) -> str:
         return "-" if value is None else str(value)
 
     rows = [
         [s.name, s.sent, count(s.correct), s.moved, ", ".join(f"{code} {n}" for code, n in sorted(s.codes.items())),
-         count(s.blocks_in_use), seconds(s.recovery_s), seconds(s.p99_s), seconds(s.baseline_p99_s),
-         "-" if not (s.p99_s and s.baseline_p99_s) else f"{s.p99_s / s.baseline_p99_s:.2f}x"]
+         count(s.blocks_in_use), recovery(s), seconds(s.p99_s), seconds(s.baseline_p99_s),
+         "-" if not (s.p99_s and s.baseline_p99_s) else f"{s.p99_s / s.baseline_p99_s:.2f}x", s.verdict()]
         for s in scenarios
     ]
     return format_table(
         ["scenario", "sent", "completed correctly", "moved", "ended with", "blocks in use after idle",
-         "s to full capacity", "p99 s", "baseline p99 s", "p99 vs baseline"],
+         "s to full capacity", "p99 s", "baseline p99 s", "p99 vs baseline", "verdict"],
         rows,
     )

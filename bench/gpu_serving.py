@@ -8,13 +8,15 @@ In one run, on one device:
 a. decode step time at batch 1/16/64/256 (prompts of ``--decode-context`` tokens), eager,
    through CUDA graphs, and through graphs with overlapped (async) scheduling, against the
    floor (weight bytes + K/V bytes read) / read rate; each step is ``engine.step()`` as
-   ``LLM.generate`` runs it (schedule, execute, update);
+   ``LLM.generate`` runs it (schedule, execute, update); each row is printed as it is measured
+   (``bench.decode_steps``);
 b. prefill attention TFLOP/s against dense causal FlashAttention (``bench.prefill_attention``);
 c. the end-to-end workloads of ``bench.serving_workloads`` through ``LLM.generate``, plain and
    with async scheduling, in output tokens/s, against the workload's floor and transformers'
    ``generate`` (static batches of
    ``--hf-batch`` left-padded prompts, the first ``--hf-prompts`` of each workload);
-d. the ``mixed`` workload through ``kvserve serve`` (a local Ray cluster) and gRPC, against (c);
+d. the ``mixed`` workload through ``kvserve serve`` (a local Ray cluster) and gRPC, against (c), once
+   (the server's prefix cache stays warm), on the port the started server says it listens on;
 e. the ``mixed`` workload through the step protocol over gRPC on loopback, plain and with async
    scheduling, against in-process (the same run): ``EngineCore`` over ``GrpcReplicaExecutor`` here,
    a StepWorker server with a ``Worker`` in a child process (``bench.grpc_replica``).  That is the
@@ -23,26 +25,44 @@ e. the ``mixed`` workload through the step protocol over gRPC on loopback, plain
    Outputs must equal in-process's token for token.
 
 Greedy, EOS ignored, bfloat16, random weights (timing depends on shapes, not values).
-``--parts`` picks parts; ``--scale`` shrinks the workloads (a CPU smoke run).
+``--parts`` picks parts; ``--scale`` shrinks the workloads (a CPU smoke run); ``--repeat N`` shows
+the median of N runs in (c) and (e) (default one run: scripts/gpu_check.sh's time limits).
+A part this device cannot run is named and skipped; nothing left to run exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 import torch
 
+from kvserve.bench.arg_types import float_above, int_at_least, positive_ints
+from kvserve.bench.decode_steps import (
+    decode_max_tokens,
+    decode_pool_blocks,
+    decode_row_line,
+    decode_steps,
+    decode_table_head,
+    kernel_breakdown,
+)
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
-from kvserve.experiments.report import format_table
 from kvserve.bench.serving_workloads import Workload, make_workloads, model_cost, workload_floor_s
+from kvserve.experiments.report import format_table
+
+PARTS = "abcde"
+# The engine's settings (its defaults) that part (a)'s pool size rests on.
+BLOCK_SIZE = 16
+MAX_NUM_BATCHED_TOKENS = 2048
+# A CPU run's KV pool for parts (c)-(e), where preemption only slows a workload down; part (a)
+# may need more (``decode_pool_blocks``).
+CPU_WORKLOAD_BLOCKS = 4096
 
 
 def ceilings() -> tuple[float, float]:
@@ -56,188 +76,41 @@ def ceilings() -> tuple[float, float]:
     return read_gbps * 1e9, 2 * 8192**3 / (mm_us * 1e-6)
 
 
-def decode_steps(llm, batches: list[int], context: int, vocab: int, steps: int, cost, read_rate: float | None):
-    """Rows of part (a): per batch, the median eager and graphed step time and its floor."""
-    engine, worker = llm.engine, llm.engine.executor.worker
-    graphs = worker.decode_graphs
-    rows = []
-    for batch in batches:
-        req_ids = _start_decoding(engine, batch, context, vocab, steps, f"decode-{batch}", seed=batch)
-        tokens_before = sum(r.num_tokens for r in engine.scheduler.running)
-        times = {}
-        for mode in ("eager", "graphed", "overlapped"):
-            if mode != "eager" and graphs is None:
-                continue
-            worker.decode_graphs = None if mode == "eager" else graphs
-            engine.async_scheduling = mode == "overlapped"
-            for _ in range(2):
-                engine.step()
-            samples = []
-            for _ in range(steps):
-                start = time.perf_counter()
-                engine.step()
-                samples.append(time.perf_counter() - start)
-            times[mode] = statistics.median(samples) * 1e3
-        worker.decode_graphs = graphs
-        running = engine.scheduler.running
-        if len(running) != batch:
-            raise RuntimeError(f"{batch - len(running)} of {batch} requests ended while their steps were timed")
-        tokens_after = sum(r.num_tokens for r in running)
-        _abort_all(engine, req_ids)
-        engine.async_scheduling = False
-        floor_ms = None
-        if read_rate is not None:  # K/V read by a step: the mean of the tokens held while timed
-            kv_bytes = (tokens_before + tokens_after) / 2 * cost.kv_bytes_per_token
-            floor_ms = (cost.weight_bytes + kv_bytes) / read_rate * 1e3
-        best = min(times.values())
-        rows.append([batch, f"{times['eager']:.2f}", *(f"{times[m]:.2f}" if m in times else "-" for m in ("graphed", "overlapped")),
-                     f"{floor_ms:.2f}" if floor_ms else "-", f"{best / floor_ms:.2f}" if floor_ms else "-"])
-    return rows
-
-
-def _start_decoding(engine, batch: int, context: int, vocab: int, steps: int, tag: str, seed: int) -> list[str]:
-    """``batch`` requests of ``context`` random tokens (none shared with another ``seed``'s),
-    stepped until every one is decoding."""
-    from kvserve import SamplingParams
-    from kvserve.scheduler.request import Request
-
-    generator = torch.Generator().manual_seed(seed)
-    req_ids = []
-    # Enough tokens that no request ends while its batch is timed: the first prompts start
-    # decoding while the last ones are still prefilled.
-    budget = engine.scheduler.scheduler_config.max_num_batched_tokens
-    max_tokens = 4 * steps + 8 + -(-batch * context // budget)
-    for i in range(batch):
-        prompt = torch.randint(3, vocab, (context,), generator=generator).tolist()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        request = Request(f"{tag}-{i}", prompt, params)
-        engine.add_request(request)
-        req_ids.append(request.req_id)
-    started: set[str] = set()
-    while len(started) < batch:
-        started.update(output.req_id for output in engine.step())
-    return req_ids
-
-
-def _abort_all(engine, req_ids: list[str]) -> None:
-    engine.abort_requests(req_ids)
-    while engine.has_unfinished_requests():  # with async scheduling on: the step in flight too
-        engine.step()
-
-
-def host_breakdown(engine, worker, steps: int) -> list[str]:
-    """Per step, the host's microseconds in planning, launching, waiting for the samples and
-    updating, and whether any launch synchronised with the device (torch's sync debug mode)."""
-    from kvserve.worker.worker import LaunchedStep
-
-    spent = {"plan": 0.0, "launch": 0.0, "wait": 0.0, "update": 0.0}
-    syncs = []
-
-    def timed(name, function):
-        def call(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - start
-        return call
-
-    launch = worker.launch
-
-    def launch_checked(plan):
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                return launch(plan)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-            syncs.extend(str(w.message).splitlines()[0][:100] for w in caught if "synchroniz" in str(w.message))
-
-    result = LaunchedStep.result
-    engine.begin_step, engine.finish_step = timed("plan", engine.begin_step), timed("update", engine.finish_step)
-    worker.launch = timed("launch", launch_checked)
-    LaunchedStep.result = timed("wait", result)
-    try:
-        start = time.perf_counter()
-        for _ in range(steps):
-            engine.step()
-        wall = time.perf_counter() - start
-    finally:
-        del engine.begin_step, engine.finish_step, worker.launch
-        LaunchedStep.result = result
-    parts = ", ".join(f"{name} {seconds / steps * 1e6:.0f}" for name, seconds in spent.items())
-    return [f"host us per step: {parts}; step {wall / steps * 1e6:.0f}",
-            f"synchronising calls in launches: {len(syncs)} in {steps} steps" + (f" ({syncs[0]})" if syncs else "")]
-
-
-def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 12) -> str:
-    """Where a decode step's time goes at ``batch``: the host's parts, and the ``top`` kernels
-    by device time per step (eager and graphed, through torch's profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    engine, worker = llm.engine, llm.engine.executor.worker
-    graphs = worker.decode_graphs
-    req_ids = _start_decoding(engine, batch, context, vocab, 2 * steps + 4, "profile", seed=100_003)
-    lines = []
-    for mode in ("eager", "graphed", "overlapped"):
-        if mode != "eager" and graphs is None:
-            continue
-        worker.decode_graphs = None if mode == "eager" else graphs
-        engine.async_scheduling = mode == "overlapped"
-        engine.step()
-        lines.append(f"\n{mode}, batch {batch}: " + "; ".join(host_breakdown(engine, worker, steps)))
-        if mode == "overlapped":
-            continue
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-            wall_us = (time.perf_counter() - start) / steps * 1e6
-        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        device_us = lambda e: getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0.0)  # noqa: E731
-        kernels.sort(key=device_us, reverse=True)
-        total = sum(device_us(e) for e in kernels) / steps
-        launches = sum(e.count for e in kernels) / steps
-        rows = [[e.key[:70], f"{e.count / steps:.0f}", f"{device_us(e) / steps:.0f}",
-                 f"{device_us(e) / steps / total:.1%}" if total else "-"] for e in kernels[:top]]
-        lines.append(f"profiled: step {wall_us:.0f} us wall, {total:.0f} us of kernels in {launches:.0f} launches\n")
-        lines.append(format_table(["kernel", "per step", "us / step", "share"], rows))
-    worker.decode_graphs = graphs
-    _abort_all(engine, req_ids)
-    engine.async_scheduling = False
-    return "\n".join(lines)
-
-
-def run_kvserve(llm, workload: Workload, async_scheduling: bool = False) -> tuple[float, list[list[int]]]:
-    """Seconds for ``workload`` through ``llm.generate``, and every request's output tokens."""
+def run_kvserve(llm, workload: Workload, async_scheduling: bool = False,
+                repeat: int = 1) -> tuple[float, list[list[int]]]:
+    """The median seconds of ``repeat`` runs of ``workload`` through ``llm.generate``, and the first
+    run's output tokens of every request."""
     return _timed_run(llm.engine, lambda prompts, params: [o.token_ids for o in llm.generate(prompts, params)],
-                      workload, async_scheduling)
+                      workload, async_scheduling, repeat)
 
 
-def _timed_run(engine, generate, workload: Workload, async_scheduling: bool) -> tuple[float, list[list[int]]]:
-    """``generate(prompts, params)`` of ``workload`` on ``engine``, greedy, from a cold prefix cache."""
+def _timed_run(engine, generate, workload: Workload, async_scheduling: bool,
+               repeat: int = 1) -> tuple[float, list[list[int]]]:
+    """The median seconds of ``repeat`` runs of ``generate(prompts, params)`` of ``workload`` on
+    ``engine``, greedy, each from a cold prefix cache; and the first run's outputs."""
     from kvserve import SamplingParams
 
     engine.async_scheduling = async_scheduling  # nothing is in flight between runs
-    # Every run starts from a cold prefix cache: the runs share their prompts.
-    if not engine.scheduler.kv_cache_manager.reset_prefix_cache():
-        raise RuntimeError("the prefix cache could not be reset: blocks are still in use")
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.max_tokens]
-    start = time.perf_counter()
-    token_ids = generate(workload.prompts, params)
-    elapsed = time.perf_counter() - start
-    if [len(t) for t in token_ids] != workload.max_tokens:
-        raise RuntimeError(f"{workload.name}: kvserve generated a different number of tokens than asked")
-    return elapsed, token_ids
+    seconds, outputs = [], []
+    for _ in range(repeat):
+        # Every run starts from a cold prefix cache: the runs share their prompts.
+        if not engine.scheduler.kv_cache_manager.reset_prefix_cache():
+            raise RuntimeError("the prefix cache could not be reset: blocks are still in use")
+        start = time.perf_counter()
+        token_ids = generate(workload.prompts, params)
+        seconds.append(time.perf_counter() - start)
+        if [len(t) for t in token_ids] != workload.max_tokens:
+            raise RuntimeError(f"{workload.name}: kvserve generated a different number of tokens than asked")
+        outputs = outputs or token_ids
+    return statistics.median(seconds), outputs
 
 
 def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Workload,
-                      in_process: dict[bool, tuple[float, list[list[int]]]]) -> list[list[str]]:
+                      in_process: dict[bool, tuple[float, list[list[int]]]], repeat: int = 1) -> list[list[str]]:
     """Rows of part (e): ``workload`` through a replica over the step protocol (``bench.grpc_replica``),
-    plain and with async scheduling, against ``in_process[async_scheduling]`` = (seconds, outputs).
+    plain and with async scheduling, the median of ``repeat`` runs each, against
+    ``in_process[async_scheduling]`` = (seconds, outputs).
 
     The worker has the in-process replica's settings and block count, so the scheduler makes the
     same plans; ``RuntimeError`` unless every output equals in-process's token for token.
@@ -257,7 +130,8 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
         try:
             for async_scheduling in (False, True):
                 _timed_run(replica.engine, replica.generate, warm_up(workload), async_scheduling)
-                over_grpc[async_scheduling] = _timed_run(replica.engine, replica.generate, workload, async_scheduling)
+                over_grpc[async_scheduling] = _timed_run(replica.engine, replica.generate, workload, async_scheduling,
+                                                         repeat)
         finally:
             replica.close()
     rows = []
@@ -317,19 +191,18 @@ def run_transformers(model_dir: Path, workloads: list[Workload], count: int, bat
 
 
 def run_grpc(model_dir: Path, workload: Workload, port: int, device: str, timeout_s: float) -> float:
-    """Seconds for ``workload`` through a ``kvserve serve`` subprocess, all streams at once."""
+    """Seconds for ``workload`` through a ``kvserve serve`` subprocess, all streams at once.
+
+    ``port`` 0: a free one the server picks.  The port timed is the one the started server says it
+    listens on (its own start-up line), so a server left on a fixed port is never measured: it
+    holds the port, and the new one fails to start (``RuntimeError`` with its output).
+    """
     import asyncio
 
     import grpc
 
+    from kvserve.bench.serve_process import ServeProcess
     from kvserve.proto import generate_pb2, generate_pb2_grpc
-
-    server = subprocess.Popen(
-        [sys.executable, "-c", "from kvserve.cli import main; raise SystemExit(main())", "serve", "--model", str(model_dir), "--device", device,
-         "--port", str(port), "--max-concurrent-requests", "4096"]
-        + ([] if device == "cuda" else ["--num-blocks", "4096"]),
-        stdout=subprocess.DEVNULL, stderr=None,
-    )
 
     async def one(stub, prompt: list[int], n: int) -> int:
         request = generate_pb2.GenerateRequest(
@@ -338,12 +211,12 @@ def run_grpc(model_dir: Path, workload: Workload, port: int, device: str, timeou
         )
         return sum([len(message.token_ids) async for message in stub.Generate(request)])
 
-    async def run() -> float:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+    async def run(address: str) -> float:
+        async with grpc.aio.insecure_channel(address) as channel:
             await asyncio.wait_for(channel.channel_ready(), timeout_s)
             stub = generate_pb2_grpc.GenerationStub(channel)
             deadline = time.monotonic() + timeout_s
-            while True:  # the port opens before the replica is up: retry a short request
+            while True:  # a short request first, retried while the replica comes up
                 try:
                     await one(stub, workload.prompts[0][:8], 2)
                     break
@@ -358,44 +231,99 @@ def run_grpc(model_dir: Path, workload: Workload, port: int, device: str, timeou
                 raise RuntimeError("the server streamed a different number of tokens than asked")
             return elapsed
 
-    try:
-        return asyncio.run(run())
-    finally:
-        server.terminate()
+    args = ["--model", str(model_dir), "--device", device, "--host", "127.0.0.1", "--port", str(port), "--no-http",
+            "--max-concurrent-requests", "4096"]
+    if device != "cuda":
+        args += ["--num-blocks", str(CPU_WORKLOAD_BLOCKS)]
+    with ServeProcess(args) as server:
+        listening = server.wait_for_port(timeout_s)
+        if port and listening != port:
+            raise RuntimeError(f"kvserve serve was asked for port {port} and listens on {listening}")
+        return asyncio.run(run(f"127.0.0.1:{listening}"))
+
+
+def port_in_use(port: int) -> bool:
+    """Whether a socket on 127.0.0.1 already holds ``port``."""
+    import socket
+
+    with socket.socket() as sock:
         try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def part_letters(text: str) -> str:
+    """An argparse ``type``: some of the parts ``abcde``, e.g. ``ac``, else a usage error."""
+    if not text or not set(text) <= set(PARTS):
+        raise argparse.ArgumentTypeError(f"expected some of the letters {PARTS}, e.g. 'ac', got {text!r}")
+    return text
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--parts", type=part_letters, default=PARTS, help=f"which parts to run (default {PARTS})")
+    parser.add_argument("--batches", type=positive_ints, default=(1, 16, 64, 256),
+                        help="decode batch sizes (default 1,16,64,256)")
+    parser.add_argument("--decode-context", type=int_at_least(1), default=1024,
+                        help="prompt tokens of each decode request (default 1024)")
+    parser.add_argument("--decode-steps", type=int_at_least(1), default=20,
+                        help="timed steps per batch and mode (default 20)")
+    parser.add_argument("--profile-batch", type=int_at_least(0), default=64,
+                        help="after (a), the kernels of a decode step at this batch, on a GPU (default 64; 0: off)")
+    parser.add_argument("--scale", type=float_above(0), default=1.0,
+                        help="scale the workloads' counts and lengths by this (default 1.0)")
+    parser.add_argument("--repeat", type=int_at_least(1), default=1, metavar="N",
+                        help="runs of each configuration in (c) and (e), whose median is shown (default 1: "
+                             "scripts/gpu_check.sh's time limits allow one)")
+    parser.add_argument("--hf-prompts", type=int_at_least(1), default=64,
+                        help="prompts per workload for transformers (default 64)")
+    parser.add_argument("--hf-batch", type=int_at_least(1), default=64, help="transformers' batch size (default 64)")
+    parser.add_argument("--grpc-port", type=int_at_least(0), default=0,
+                        help="port of part (d)'s server (default 0: a free one, chosen when it starts)")
+    parser.add_argument("--seed", type=int_at_least(0), default=0, help="seed of the workloads and weights (default 0)")
+    args = parser.parse_args(argv)
+    if args.grpc_port > 65535:
+        parser.error(f"--grpc-port {args.grpc_port}: a port is at most 65535")
+    if "d" in args.parts and args.grpc_port and port_in_use(args.grpc_port):
+        parser.error(f"--grpc-port {args.grpc_port}: in use (by a server left running?); give another, or 0")
+    return args
+
+
+def runs(repeat: int) -> str:
+    return "one run" if repeat == 1 else f"the median of {repeat} runs"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_arguments(parser)
-    parser.add_argument("--parts", default="abcde", help="which parts to run (default: abcde)")
-    parser.add_argument("--batches", default="1,16,64,256", help="decode batch sizes (default: 1,16,64,256)")
-    parser.add_argument("--decode-context", type=int, default=1024, help="prompt tokens of each decode request")
-    parser.add_argument("--decode-steps", type=int, default=20, help="timed steps per batch and mode")
-    parser.add_argument("--profile-batch", type=int, default=64,
-                        help="after (a), the kernels of a decode step at this batch, on a GPU (0: off)")
-    parser.add_argument("--scale", type=float, default=1.0, help="shrink the workloads' counts and lengths")
-    parser.add_argument("--hf-prompts", type=int, default=64, help="prompts per workload for transformers")
-    parser.add_argument("--hf-batch", type=int, default=64, help="transformers' batch size")
-    parser.add_argument("--grpc-port", type=int, default=50077, help="port of part (d)'s server")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device == "cuda"
+    if on_gpu and not torch.cuda.is_available():
+        print(f"--device cuda: no CUDA device is visible (torch {torch.__version__})", file=sys.stderr)
+        return 1
+    parts = args.parts
+    if not on_gpu and "b" in parts:
+        print("part (b), prefill attention, needs a CUDA device: skipped", file=sys.stderr)
+        parts = parts.replace("b", "")
+    if "d" in parts and importlib.util.find_spec("ray") is None:
+        print("part (d), kvserve serve, needs Ray, which is not installed: skipped", file=sys.stderr)
+        parts = parts.replace("d", "")
+    if not parts:
+        print(f"nothing of --parts {args.parts} can run here", file=sys.stderr)
+        return 1
     read_rate = matmul_rate = None
     if on_gpu:
         read_rate, matmul_rate = ceilings()
         print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}: read {read_rate / 1e12:.2f} TB/s, "
               f"bf16 matmul {matmul_rate / 1e12:.0f} TFLOP/s", flush=True)
-    if "b" in args.parts and on_gpu:
+    if "b" in parts:
         from kvserve.bench.prefill_attention import CASES, prefill_table, run_case
 
         print("\n(b) prefill attention, 32/8 heads x 128, bf16\n")
         print(prefill_table([run_case(cached, new) for cached, new in CASES]), flush=True)
-    if not set(args.parts) & set("acde"):
+    if not set(parts) & set("acde"):
         return 0
 
     from kvserve import LLM
@@ -404,6 +332,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         model_dir = model_dir_for(args, Path(scratch), num_hidden_layers=2)
         config = ModelConfig.from_pretrained(model_dir)
+        longest = args.decode_context + decode_max_tokens(max(args.batches), args.decode_context, args.decode_steps,
+                                                          MAX_NUM_BATCHED_TOKENS) + 1
+        if "a" in parts and longest > config.max_model_len:
+            print(f"--decode-context {args.decode_context}: its requests reach {longest} tokens and the model serves "
+                  f"at most {config.max_model_len}", file=sys.stderr)
+            return 2
         from transformers import AutoConfig
 
         cost = model_cost(AutoConfig.from_pretrained(model_dir), dtype_bytes=2 if on_gpu else 4)
@@ -412,33 +346,40 @@ def main(argv: list[str] | None = None) -> int:
         kvserve_s: dict[str, float] = {}
         overlapped_s: dict[str, float] = {}
         in_process: dict[bool, tuple[float, list[list[int]]]] = {}  # mixed's, for (e)
+        num_blocks = None  # on a GPU: from free memory
+        if not on_gpu:  # the workloads' pool, or one that holds part (a)'s largest batch to its last token
+            decode_blocks = decode_pool_blocks(args.batches, args.decode_context, args.decode_steps,
+                                               MAX_NUM_BATCHED_TOKENS, BLOCK_SIZE) if "a" in parts else 0
+            num_blocks = max(CPU_WORKLOAD_BLOCKS, decode_blocks)
         start = time.perf_counter()
-        llm = LLM(model_dir, device=device, max_num_seqs=256, num_blocks=None if on_gpu else 4096)
+        llm = LLM(model_dir, device=device, max_num_seqs=max(256, args.profile_batch, *args.batches),
+                  block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, num_blocks=num_blocks)
         replica_settings = (llm.config, llm.model_config, llm.engine.executor.num_kv_blocks)
         print(f"\nLLM started in {time.perf_counter() - start:.1f} s", flush=True)
         try:
-            if "a" in args.parts:
-                batches = [int(b) for b in args.batches.split(",")]
+            if "a" in parts:
                 print(f"\n(a) decode step, {args.decode_context}-token prompts, median of {args.decode_steps} steps\n")
-                rows = decode_steps(llm, batches, args.decode_context, config.vocab_size, args.decode_steps, cost,
-                                    read_rate)
-                print(format_table(["batch", "eager ms", "graphed ms", "graphed + async ms", "floor ms", "best / floor"],
-                                   rows), flush=True)
+                print(decode_table_head(), flush=True)
+                for row in decode_steps(llm, args.batches, args.decode_context, config.vocab_size, args.decode_steps,
+                                        cost, read_rate):
+                    print(decode_row_line(row), flush=True)
                 if on_gpu and args.profile_batch:
                     print(kernel_breakdown(llm, args.profile_batch, args.decode_context, config.vocab_size), flush=True)
-            end_to_end = workloads if "c" in args.parts else [mixed] if "e" in args.parts else []
+            end_to_end = workloads if "c" in parts else [mixed] if "e" in parts else []
             if end_to_end:
                 run_kvserve(llm, warm_up(mixed))
             for workload in end_to_end:
-                plain, overlapped = run_kvserve(llm, workload), run_kvserve(llm, workload, async_scheduling=True)
+                plain = run_kvserve(llm, workload, repeat=args.repeat)
+                overlapped = run_kvserve(llm, workload, async_scheduling=True, repeat=args.repeat)
                 kvserve_s[workload.name], overlapped_s[workload.name] = plain[0], overlapped[0]
                 if workload is mixed:
                     in_process = {False: plain, True: overlapped}
-                print(f"  {workload.name}: {plain[0]:.2f} s, with async scheduling {overlapped[0]:.2f} s", flush=True)
+                print(f"  {workload.name}: {plain[0]:.2f} s, with async scheduling {overlapped[0]:.2f} s "
+                      f"({runs(args.repeat)} each)", flush=True)
         finally:
             llm.shutdown()
             del llm
-        if "c" in args.parts:
+        if "c" in parts:
             hf = run_transformers(model_dir, workloads, args.hf_prompts, args.hf_batch, device)
             rows = []
             for w in workloads:
@@ -449,26 +390,28 @@ def main(argv: list[str] | None = None) -> int:
                              f"{hf[w.name]:.0f}", f"{w.num_output_tokens / min(plain_s, async_s) / hf[w.name]:.1f}",
                              f"{floor_s:.2f}" if floor_s else "-",
                              f"{min(plain_s, async_s) / floor_s:.2f}" if floor_s else "-"])
-            print(f"\n(c) end to end, each run from a cold prefix cache (transformers: the first "
-                  f"{args.hf_prompts} prompts, batches of {args.hf_batch})\n")
+            print(f"\n(c) end to end, each run from a cold prefix cache; kvserve: {runs(args.repeat)} per figure "
+                  f"(--repeat), transformers: one run of the first {args.hf_prompts} prompts, batches of "
+                  f"{args.hf_batch}\n")
             print(format_table(["workload", "requests", "output tokens", "kvserve s", "async sched. s", "kvserve tok/s",
                                 "async tok/s", "transformers tok/s", "best vs transformers", "floor s",
                                 "best / floor"], rows), flush=True)
-        if "d" in args.parts:
+        if "d" in parts:
             grpc_s = run_grpc(model_dir, mixed, args.grpc_port, device, timeout_s=300)
             local = kvserve_s.get(mixed.name)
-            print(f"\n(d) the mixed workload through kvserve serve --device {device} and gRPC\n")
+            print(f"\n(d) the mixed workload through kvserve serve --device {device} and gRPC: one run (the server's "
+                  f"prefix cache is not reset between runs); in-process: {runs(args.repeat)}\n")
             print(format_table(
                 ["path", "s", "tok/s", "vs in-process"],
                 [["gRPC", f"{grpc_s:.2f}", f"{mixed.num_output_tokens / grpc_s:.0f}",
                   f"{local / grpc_s:.2f}" if local else "-"]]
                 + ([["in-process", f"{local:.2f}", f"{mixed.num_output_tokens / local:.0f}", "1.00"]] if local else []),
             ), flush=True)
-        if "e" in args.parts:
-            rows = run_step_protocol(*replica_settings, mixed, in_process)
+        if "e" in parts:
+            rows = run_step_protocol(*replica_settings, mixed, in_process, args.repeat)
             print(f"\n(e) the mixed workload through the step protocol over gRPC on loopback, --device {device}: "
                   f"EngineCore + GrpcReplicaExecutor here, a StepWorker server and Worker in a child process; "
-                  f"no Ray, no front end, not kvserve serve (that is (d)); greedy\n")
+                  f"no Ray, no front end, not kvserve serve (that is (d)); greedy; {runs(args.repeat)} per figure\n")
             print(format_table(["path", "s", "tok/s", "vs in-process (same scheduling)", "outputs vs in-process"],
                                rows), flush=True)
     return 0

@@ -15,6 +15,10 @@ message received.  The figure that matters is HTTP's generated tokens per
 second against gRPC's (target >= 0.9 at 64 streams on the tiny model): the
 HTTP layer's own cost, since both share the server's request pipeline.
 
+Prints a line as each phase starts.  The server gets ``STARTUP_TIMEOUT_S`` to
+start, whether it prints or not; on Ctrl-C or SIGTERM, at any stage, it is
+stopped with whatever its session started (Ray's processes too).
+
     python -m kvserve.bench.http_throughput [--model DIR] [--streams N] [--max-tokens T] [--repeat R]
 """
 
@@ -25,15 +29,15 @@ import asyncio
 import json
 import re
 import signal
-import subprocess
 import sys
-import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
-from kvserve.bench.arg_types import int_at_least
+from kvserve.bench.arg_types import int_at_least, model_directory
+from kvserve.bench.serve_process import STARTUP_TIMEOUT_S, ServeProcess
 from kvserve.experiments.report import format_table
 
 if TYPE_CHECKING:
@@ -42,14 +46,14 @@ if TYPE_CHECKING:
     from kvserve.client import AsyncClient
 
 TARGET_RATIO = 0.9
-_STARTUP_TIMEOUT_S = 300.0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m kvserve.bench.http_throughput", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--model", type=Path, default=None, help="model directory (default: the embedded tiny model)")
+    parser.add_argument("--model", type=model_directory, default=None,
+                        help="model directory (default: the embedded tiny model)")
     parser.add_argument("--streams", type=int_at_least(1), default=64, help="concurrent streams (default: %(default)s)")
     parser.add_argument("--max-tokens", type=int_at_least(1), default=64,
                         help="tokens generated per stream (default: %(default)s)")
@@ -64,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [f"Stream number {i} tells a story about" for i in range(args.streams)]
     expected_tokens = args.streams * args.max_tokens
 
-    with _Served(model_dir, args.streams) as (grpc_target, http_url, model_name):
+    with _stopped_by_sigterm(), served(model_dir, args.streams) as (grpc_target, http_url, model_name):
+        print(f"serving on {grpc_target} (gRPC) and {http_url} (HTTP); {args.repeat} round(s) of {args.streams} "
+              f"streams of {args.max_tokens} tokens each way ...", flush=True)
         best = asyncio.run(_rounds(grpc_target, http_url, model_name, prompts, args.max_tokens, args.repeat))
+    print("server stopped; in process ...", flush=True)
     best["in process"] = _in_process(model_dir, prompts, args.max_tokens, args.repeat)
+    print()
 
     rows = [(name, args.streams, expected_tokens, rate, rate / best["gRPC"]) for name, rate in best.items()]
     print(format_table(["way in", "streams", "tokens", "tokens/s", "vs gRPC"], rows))
@@ -76,46 +84,41 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class _Served:
-    """``kvserve serve`` (gRPC and HTTP on free ports) in a child process, for a ``with`` block."""
+@contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises ``SystemExit`` here, as Ctrl-C raises ``KeyboardInterrupt``: ``with`` blocks stop the server."""
 
-    def __init__(self, model_dir: Path, max_streams: int) -> None:
-        self._args = [
-            sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir),
-            "--port", "0", "--http-port", "0", "--num-blocks", str(max(256, max_streams * 16)),
-            "--max-concurrent-requests", str(max_streams * 2),
-        ]
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
 
-    def __enter__(self) -> tuple[str, str, str]:
-        # Its own session: Ctrl-C here stops it through __exit__, not twice.
-        self._proc = subprocess.Popen(
-            self._args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-        )
-        lines: list[str] = []
-        http_port = None
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            lines.append(line)
-            if match := re.search(r"OpenAI-compatible API at http://([^/]+)/v1", line):
-                http_port = match[1]
-            if match := re.search(r"listening on (\S+) \(", line):
-                # Read what it prints from now on, or a full pipe would stop it.
-                threading.Thread(target=self._proc.stdout.read, daemon=True).start()
-                return match[1], f"http://{http_port}", Path(self._args[5]).name
-            if time.monotonic() > deadline:
-                break
-        self.__exit__()
-        raise RuntimeError("kvserve serve did not start:\n" + "".join(lines))
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
-    def __exit__(self, *exc_info: object) -> None:
-        if self._proc.poll() is None:
-            self._proc.send_signal(signal.SIGTERM)
-            try:
-                self._proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+
+@contextmanager
+def served(model_dir: Path, max_streams: int,
+           startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[tuple[str, str, str]]:
+    """``kvserve serve`` (gRPC and HTTP on free ports) in a session of its own: its gRPC target, HTTP URL, model name.
+
+    ``RuntimeError`` with what it printed if it does not start within ``startup_timeout_s``, printing or
+    not (its output is read by a thread of its own).  However the block ends (an exception, Ctrl-C, a
+    SIGTERM under ``_stopped_by_sigterm``, the timeout), serve is stopped, and its session's processes.
+    """
+    args = ["--model", str(model_dir), "--port", "0", "--http-port", "0", "--num-blocks",
+            str(max(256, max_streams * 16)), "--max-concurrent-requests", str(max_streams * 2)]
+    print(f"starting kvserve serve --model {model_dir} (gRPC and HTTP on free ports) ...", flush=True)
+    with ServeProcess(args) as serve:
+        port = serve.wait_for_port(startup_timeout_s)
+        # NOTE: serve prints the HTTP API's address before it says it listens.
+        pattern = re.compile(r"OpenAI-compatible API at (http://[^/\s]+)/v1")
+        urls = [match[1] for line in serve.output if (match := pattern.search(line))]
+        if not urls:
+            raise RuntimeError("kvserve serve listens on gRPC but did not say where its HTTP API is:\n"
+                               + "\n".join(serve.output[-30:]))
+        yield f"127.0.0.1:{port}", urls[0], Path(model_dir).name
 
 
 async def _rounds(
@@ -138,7 +141,8 @@ async def _rounds(
         for run in ways.values():  # warm-up: the model's first steps, the connections, the app's first requests
             await run(prompts, 2)
         best: dict[str, float] = {}
-        for _ in range(repeat):
+        for round_index in range(repeat):
+            print(f"  round {round_index + 1} of {repeat}: {', '.join(ways)}", flush=True)
             for name, run in ways.items():
                 start = time.perf_counter()
                 num_tokens = await run(prompts, max_tokens)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from kvserve.bench.arg_types import model_directory
 from kvserve.worker.full_size_model import SHAPES, create_full_size_model
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tiny_model import create_tiny_model, tiny_config
@@ -21,7 +22,8 @@ from kvserve.worker.tiny_model import create_tiny_model, tiny_config
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """``--model`` and ``--shape`` (one or neither), and ``--device``."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
+    source.add_argument("--model", type=model_directory, metavar="DIR",
+                        help="model directory, with its config.json (default: a fresh tiny Llama)")
     source.add_argument("--shape", choices=sorted(SHAPES),
                         help="time a model of this published shape with random weights")
     parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")

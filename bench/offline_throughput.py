@@ -11,9 +11,11 @@ number of torch threads, in one run, each after a short warm-up:
 kvserve runs every request at once (``max_num_seqs`` 256) with a budget of
 4096 tokens per step (chunked prefill, prefix caching on, blocks of 16).
 
-Figures: generated tokens per second for each engine and their ratio, how many
-requests got the same tokens from both, and the prefill tokens kvserve computed
-against the prompt tokens.
+Figures: generated tokens per second for each engine and their ratio (kvserve's
+over transformers': above 1, kvserve is faster), how many requests got the same
+tokens from both, and the prefill tokens kvserve computed against the prompt
+tokens.  Prints a line as each phase starts; exits 1 when a request got other
+tokens from kvserve than from transformers, 2 on bad flags.
 
     python -m kvserve.bench.offline_throughput [--model DIR] [--threads N]
 """
@@ -24,13 +26,14 @@ import argparse
 import random
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
-from kvserve.bench.arg_types import int_at_least
+from kvserve.bench.arg_types import int_at_least, model_directory
 from kvserve.experiments.report import format_table
 from kvserve.worker.tiny_model import create_tiny_model
 
@@ -49,6 +52,36 @@ def workload_b(rng: random.Random, vocab: int) -> tuple[list[list[int]], list[in
 
 
 KVSERVE_ARGS = {"block_size": 16, "num_blocks": 8192, "max_num_batched_tokens": 4096, "max_num_seqs": 256}
+HEADERS = ["workload", "generated tok", "transformers tok/s", "kvserve tok/s",
+           "kvserve / transformers (>1: kvserve faster)", "same tokens", "prefill computed / prompt"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadResult:
+    """One workload's run on both engines."""
+
+    name: str
+    num_requests: int
+    num_generated: int
+    num_prompt_tokens: int
+    num_cached_tokens: int  # prompt tokens kvserve served from its prefix cache
+    hf_s: float
+    kv_s: float
+    num_same: int  # requests that got the same tokens from both engines
+
+    def row(self) -> list[object]:
+        return [
+            self.name, self.num_generated, f"{self.num_generated / self.hf_s:.0f}",
+            f"{self.num_generated / self.kv_s:.0f}", f"{self.hf_s / self.kv_s:.2f}x",
+            f"{self.num_same} / {self.num_requests}",
+            f"{self.num_prompt_tokens - self.num_cached_tokens} / {self.num_prompt_tokens}",
+        ]
+
+
+def mismatches(results: list[WorkloadResult]) -> list[str]:
+    """A line for each workload where some request got other tokens from the two engines (none: all agree)."""
+    return [f"MISMATCH: {r.name}: {r.num_requests - r.num_same} of {r.num_requests} requests got other tokens "
+            "from kvserve than from transformers" for r in results if r.num_same != r.num_requests]
 
 
 def run_transformers(
@@ -83,7 +116,7 @@ def run_kvserve(llm: LLM, prompts: list[list[int]], max_new: list[int]) -> tuple
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, help="model directory (default: a fresh tiny Llama)")
+    parser.add_argument("--model", type=model_directory, help="model directory (default: a fresh tiny Llama)")
     parser.add_argument("--threads", type=int_at_least(1), default=torch.get_num_threads(),
                         help="torch CPU threads of both engines (default here: %(default)s, torch's own)")
     parser.add_argument("--hf-batch-size", type=int_at_least(1), default=64,
@@ -94,34 +127,33 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model or create_tiny_model(Path(tmp) / "tiny", "llama", seed=0)
         # A temporary model is gone by the time the table is printed: it is named, not its path.
         model_name = args.model or "a fresh tiny Llama (random weights)"
+        print(f"loading {model_name} into transformers ...", flush=True)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         vocab = hf.config.vocab_size
-        rows = []
+        results = []
         for name, make in (("(a) 64 prompts, 32-512 tok", workload_a), ("(b) 8 x 512 shared prefix", workload_b)):
             prompts, max_new = make(random.Random(0), vocab)
-            num_generated = sum(max_new)
-            num_prompt = sum(len(p) for p in prompts)
             # Both engines warm up on the first two prompts (4 tokens each) before the timed run.
+            print(f"{name}: kvserve, {len(prompts)} requests ...", flush=True)
             with LLM(model_dir, seed=0, **KVSERVE_ARGS) as llm:
                 run_kvserve(llm, prompts[:2], [4, 4])
                 llm.engine.scheduler.kv_cache_manager.reset_prefix_cache()
                 kv_s, num_cached, kv_tokens = run_kvserve(llm, prompts, max_new)
+            print(f"{name}: transformers, batches of {args.hf_batch_size} ...", flush=True)
             run_transformers(hf, prompts[:2], [4, 4], args.hf_batch_size)
             hf_s, hf_tokens = run_transformers(hf, prompts, max_new, args.hf_batch_size)
-            num_same = sum(a == b for a, b in zip(kv_tokens, hf_tokens))
-            rows.append([
-                name, num_generated, f"{num_generated / hf_s:.0f}", f"{num_generated / kv_s:.0f}",
-                f"{hf_s / kv_s:.2f}x", f"{num_same} / {len(prompts)}", f"{num_prompt - num_cached} / {num_prompt}",
-            ])
+            results.append(WorkloadResult(
+                name, len(prompts), sum(max_new), sum(len(p) for p in prompts), num_cached, hf_s, kv_s,
+                sum(a == b for a, b in zip(kv_tokens, hf_tokens)),
+            ))
+    print()
     print(f"offline generation, greedy, float32 CPU, {args.threads} threads, model {model_name}")
     print(f"kvserve: {', '.join(f'{k} {v}' for k, v in KVSERVE_ARGS.items())}; "
           f"transformers: left-padded batches of {args.hf_batch_size}")
-    print(format_table(
-        ["workload", "generated tok", "transformers tok/s", "kvserve tok/s", "ratio", "same tokens",
-         "prefill computed / prompt"],
-        rows,
-    ))
-    return 0
+    print(format_table(HEADERS, [r.row() for r in results]))
+    for line in mismatches(results):
+        print(line)
+    return 1 if mismatches(results) else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -106,8 +107,10 @@ def prefill_table(results: list[dict[str, float]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     if not torch.cuda.is_available():
-        print("prefill_attention needs a CUDA device")
-        return 2
+        # Exit code 1 as bench.attention's: a missing device is not a usage error.
+        print(f"kvserve.bench.prefill_attention needs a CUDA device, and none is visible "
+              f"(torch {torch.__version__}, built for CUDA {torch.version.cuda}).", file=sys.stderr)
+        return 1
     print(prefill_table([run_case(cached, new) for cached, new in CASES]))
     return 0
 

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
          s.num_preemptions] for s, r in zip(summaries, results)
     ]))
     print()
-    print(format_table(["ratio", *FIGURES], [_ratios(s, summaries[0]) for s in summaries[1:]]))
+    print(ratio_table(summaries))
     return 0
 
 
@@ -255,6 +255,12 @@ def summarize_measured(
 # Column title -> RunSummary field.
 FIGURES = {"hit rate": "hit_rate", "TTFT p50 s": "ttft_p50", "TTFT p99 s": "ttft_p99",
            "e2e p50 s": "e2e_p50", "e2e p99 s": "e2e_p99"}
+
+
+def ratio_table(summaries: Sequence[RunSummary]) -> str:
+    """Each simulated run's figures over the real run's (the first): unitless, headed as such (1.00x: the same)."""
+    headers = ["ratio (1.00x: as the real run)", *(f"{name.removesuffix(' s')}: sim / real" for name in FIGURES)]
+    return format_table(headers, [_ratios(s, summaries[0]) for s in summaries[1:]])
 
 
 def _ratios(summary: RunSummary, real: RunSummary) -> list[str]:

@@ -281,6 +281,21 @@ class PathTimings:
         self.worker_cpu_s += worker_cpu_time() - worker_start
 
 
+def steps_per_round(num_steps: int, num_rounds: int) -> int:
+    """The steps each round times: ``num_steps`` shared out, the rest dropped (``ValueError`` if fewer than rounds)."""
+    if num_steps < num_rounds:
+        raise ValueError(f"{num_steps} steps cannot be shared among {num_rounds} rounds")
+    return num_steps // num_rounds
+
+
+def header(num_steps: int, num_rounds: int, num_cores: int | None, load: float) -> str:
+    """The line above the table: what one cell times, in steps actually timed."""
+    per_round = steps_per_round(num_steps, num_rounds)
+    return (f"One step of {NUM_REQS} requests ({BLOCKS_PER_REQ} blocks of {BLOCK_SIZE} each) over loopback, "
+            f"{per_round * num_rounds} steps per cell: paths alternating in {num_rounds} rounds of {per_round}; "
+            f"{num_cores} cores, load average {load:.1f}")
+
+
 def time_round_trips(
     plans: dict[str, StepPlan], num_steps: int, num_rounds: int, *, prepare: bool
 ) -> tuple[dict[str, PathTimings], dict[str, PathTimings]]:
@@ -289,7 +304,7 @@ def time_round_trips(
 
     grpc_times = {name: PathTimings() for name in plans}
     ray_times = {name: PathTimings() for name in plans}
-    per_round = max(1, num_steps // num_rounds)
+    per_round = steps_per_round(num_steps, num_rounds)
     loop = asyncio.new_event_loop()
     try:
         with grpc_worker(prepare) as (address, secret, grpc_cpu_time), ray_worker(prepare) as actor:
@@ -349,9 +364,12 @@ def time_parts(plan: StepPlan, repeats: int) -> Parts:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int_at_least(1), default=500,
-                        help="timed steps per path, plan and worker (default 500)")
+                        help="timed steps per path, plan and worker, shared among the rounds, a remainder dropped; "
+                        "at least --rounds (default 500)")
     parser.add_argument("--rounds", type=int_at_least(1), default=10, help="alternations of the two paths (default 10)")
     args = parser.parse_args(argv)
+    if args.steps < args.rounds:
+        parser.error(f"--steps ({args.steps}) must be at least --rounds ({args.rounds}): each round times a step or more")
     plans = {
         "256 decodes, 16 new block ids": decode_step_plan(),
         "256 new requests, 64-block tables": new_requests_plan(),
@@ -362,9 +380,7 @@ def main(argv: list[str] | None = None) -> int:
             prepare: time_round_trips(plans, args.steps, args.rounds, prepare=prepare) for prepare in (True, False)
         }
 
-    print(f"One step of {NUM_REQS} requests ({BLOCKS_PER_REQ} blocks of {BLOCK_SIZE} each) over loopback, "
-          f"{args.steps} steps per cell, paths alternating in {args.rounds} rounds; "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    print(header(args.steps, args.rounds, os.cpu_count(), os.getloadavg()[0]))
     rows = []
     for prepare, (grpc_times, ray_times) in measured.items():
         for name in plans:

@@ -33,6 +33,28 @@ from kvserve.bench.arg_types import float_above, int_at_least, positive_ints
         ("http_throughput", ["--streams", "0"], "argument --streams: expected an integer >= 1, got '0'"),
         ("attention", ["--batches", "1,0"], "argument --batches: expected comma-separated integers >= 1, got '1,0'"),
         ("sim_fidelity", ["--cost-model", "x", "--qps", "nan"], "argument --qps: expected a finite number > 0"),
+        ("gpu_serving", ["--scale", "0"], "argument --scale: expected a finite number > 0, got '0'"),
+        ("gpu_serving", ["--scale", "-1"], "argument --scale: expected a finite number > 0, got '-1'"),
+        ("gpu_serving", ["--batches", "abc"], "argument --batches: expected comma-separated integers >= 1, got 'abc'"),
+        ("gpu_serving", ["--batches", "0"], "argument --batches: expected comma-separated integers >= 1, got '0'"),
+        ("gpu_serving", ["--decode-context", "0"], "argument --decode-context: expected an integer >= 1, got '0'"),
+        ("gpu_serving", ["--decode-steps", "0"], "argument --decode-steps: expected an integer >= 1, got '0'"),
+        ("gpu_serving", ["--profile-batch", "-1"], "argument --profile-batch: expected an integer >= 0, got '-1'"),
+        ("gpu_serving", ["--repeat", "0"], "argument --repeat: expected an integer >= 1, got '0'"),
+        ("gpu_serving", ["--hf-prompts", "0"], "argument --hf-prompts: expected an integer >= 1, got '0'"),
+        ("gpu_serving", ["--hf-batch", "0"], "argument --hf-batch: expected an integer >= 1, got '0'"),
+        ("gpu_serving", ["--seed", "-1"], "argument --seed: expected an integer >= 0, got '-1'"),
+        ("gpu_serving", ["--grpc-port", "-1"], "argument --grpc-port: expected an integer >= 0, got '-1'"),
+        ("gpu_serving", ["--grpc-port", "65536"], "--grpc-port 65536: a port is at most 65535"),
+        ("gpu_serving", ["--parts", "xyz"],
+         "argument --parts: expected some of the letters abcde, e.g. 'ac', got 'xyz'"),
+        ("gpu_serving", ["--parts", ""], "argument --parts: expected some of the letters abcde, e.g. 'ac', got ''"),
+        ("gpu_serving", ["--model", "/nonexistent/model"],
+         "argument --model: '/nonexistent/model' is not a model directory: no such directory"),
+        ("calibrate_cost_model", ["--out", "cost.json", "--model", "/nonexistent/model"],
+         "argument --model: '/nonexistent/model' is not a model directory: no such directory"),
+        ("calibrate_cost_model", ["--out", "cost.json", "--seed", "-1"],
+         "argument --seed: expected an integer >= 0, got '-1'"),
     ],
 )
 def test_a_bad_number_is_a_usage_error_naming_the_flag(bench, argv, message, capsys) -> None:  # noqa: ANN001
@@ -109,3 +131,51 @@ def test_positive_ints_refuses_an_empty_or_non_positive_list(text: str) -> None:
 
 def test_positive_ints_reads_a_comma_separated_list() -> None:
     assert positive_ints("1,16,64") == (1, 16, 64)
+
+
+def test_gpu_serving_help_states_every_default(capsys) -> None:  # noqa: ANN001
+    from kvserve.bench.gpu_serving import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag, default in (("--decode-context", "1024"), ("--decode-steps", "20"), ("--profile-batch", "64; 0: off"),
+                          ("--scale", "1.0"), ("--repeat", "1"), ("--hf-prompts", "64"), ("--hf-batch", "64"),
+                          ("--grpc-port", "0: a free one, chosen when it starts"), ("--seed", "0")):
+        flag_help = help_text.split(f" {flag} ", 1)[1].split(" --", 1)[0]
+        assert f"(default {default}" in flag_help, flag
+
+
+def test_calibrate_help_says_what_block_size_and_seed_are(capsys) -> None:  # noqa: ANN001
+    from kvserve.bench.calibrate_cost_model import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--block-size BLOCK_SIZE tokens per KV block of the replica timed (default 16)" in help_text
+    assert "--seed SEED seed of the model's weights and the timed prompts (default 0)" in help_text
+
+
+def test_no_cuda_device_exits_1_in_both_attention_benchmarks(capsys, monkeypatch) -> None:  # noqa: ANN001
+    import torch
+
+    from kvserve.bench import attention, prefill_attention
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert attention.main([]) == 1
+    assert prefill_attention.main([]) == 1
+    err = capsys.readouterr().err
+    assert "kvserve.bench.attention needs a CUDA device, and none is visible" in err
+    assert "kvserve.bench.prefill_attention needs a CUDA device, and none is visible" in err
+
+
+def test_attention_refuses_an_unwritable_json_before_looking_for_a_device(capsys, monkeypatch) -> None:  # noqa: ANN001
+    import torch
+
+    from kvserve.bench import attention
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("the device was looked for first"))
+    with pytest.raises(SystemExit) as info:
+        attention.main(["--json", "/proc/kvserve-attention.json"])
+    assert info.value.code == 2
+    assert "--json /proc/kvserve-attention.json: No such file or directory" in capsys.readouterr().err

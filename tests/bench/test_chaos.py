@@ -51,7 +51,7 @@ def test_the_help_names_every_scenario_the_actors_it_kills_and_the_exit_codes(ca
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     for words in ("1. auth:", "2. tenants:", "3. worker kill by name:", "4. worker kill by PID:", "5. fuzz:",
-                  "6. scheduler kill by name:", "Exits 1 when a check failed or serve or the Ray driver could not start, 2 on bad flags",
+                  "6. scheduler kill by name:", "Exits 1 when a check failed or was not exercised, or serve or the Ray driver could not start, 2 on bad flags",
                   worker_actor_name(*KILLED_BY_NAME), worker_actor_name(*KILLED_BY_PID), SCHEDULER_ACTOR_NAME,
                   f"serve exits non-zero within {EXIT_LIMIT_S:g} s"):
         assert words in text
@@ -66,6 +66,16 @@ def test_the_table_marks_failed_checks_and_rows_that_count_no_requests() -> None
     assert rows[0] == ["scenario", "sent", "ok", "expected", "observed", "result"]
     assert rows[2] == ["1. auth: no token", "2", "2", "UNAUTHENTICATED", "UNAUTHENTICATED 2", "pass"]
     assert rows[3] == ["6. scheduler kill by name: serve", "-", "-", "exits non-zero", "still running", "FAIL"]
+
+
+def test_a_check_that_sent_nothing_is_not_exercised_and_does_not_pass() -> None:
+    # --fuzz-requests 5 sends every bad kind before any odd one: the odd check has nothing to count.
+    idle = Check("5. fuzz: odd, valid requests", 0, 0, "OK, the plain request's tokens", "", True)
+    assert idle.result == "NOT EXERCISED"
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table([idle]).splitlines()]
+    assert rows[2][-1] == "NOT EXERCISED"
+    # A check that counts no requests (sent None) is judged on what it observed.
+    assert Check("6. scheduler kill by name: serve", None, None, "exits", "exit code 1", True).result == "pass"
 
 
 def test_the_certificate_is_its_own_issuer_for_loopback_and_the_key_is_private(tmp_path) -> None:

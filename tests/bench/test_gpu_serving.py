@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import socket
+from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
 from kvserve.bench import gpu_serving
+from kvserve.bench.decode_steps import check_batch_kept, decode_max_tokens, decode_pool_blocks
 from kvserve.bench.serving_workloads import make_workloads, model_cost, workload_floor_s
 from kvserve.worker.full_size_model import SHAPES
 
@@ -18,14 +21,75 @@ def free_port() -> int:
 
 
 def test_the_cpu_smoke_run_prints_every_part(capsys) -> None:
+    # --grpc-port left at 0: part (d) times the port its own server says it listens on.
     assert gpu_serving.main([
         "--device", "cpu", "--parts", "acd", "--batches", "1,3", "--decode-context", "16", "--decode-steps", "2",
-        "--scale", "0.03", "--hf-prompts", "2", "--hf-batch", "2", "--grpc-port", str(free_port()),
+        "--scale", "0.03", "--hf-prompts", "2", "--hf-batch", "2",
     ]) == 0
     out = capsys.readouterr().out
     assert "(a) decode step" in out and "|     3 |" in out
-    assert "(c) end to end" in out and "shared_prefix" in out
-    assert "(d) the mixed workload through kvserve serve --device cpu and gRPC" in out and "in-process" in out
+    assert "(c) end to end, each run from a cold prefix cache; kvserve: one run per figure (--repeat)" in out
+    assert "shared_prefix" in out
+    assert "(d) the mixed workload through kvserve serve --device cpu and gRPC: one run" in out and "in-process" in out
+
+
+def test_decode_rows_measured_before_a_failure_are_printed(monkeypatch, capsys) -> None:  # noqa: ANN001
+    def one_row_then_a_preemption(llm, batches, *args):  # noqa: ANN001, ANN202
+        yield [batches[0], "1.00", "-", "-", "-", "-"]
+        raise RuntimeError("batch 16: preempted")
+
+    monkeypatch.setattr(gpu_serving, "decode_steps", one_row_then_a_preemption)
+    with pytest.raises(RuntimeError, match="batch 16: preempted"):
+        gpu_serving.main(["--device", "cpu", "--parts", "a", "--batches", "1,16", "--scale", "0.03"])
+    assert "|     1 |     1.00 |" in capsys.readouterr().out
+
+
+def test_the_cpu_pool_holds_the_largest_decode_batch_to_its_last_token() -> None:
+    # The default flags: 64 requests of 1,024 tokens outgrew the fixed 4,096-block pool (preempted).
+    # Each makes up to 4 x 20 + 8 + 32 = 120 tokens (the last prompts wait 32 prefill steps of 2,048
+    # tokens), plus one slot of a step in flight: 1,145 tokens, 72 blocks of 16.
+    assert decode_max_tokens(64, 1024, 20, 2048) == 120
+    assert decode_pool_blocks((1, 16, 64), 1024, 20, 2048, 16) == 1 + 64 * 72
+    # The largest batch sets it, in whatever order the batches come: 256 x 78 blocks (1,241 tokens).
+    assert decode_pool_blocks((256, 1, 16, 64), 1024, 20, 2048, 16) == 1 + 256 * 78
+
+
+def fake_scheduler(running: list[str], waiting: list[str]) -> SimpleNamespace:
+    block_pool = SimpleNamespace(num_usable_blocks=4095)
+    return SimpleNamespace(running=[SimpleNamespace(req_id=r) for r in running],
+                           waiting=deque(SimpleNamespace(req_id=r) for r in waiting),
+                           kv_cache_manager=SimpleNamespace(block_pool=block_pool))
+
+
+def test_a_batch_that_lost_requests_says_how_many_were_preempted_and_how_many_finished() -> None:
+    req_ids = ["r0", "r1", "r2", "r3"]
+    check_batch_kept(fake_scheduler(req_ids, []), req_ids, num_preemptions=0)
+    with pytest.raises(RuntimeError, match=r"batch 4: while its steps were timed, 2 preemptions \(the KV pool holds "
+                                           r"4095 usable blocks\); at the end 1 requests were running, 2 preempted "
+                                           r"and waiting, 1 finished"):
+        check_batch_kept(fake_scheduler(["r0"], ["r1", "r2"]), req_ids, num_preemptions=2)
+    # Preempted and running again: the timed steps were not all of the batch.
+    with pytest.raises(RuntimeError, match="1 preemptions"):
+        check_batch_kept(fake_scheduler(req_ids, []), req_ids, num_preemptions=1)
+
+
+def test_a_grpc_port_in_use_is_refused_before_any_work(capsys) -> None:  # noqa: ANN001
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with pytest.raises(SystemExit) as info:
+            gpu_serving.main(["--device", "cpu", "--parts", "d", "--grpc-port", str(port)])
+    assert info.value.code == 2
+    assert f"--grpc-port {port}: in use (by a server left running?)" in capsys.readouterr().err
+    assert not gpu_serving.port_in_use(free_port())
+
+
+def test_a_part_this_device_cannot_run_is_named_and_nothing_run_exits_1(capsys) -> None:  # noqa: ANN001
+    assert gpu_serving.main(["--device", "cpu", "--parts", "b"]) == 1
+    err = capsys.readouterr().err
+    assert "part (b), prefill attention, needs a CUDA device: skipped" in err
+    assert "nothing of --parts b can run here" in err
 
 
 def test_the_step_protocol_part_serves_the_mixed_workload_with_in_process_outputs(capsys) -> None:

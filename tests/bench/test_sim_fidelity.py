@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM
-from kvserve.bench.sim_fidelity import main, replay, simulate, summarize_measured
+from kvserve.bench.sim_fidelity import main, ratio_table, replay, simulate, summarize_measured
 from kvserve.experiments.experiment_report import summarize
 from kvserve.experiments.workloads import make_workload
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
@@ -97,6 +97,18 @@ def test_the_figures_cover_the_measured_requests_only() -> None:
     assert whole.hit_rate < measured.hit_rate
 
 
+def test_the_ratio_table_heads_its_unitless_columns_as_ratios() -> None:
+    stream = make_workload("shared_prefix", 6, 20.0, seed=3, **(SMALL_STREAM | {"warmup_per_group": 1}))
+    runs = [simulate(stream, SchedulerConfig(max_model_len=64), CacheConfig(block_size=16, num_blocks=64),
+                     StepCostModel.default(), name) for name in ("real", "sim")]
+    text = ratio_table(summarize_measured(runs, stream, workload="shared_prefix", qps=20.0))
+    header, _, row = ([cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines())
+    assert header == ["ratio (1.00x: as the real run)", "hit rate: sim / real", "TTFT p50: sim / real",
+                      "TTFT p99: sim / real", "e2e p50: sim / real", "e2e p99: sim / real"]
+    # The same simulation twice: every figure is 1.00x the "real" one's.
+    assert row == ["sim / real", "1.00x", "1.00x", "1.00x", "1.00x", "1.00x"]
+
+
 def test_a_vocabulary_beyond_the_models_is_a_usage_error_before_the_model_is_built(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,7 +132,7 @@ def test_a_vocabulary_beyond_the_models_is_a_usage_error_before_the_model_is_bui
         (["--max-num-seqs", "0"], "expected an integer >= 1, got '0'"),
         # 48 + 8 + 5 = 61 tokens need 4 blocks of 16: it failed mid-run, after real work.
         (["--num-blocks", "4"], "the workload's longest request (61 tokens) needs 4 KV blocks; give --num-blocks 5"),
-        (["--model", "/nonexistent/model"], "--model: /nonexistent/model is not a model directory"),
+        (["--model", "/nonexistent/model"], "--model: '/nonexistent/model' is not a model directory"),
     ],
 )
 def test_bad_settings_are_usage_errors_before_any_work(
