@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvserve.generate_progress import GenerateProgress
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
@@ -106,19 +107,23 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         cache_salt: str | None = None,
+        progress: bool | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids); results in prompt order.
 
-        Calls from other threads wait for this one to end.
+        ``progress``: requests finished and tokens per second on stderr; by default only on a
+        terminal and once the call has run 2 s (``kvserve.generate_progress``); ``True``
+        always, ``False`` never.  Calls from other threads wait for this one to end.
         """
         with self._lock:
-            return self._generate(prompts, sampling_params, cache_salt)
+            return self._generate(prompts, sampling_params, cache_salt, progress)
 
     def _generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         cache_salt: str | None,
+        progress: bool | None,
     ) -> list[GenerationOutput]:
         if self._shut_down:
             raise RuntimeError("this LLM was shut down")
@@ -167,10 +172,19 @@ class LLM:
             logprobs: dict[str, list[TokenLogprobs]] = {
                 req_id: [] for req_id, request in requests.items() if request.sampling_params.logprobs is not None
             }
-            while self.engine.has_unfinished_requests():
-                for output in self.engine.step():
-                    if output.logprobs is not None and output.req_id in logprobs:
-                        logprobs[output.req_id].append(output.logprobs)
+            shown = GenerateProgress(len(requests), progress)
+            num_finished = num_tokens = 0
+            try:
+                while self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    for output in outputs:
+                        num_finished += output.finished
+                        if output.logprobs is not None and output.req_id in logprobs:
+                            logprobs[output.req_id].append(output.logprobs)
+                    num_tokens += len(outputs)
+                    shown.update(num_finished, num_tokens)
+            finally:
+                shown.close()  # an interrupted call's too: what it did before, and the line ended
         except BaseException:
             self.engine.abort_requests(requests)
             raise
