@@ -229,9 +229,19 @@ def join_ray(address: str) -> str:
                     f"{exc}; if that cluster uses token authentication, set RAY_AUTH_MODE=token "
                     "(and RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH, unless the token is in ~/.ray/auth_token)"
                 ) from exc
-            raise
+            # A wrong token reads the same as no cluster (Ray only warns while it retries).
+            raise ConnectionError(f"{exc}; check that this process has the cluster's token ({_token_source()})") from exc
     _exit_on_unhandled_sigterm()
     return context.address_info["gcs_address"]
+
+
+def _token_source() -> str:
+    """Where Ray reads this process's token from, in Ray's order (never the token itself)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN is set"
+    if os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return f"RAY_AUTH_TOKEN_PATH={os.environ['RAY_AUTH_TOKEN_PATH']}"
+    return "read from ~/.ray/auth_token: neither RAY_AUTH_TOKEN nor RAY_AUTH_TOKEN_PATH is set"
 
 
 @contextlib.contextmanager

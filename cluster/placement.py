@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -44,28 +45,47 @@ async def place_replica(
     tp_size: int,
     device_kind: DeviceKind,
     timeout_s: float | None = DEFAULT_PLACEMENT_TIMEOUT_S,
+    *,
+    report_every_s: float | None = None,
 ) -> PlacementGroup:
     """Reserve one node's resources for ``tp_size`` ranks; ``PlacementError`` after ``timeout_s``.
 
     ``timeout_s=None`` waits as long as it takes, e.g. while an autoscaler
-    starts the GPU nodes the group needs.
+    starts the GPU nodes the group needs.  ``report_every_s``: while it waits, a
+    WARNING this often saying for how long and what it needs (a restart waiting
+    for a lost node to come back is otherwise silent).
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     bundles = replica_bundles(tp_size, device_kind)
     group = placement_group(bundles, strategy="STRICT_PACK", name=f"kvserve-replica-{replica_id}")
+    ready = asyncio.ensure_future(_until_ready(group))
+    start = time.monotonic()
     try:
-        await asyncio.wait_for(group.ready(), timeout_s)
-    except asyncio.TimeoutError:
-        remove_placement_group(group)
-        raise PlacementError(
-            f"replica {replica_id} could not be placed within {timeout_s:g} s: "
-            f"{describe_shortfall(bundles)}"
-        ) from None
+        while True:
+            left_s = None if timeout_s is None else start + timeout_s - time.monotonic()
+            wait_s = min((s for s in (left_s, report_every_s) if s is not None), default=None)
+            done, _ = await asyncio.wait({ready}, timeout=None if wait_s is None else max(wait_s, 0.0))
+            if done:
+                ready.result()
+                return group
+            if left_s is not None and time.monotonic() - start >= timeout_s:
+                raise PlacementError(
+                    f"replica {replica_id} could not be placed within {timeout_s:g} s: "
+                    f"{describe_shortfall(bundles)}"
+                )
+            logger.warning(
+                "replica %d: still waiting for room after %.0f s: %s", replica_id, time.monotonic() - start,
+                describe_shortfall(bundles),
+            )
     except BaseException:
+        ready.cancel()
         remove_placement_group(group)
         raise
-    return group
+
+
+async def _until_ready(group: PlacementGroup) -> None:
+    await group.ready()
 
 
 def replica_bundles(tp_size: int, device_kind: DeviceKind) -> list[dict[str, float]]:
@@ -90,5 +110,6 @@ def describe_shortfall(bundles: list[dict[str, float]]) -> str:
     return (
         f"it needs {wanted} on one node (STRICT_PACK); the largest node has {largest} in all, "
         f"and {free} are free cluster-wide"
-        + (f" (start CPU nodes with resources={{'{WORKER_CPU_RESOURCE}': N}})" if WORKER_CPU_RESOURCE in needed else "")
+        + (f" (start CPU nodes with: ray start ... --resources '{{\"{WORKER_CPU_RESOURCE}\": N}}')"
+           if WORKER_CPU_RESOURCE in needed else "")
     )

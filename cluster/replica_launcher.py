@@ -109,6 +109,7 @@ async def launch_replica(
     placement_timeout_s: float | None = DEFAULT_PLACEMENT_TIMEOUT_S,
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
     on_placed: Callable[[], None] | None = None,
+    report_waiting_every_s: float | None = None,
 ) -> ReplicaHandle:
     """Start ``worker_config.tp_size`` ranks of ``replica_id`` on one node, ready to execute.
 
@@ -119,7 +120,8 @@ async def launch_replica(
     and no rendezvous.  Raises ``PlacementError`` when no node has room,
     ``ReplicaFailedError`` when a rank fails to start; nothing is left
     running then.  ``on_placed`` is called once its node's resources are
-    reserved, before its ranks start (load the model).  ``step_timeout_s``: how
+    reserved, before its ranks start (load the model); ``report_waiting_every_s``: a WARNING
+    this often while no node has room (``place_replica``).  ``step_timeout_s``: how
     long its ranks may take to answer a step before the replica fails
     (``ClusterConfig.step_timeout_s``: the scheduler actor passes it to every launch).
     """
@@ -128,7 +130,7 @@ async def launch_replica(
     if kind is DeviceKind.CPU and not simulated and worker_config.device is None:
         worker_config = dataclasses.replace(worker_config, device="cpu")
     tp_size = worker_config.tp_size
-    group = await place_replica(replica_id, tp_size, kind, placement_timeout_s)
+    group = await place_replica(replica_id, tp_size, kind, placement_timeout_s, report_every_s=report_waiting_every_s)
     if on_placed is not None:
         on_placed()
     actors: list[ActorHandle] = []

@@ -6,8 +6,9 @@ waiting before each try and doubling the wait after every failed one, up to
 ``MAX_RESTART_BACKOFF_S``.  It never gives up while the cluster runs (a node that
 rebooted comes back, and so does its replica).  A failed try is a warning up to
 the ``MAX_RESTART_TRIES``-th, which is one error saying that it keeps trying;
-later ones are INFO lines.  What it launched is then put into service (its step
-loop, an empty prefix cache).
+later ones are INFO lines.  A try that waits for a node with room (the replica's
+node was lost) says so every ``STILL_WAITING_REPORT_S``.  What it launched is then
+put into service (its step loop, an empty prefix cache).
 
 The first wait after a failure is ``RestartBackoff.first_delay_s``: the base,
 ``RESTART_BACKOFF_S``, for a replica that served ``STABLE_SERVICE_S`` or longer
@@ -43,6 +44,9 @@ MAX_RESTART_BACKOFF_S = 60.0
 MAX_RESTART_TRIES = 5
 # A replica that served this long before it failed is not crash-looping.
 STABLE_SERVICE_S = 60.0
+# While a try waits for a node with room (a lost node; without --placement-timeout it waits
+# as long as it takes), a WARNING this often says so.
+STILL_WAITING_REPORT_S = 60.0
 
 
 @dataclass(slots=True)

@@ -60,6 +60,7 @@ from kvserve.cluster.messages import ClusterStatsInfo, ModelInfo, OutputBatch, R
 from kvserve.cluster.output_mailbox import OutputMailbox
 from kvserve.cluster.output_watchdog import watch_undelivered_outputs
 from kvserve.cluster.replica_launcher import ReplicaHandle, launch_replica
+from kvserve.cluster.replica_restart import STILL_WAITING_REPORT_S
 from kvserve.cluster.replica_wait_queue import ReplicaWaitQueue, WaitingRequest
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
@@ -437,7 +438,7 @@ class SchedulerActor:
             if not self._shutting_down and replica.restart is None:
                 replica_id, device_kind = replica.replica_id, replica.device_kind
                 replica.start_restart(
-                    launch=lambda: self._launch(replica_id, device_kind),
+                    launch=lambda: self._launch(replica_id, device_kind, report_waiting_every_s=STILL_WAITING_REPORT_S),
                     install=lambda handle: self._install_replica(replica_id, handle, device_kind),
                     stopping=lambda: self._shutting_down,
                 )

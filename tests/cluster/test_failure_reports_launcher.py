@@ -84,3 +84,34 @@ def test_serve_prints_the_gcs_address_of_the_cluster_that_auto_found(monkeypatch
     init_ray("auto", CPU_CONFIG, lines.append)
 
     assert lines == ["joined the Ray cluster at auto (10.0.0.5:6379)"]
+
+
+@pytest.mark.parametrize(
+    ("env", "hint"),
+    [
+        ({}, "set RAY_AUTH_MODE=token (and RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH"),
+        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": "/etc/ray/token"},
+         "check that this process has the cluster's token (RAY_AUTH_TOKEN_PATH=/etc/ray/token)"),
+        ({"RAY_AUTH_MODE": "token"}, "(read from ~/.ray/auth_token: neither RAY_AUTH_TOKEN nor RAY_AUTH_TOKEN_PATH"),
+        ({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "s3cret-token-value"}, "(RAY_AUTH_TOKEN is set)"),
+    ],
+)
+def test_joining_a_cluster_that_refuses_says_where_the_token_came_from(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], hint: str
+) -> None:
+    # NOTE: Ray's own refusal of a wrong token takes ~20 s of retries; its final error is what is raised here.
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launcher, "check_gcs_reachable", lambda address: None)
+
+    def refused(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.5:6379")
+
+    monkeypatch.setattr(launcher.ray, "init", refused)
+    with pytest.raises(ConnectionError) as info:
+        launcher.join_ray("10.0.0.5:6379")
+    assert str(info.value).startswith("Failed to connect to Ray cluster at 10.0.0.5:6379; ")
+    assert hint in str(info.value)
+    assert "s3cret" not in str(info.value)

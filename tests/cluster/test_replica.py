@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import time
@@ -104,6 +105,24 @@ def test_unplaceable_replica_fails_naming_the_missing_resource(
     config = WorkerConfig(str(model_dir), tp_size=3, num_blocks=NUM_BLOCKS)
     with pytest.raises(PlacementError, match="needs 3 kvserve_worker_slot on one node .* largest node has 2"):
         loop.run_until_complete(launch_replica(9, config, device_kind="cpu", placement_timeout_s=1.0))
+
+
+def test_a_launch_waiting_for_room_says_so_while_it_waits(
+    ray_cluster, model_dir: Path, loop: asyncio.AbstractEventLoop, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A restart waiting for a lost node to come back was silent until the node was back.
+    config = WorkerConfig(str(model_dir), tp_size=3, num_blocks=NUM_BLOCKS)
+    with caplog.at_level(logging.WARNING, logger="kvserve.cluster.placement"), pytest.raises(PlacementError):
+        loop.run_until_complete(
+            launch_replica(9, config, device_kind="cpu", placement_timeout_s=1.0, report_waiting_every_s=0.3)
+        )
+    waiting = [r.getMessage() for r in caplog.records if r.name == "kvserve.cluster.placement"]
+    assert len(waiting) >= 2, waiting
+    assert all(m.startswith("replica 9: still waiting for room after ") for m in waiting)
+    assert "needs 3 kvserve_worker_slot on one node" in waiting[0]
+    assert """--resources '{"kvserve_worker_slot": N}'""" in waiting[0]  # pastes into `ray start` as JSON
+    assert not [g for g in ray.util.placement_group_table().values() if g["name"] == "kvserve-replica-9"
+                and g["state"] != "REMOVED"]
 
 
 def test_starting_a_cluster_says_what_replicas_still_wait_for(ray_cluster, model_dir: Path, monkeypatch) -> None:  # noqa: ANN001
