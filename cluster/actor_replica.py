@@ -135,6 +135,14 @@ class ActorReplica:
         own = (self.scheduler.num_preemptions, stats.num_queried_tokens, stats.num_hit_tokens)
         return tuple(a + b for a, b in zip(self.retired, own))  # type: ignore[return-value]
 
+    def hosts(self) -> str:
+        """`` (its ranks ran on HOST, ...)`` for a failure's log line (which node was lost), or ``""``
+        for an executor that names no addresses."""
+        addresses = getattr(self.executor, "addresses", None)
+        if not addresses:
+            return ""
+        return f" (its ranks ran on {', '.join(sorted({a.rsplit(':', 1)[0] for a in addresses}))})"
+
     def stats(self) -> ReplicaStatsInfo:
         """Its figures for ``GetStats``: its hit rate is that of the counters, its predecessors' included."""
         stats = self.scheduler.get_stats()

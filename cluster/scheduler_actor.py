@@ -457,7 +457,7 @@ class SchedulerActor:
             # NOTE: the incident's one error line: the executor logs its failure at DEBUG only.
             waiting = f"{num_waiting} wait for a replica, " if num_waiting else ""
             outcome = f"; {len(mine) - num_failed - num_waiting} of its requests moved to other replicas, {waiting}"
-            logger.error("%s%s", reason, f"{outcome}{num_failed} failed" if mine else "", exc_info=bug)
+            logger.error("%s%s%s", reason, replica.hosts(), f"{outcome}{num_failed} failed" if mine else "", exc_info=bug)
         if num_failed:
             self._outputs.notify()
 

@@ -302,6 +302,8 @@ def test_a_failure_is_one_error_line_with_its_cause_and_its_requests_fate(
         for replica_id in range(2):
             await cluster.actor.start_replica(replica_id, "cpu")
         monkeypatch.setattr(cluster.executors[0], "execute", failing_execute)
+        # Which node was lost: GrpcReplicaExecutor's rank addresses.
+        monkeypatch.setattr(cluster.executors[0], "addresses", ["10.0.0.5:40001", "10.0.0.5:40002"], raising=False)
         params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         await cluster.actor.add_request(RequestSpec("r", [1, 2, 3], params))  # round robin: replica 0
         async with asyncio.timeout(TIMEOUT_S):
@@ -314,6 +316,6 @@ def test_a_failure_is_one_error_line_with_its_cause_and_its_requests_fate(
 
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [
-        "replica 0 failed: replica 0 rank 0 failed at step 1: UNAVAILABLE: the rank ended its step stream; "
-        "1 of its requests moved to other replicas, 0 failed"
+        "replica 0 failed: replica 0 rank 0 failed at step 1: UNAVAILABLE: the rank ended its step stream "
+        "(its ranks ran on 10.0.0.5); 1 of its requests moved to other replicas, 0 failed"
     ]
