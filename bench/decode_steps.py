@@ -47,7 +47,7 @@ def decode_table_head() -> str:
 
 def decode_row_line(cells: list[object]) -> str:
     """One row of the decode table in ``format_table``'s layout, to print as soon as it is measured."""
-    return "| " + " | ".join(str(cell).rjust(len(header)) for cell, header in zip(cells, DECODE_HEADERS)) + " |"
+    return format_table(DECODE_HEADERS, [cells]).splitlines()[-1]
 
 
 def decode_steps(llm, batches: tuple[int, ...], context: int, vocab: int, steps: int, cost,

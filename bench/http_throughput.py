@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import json
 import re
-import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -38,6 +37,7 @@ from typing import TYPE_CHECKING
 
 from kvserve.bench.arg_types import int_at_least, model_directory
 from kvserve.bench.serve_process import STARTUP_TIMEOUT_S, ServeProcess
+from kvserve.cluster.interrupts import sigterm_as_interrupt
 from kvserve.experiments.report import format_table
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [f"Stream number {i} tells a story about" for i in range(args.streams)]
     expected_tokens = args.streams * args.max_tokens
 
-    with _stopped_by_sigterm(), served(model_dir, args.streams) as (grpc_target, http_url, model_name):
+    with sigterm_as_interrupt(), served(model_dir, args.streams) as (grpc_target, http_url, model_name):
         print(f"serving on {grpc_target} (gRPC) and {http_url} (HTTP); {args.repeat} round(s) of {args.streams} "
               f"streams of {args.max_tokens} tokens each way ...", flush=True)
         best = asyncio.run(_rounds(grpc_target, http_url, model_name, prompts, args.max_tokens, args.repeat))
@@ -85,27 +85,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 @contextmanager
-def _stopped_by_sigterm() -> Iterator[None]:
-    """SIGTERM raises ``SystemExit`` here, as Ctrl-C raises ``KeyboardInterrupt``: ``with`` blocks stop the server."""
-
-    def stop(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
 def served(model_dir: Path, max_streams: int,
            startup_timeout_s: float = STARTUP_TIMEOUT_S) -> Iterator[tuple[str, str, str]]:
     """``kvserve serve`` (gRPC and HTTP on free ports) in a session of its own: its gRPC target, HTTP URL, model name.
 
     ``RuntimeError`` with what it printed if it does not start within ``startup_timeout_s``, printing or
     not (its output is read by a thread of its own).  However the block ends (an exception, Ctrl-C, a
-    SIGTERM under ``_stopped_by_sigterm``, the timeout), serve is stopped, and its session's processes.
+    SIGTERM under ``sigterm_as_interrupt``, the timeout), serve is stopped, and its session's processes.
     """
     args = ["--model", str(model_dir), "--port", "0", "--http-port", "0", "--num-blocks",
             str(max(256, max_streams * 16)), "--max-concurrent-requests", str(max_streams * 2)]

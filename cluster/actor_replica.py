@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from kvserve.cluster.host_port import split_host_port
 from kvserve.cluster.messages import ReplicaStatsInfo
 from kvserve.cluster.replica_launcher import ReplicaHandle
 from kvserve.cluster.replica_restart import RestartBackoff, restart
@@ -141,7 +142,7 @@ class ActorReplica:
         addresses = getattr(self.executor, "addresses", None)
         if not addresses:
             return ""
-        return f" (its ranks ran on {', '.join(sorted({a.rsplit(':', 1)[0] for a in addresses}))})"
+        return f" (its ranks ran on {', '.join(sorted({split_host_port(a)[0] for a in addresses}))})"
 
     def stats(self) -> ReplicaStatsInfo:
         """Its figures for ``GetStats``: its hit rate is that of the counters, its predecessors' included."""

@@ -111,9 +111,9 @@ def _first_token(path: Path | None) -> str | None:
 def _tls_ca(path: Path | None) -> Path | None:
     """``--tls-ca``'s file, checked to be readable and to hold a PEM certificate."""
     if path is not None:
-        from kvserve.cluster.tls import read_pem_certificates
+        from kvserve.cluster.tls import check_ca_file
 
-        read_pem_certificates(path, name="--tls-ca")
+        check_ca_file(path, name="--tls-ca")
     return path
 
 

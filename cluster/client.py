@@ -64,7 +64,7 @@ from kvserve.cluster.client_messages import (
     to_replica_stats,
 )
 from kvserve.cluster.host_port import GRPC_SCHEMES, check_grpc_target
-from kvserve.cluster.tls import check_key_pair, read_pem_certificates
+from kvserve.cluster.tls import check_ca_file, check_key_pair
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
 if TYPE_CHECKING:
@@ -357,7 +357,7 @@ def _tls_credentials(
         raise ValueError("tls_cert and tls_key go together: give both (a client certificate and its key) or neither")
     if tls_ca is None and tls_cert is None:
         return None
-    root_certificates = None if tls_ca is None else read_pem_certificates(tls_ca, name="tls_ca")
+    root_certificates = None if tls_ca is None else check_ca_file(tls_ca, name="tls_ca")
     if tls_cert is None or tls_key is None:
         return grpc.ssl_channel_credentials(root_certificates=root_certificates)
     # NOTE: grpc takes any bytes here too and fails only at the first call, as UNAVAILABLE;

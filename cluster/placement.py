@@ -59,7 +59,7 @@ async def place_replica(
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     bundles = replica_bundles(tp_size, device_kind)
     group = placement_group(bundles, strategy="STRICT_PACK", name=f"kvserve-replica-{replica_id}")
-    ready = asyncio.ensure_future(_until_ready(group))
+    ready = asyncio.ensure_future(group.ready())
     start = time.monotonic()
     try:
         while True:
@@ -82,10 +82,6 @@ async def place_replica(
         ready.cancel()
         remove_placement_group(group)
         raise
-
-
-async def _until_ready(group: PlacementGroup) -> None:
-    await group.ready()
 
 
 def replica_bundles(tp_size: int, device_kind: DeviceKind) -> list[dict[str, float]]:

@@ -51,7 +51,7 @@ STILL_WAITING_REPORT_S = 60.0
 
 @dataclass(slots=True)
 class RestartBackoff:
-    """One replica's restart delays across its failures (the scheduler actor keeps one per replica id)."""
+    """One replica's restart delays across its failures (its ActorReplica keeps it; a replacement takes it over)."""
 
     # The wait before the try that last brought the replica back; None: it was never restarted.
     last_delay_s: float | None = None

@@ -21,7 +21,7 @@ from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.stop_strings import check_stop_strings
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.logprobs import TokenLogprobs
-from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids
+from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids, first_outside_vocabulary
 
 MAX_REQUEST_ID_LENGTH = 256
 # Room in the quick refusal of text too long to fit (see ``_max_text_chars``).
@@ -104,9 +104,7 @@ class RequestConversion:
                     "(max_prompt_tokens)"
                 )
             prompt_token_ids = list(ids)
-            # NOTE: min/max run in C; the loop only runs to name the offending id.
-            if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab_size:
-                bad = next(t for t in prompt_token_ids if not 0 <= t < vocab_size)
+            if (bad := first_outside_vocabulary(prompt_token_ids, vocab_size)) is not None:
                 raise InvalidRequestError(f"token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
         num_prompt_tokens = len(prompt_token_ids)
         if limits.max_prompt_tokens is not None and num_prompt_tokens > limits.max_prompt_tokens:

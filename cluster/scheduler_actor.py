@@ -238,7 +238,7 @@ class SchedulerActor:
             return self._queue(request)
         except NoAvailableReplicaError as exc:
             may_wait = any(replica.restarting for replica in self._replicas.values())
-            if not may_wait or self.config.max_queue_wait_s == 0 or self._shutting_down:
+            if not may_wait or self.config.max_queue_wait_s == 0:
                 raise
             why = str(exc) if reason is None else f"{reason}; no other replica took it: {exc}"
             self._waiting.add(request, why, moved_from)

@@ -113,16 +113,6 @@ def check_ca_file(path: str | os.PathLike[str], *, name: str) -> bytes:
     return pem
 
 
-def read_pem_certificates(path: str | os.PathLike[str], *, name: str) -> bytes:
-    """The bytes of a client's CA file (``name``: its argument or flag), checked to be readable and
-    to hold a PEM certificate: grpc takes any bytes and fails every call later with "UNAVAILABLE:
-    ... Failed to create security handshaker"."""
-    pem = _read(path, name)
-    if _PEM_CERTIFICATE not in pem:
-        raise ValueError(f"{name}: {os.fspath(path)} holds no PEM certificate ({_PEM_CERTIFICATE.decode()})")
-    return pem
-
-
 def _refuse_password() -> str:
     raise _EncryptedKey
 

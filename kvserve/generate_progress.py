@@ -30,9 +30,9 @@ class GenerateProgress:
         self._stream = sys.stderr if stream is None else stream
         self._tty = _is_tty(self._stream)
         self._enabled = self._tty if show is None else show
-        self._delay_s = DELAY_S if show is None else 0.0
+        self._asked = show is True  # the totals at the end even when nothing was shown before
         self._start = time.monotonic()
-        self._next_s = self._start + self._delay_s
+        self._next_s = self._start + (DELAY_S if show is None else 0.0)
         self._shown = False
         self._num_finished = 0
         self._num_tokens = 0
@@ -49,7 +49,7 @@ class GenerateProgress:
 
     def close(self) -> None:
         """The call ended: its totals, if any progress was shown (or asked for)."""
-        if self._enabled and (self._shown or self._delay_s == 0.0):
+        if self._enabled and (self._shown or self._asked):
             self._write(time.monotonic(), final=True)
 
     def _write(self, now: float, *, final: bool) -> None:

@@ -16,7 +16,7 @@ from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import FinishReason, Request
-from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids
+from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids, first_outside_vocabulary
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
@@ -198,9 +198,7 @@ class LLM:
         else:
             token_ids = _token_ids(prompt)
         vocab_size = self.model_config.vocab_size
-        # NOTE: min/max run in C; the loop only runs to name the offending id.
-        if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
-            bad = next(t for t in token_ids if not 0 <= t < vocab_size)
+        if (bad := first_outside_vocabulary(token_ids, vocab_size)) is not None:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
         return token_ids
 

@@ -4,19 +4,26 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 # The most alternatives a request may ask for at each position (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
 
 
-def check_stop_token_ids(stop_token_ids: Iterable[int], vocab_size: int) -> None:
+def first_outside_vocabulary(token_ids: Sequence[int], vocab_size: int) -> int | None:
+    """The first of ``token_ids`` outside the vocabulary ``[0, vocab_size)``, or ``None``."""
+    # NOTE: min/max run in C (a prompt may be long); the loop only runs to name the offending id.
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        return next(t for t in token_ids if not 0 <= t < vocab_size)
+    return None
+
+
+def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
     """``ValueError`` naming the first stop token id outside the vocabulary ``[0, vocab_size)``:
     an id the model cannot sample would never stop anything."""
-    for token_id in stop_token_ids:
-        if not 0 <= token_id < vocab_size:
-            raise ValueError(f"stop_token_ids: {token_id} is outside the vocabulary [0, {vocab_size})")
+    if (bad := first_outside_vocabulary(stop_token_ids, vocab_size)) is not None:
+        raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True, slots=True)

@@ -129,8 +129,16 @@ def test_a_prompt_of_bytes_that_are_not_utf8_is_one_line_from_the_shell():
 
 @pytest.fixture
 def ca_file(tmp_path: Path) -> Path:
+    """A self-signed CA certificate (the client checks it as ``ssl`` loads it)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from tests.cluster.test_security import _certificate
+
+    key = ec.generate_private_key(ec.SECP256R1())
     path = tmp_path / "ca.pem"
-    path.write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    path.write_bytes(_certificate("test CA", key, key.public_key(), "test CA", ca=True).public_bytes(
+        serialization.Encoding.PEM))
     return path
 
 
@@ -141,7 +149,7 @@ def ca_file(tmp_path: Path) -> Path:
         (lambda tmp: tmp, "cannot read {path}: Is a directory"),
         (lambda tmp: _unreadable(tmp / "secret.pem"), "cannot read {path}: Permission denied"),
         (lambda tmp: _written(tmp / "key.txt", "not a certificate\n"),
-         "{path} holds no PEM certificate (-----BEGIN CERTIFICATE-----)"),
+         "{path}: holds no certificate (expected PEM CA certificates)"),
     ],
 )
 def test_an_unusable_tls_ca_file_is_one_line_naming_the_flag(capsys, tmp_path, make, message):

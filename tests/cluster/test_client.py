@@ -334,7 +334,7 @@ def test_a_ca_file_without_a_certificate_is_a_clear_error(tmp_path):
     not_a_certificate = tmp_path / "ca.pem"
     not_a_certificate.write_text("not a certificate\n")
 
-    with pytest.raises(ValueError, match="tls_ca: .*ca.pem holds no PEM certificate"):
+    with pytest.raises(ValueError, match=r"tls_ca: .*ca.pem: holds no certificate \(expected PEM CA certificates\)"):
         Client("127.0.0.1:1", tls_ca=not_a_certificate)
 
 

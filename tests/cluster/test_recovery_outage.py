@@ -233,3 +233,24 @@ def test_a_request_added_while_an_idle_check_hangs_is_stepped_at_once_and_checks
     assert (last.error, last.token_ids) == (None, [7] * 6)
     assert served_s < 1.0
     assert num_checks == 1
+
+
+def test_requests_that_waited_are_routed_in_arrival_order_a_moved_one_before_newer_ones() -> None:
+    # A request moving off a failed replica starts waiting after newer ones that arrived meanwhile;
+    # when a replica is back it goes first, as it arrived first.
+    from kvserve.cluster.replica_wait_queue import ReplicaWaitQueue
+    from kvserve.scheduler.request import Request
+
+    async def scenario() -> list[str]:
+        routed: list[str] = []
+        queue = ReplicaWaitQueue(30.0, route=lambda request: routed.append(request.req_id) or 0,
+                                 end=lambda entry, error: None)
+        queue.add(Request("newer", [1, 2, 3], PARAMS, arrival_time=2.0), "no replica is available")
+        queue.add(Request("moved", [1, 2, 3], PARAMS, arrival_time=1.0), "replica 1 failed", replica=1)
+        queue.add(Request("newest", [1, 2, 3], PARAMS, arrival_time=3.0), "no replica is available")
+        queue.route_all()
+        assert len(queue) == 0
+        queue.end_all("the cluster is shutting down")  # stops its timer
+        return routed
+
+    assert asyncio.run(scenario()) == ["moved", "newer", "newest"]

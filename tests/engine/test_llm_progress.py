@@ -62,7 +62,7 @@ def test_on_a_terminal_it_shows_only_once_the_call_ran_the_delay_and_rewrites_on
     ]
 
 
-def test_a_short_call_on_a_terminal_says_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_short_call_on_a_terminal_says_nothing() -> None:
     terminal = Terminal()
     shown = GenerateProgress(2, None, terminal)
     shown.update(2, 8)
