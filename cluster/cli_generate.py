@@ -10,6 +10,9 @@ from pathlib import Path
 
 from kvserve.cluster.cli_values import check_utf8
 from kvserve.cluster.host_port import check_grpc_target
+from kvserve.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY
+
+_PENALTY_RANGE = f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
 
 # The request's fields that the server's errors start with -> the arguments that set them.
 _ARGUMENT_OF_FIELD = {
@@ -22,6 +25,10 @@ _ARGUMENT_OF_FIELD = {
     "top_k": "--top-k",
     "seed": "--seed",
     "stop": "--stop",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "logit_bias": "--logit-bias",
+    "min_tokens": "--min-tokens",
 }
 _SERVER_FLAG_OF_LIMIT = {
     "max_prompt_bytes": "the server's --max-prompt-bytes",
@@ -29,7 +36,10 @@ _SERVER_FLAG_OF_LIMIT = {
     "max_cache_salt_bytes": "the server's --max-cache-salt-bytes",
 }
 # Names that are only ever a field's or a limit's, wherever they stand in an error.
-_NAMES_IN_ERRORS = re.compile(r"\b(max_tokens|top_p|top_k|cache_salt|" + "|".join(_SERVER_FLAG_OF_LIMIT) + r")\b")
+_NAMES_IN_ERRORS = re.compile(
+    r"\b(max_tokens|top_p|top_k|cache_salt|presence_penalty|frequency_penalty|logit_bias|min_tokens|"
+    + "|".join(_SERVER_FLAG_OF_LIMIT) + r")\b"
+)
 
 
 def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -63,6 +73,26 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="sample among the K likeliest tokens; -1 or 0 disables (server default)",
     )
     parser.add_argument("--seed", type=_int64, default=None, help="seed for reproducible sampling")
+    parser.add_argument(
+        "--presence-penalty", type=float, default=None, metavar="P",
+        help=f"subtract P, in {_PENALTY_RANGE}, from the logit of every token the completion has generated "
+        "(server default: 0)",
+    )
+    parser.add_argument(
+        "--frequency-penalty", type=float, default=None, metavar="F",
+        help=f"subtract F, in {_PENALTY_RANGE}, from a token's logit once for each time the completion "
+        "generated it (server default: 0)",
+    )
+    parser.add_argument(
+        "--logit-bias", type=_logit_bias, action="append", default=None, metavar="TOKEN_ID=BIAS",
+        help=f"add BIAS, in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], to the logit of token TOKEN_ID "
+        f"(-{MAX_LOGIT_BIAS:g} in effect bans it); repeatable, up to {MAX_LOGIT_BIAS_TOKENS} tokens",
+    )
+    parser.add_argument(
+        "--min-tokens", type=_int32, default=None, metavar="N",
+        help="generate at least N tokens (at most --max-tokens): until then no stop token, end-of-sequence "
+        "token or --stop string ends the completion (server default: 0)",
+    )
     parser.add_argument(
         "--ignore-eos", action="store_true",
         help="keep generating past the end-of-sequence token",
@@ -157,6 +187,30 @@ def _int64(text: str) -> int:
     return _integer_in_range(text, 64)
 
 
+def _logit_bias(text: str) -> tuple[int, float]:
+    """``TOKEN_ID=BIAS`` as ``(token_id, bias)``; the server checks the id against its vocabulary, and the bias."""
+    token_id, equals, bias = text.partition("=")
+    expected = f"expected TOKEN_ID=BIAS such as 50256=-100, got {text!r}"
+    if not equals or not (token_id.isascii() and token_id.isdigit()):
+        raise argparse.ArgumentTypeError(expected)
+    try:
+        return _integer_in_range(token_id, 64), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(expected) from None
+
+
+def _logit_biases(pairs: list[tuple[int, float]] | None) -> dict[int, float] | None:
+    """``--logit-bias``'s pairs as a mapping; ``ValueError`` for a token given twice."""
+    if pairs is None:
+        return None
+    biases: dict[int, float] = {}
+    for token_id, bias in pairs:
+        if token_id in biases:
+            raise ValueError(f"--logit-bias: token {token_id} is given twice")
+        biases[token_id] = bias
+    return biases
+
+
 def _integer_in_range(text: str, bits: int) -> int:
     try:
         value = int(text)
@@ -181,9 +235,11 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from kvserve.cluster.client import Client, RequestError
 
-    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
+             "min_tokens")
     sampling = {name: getattr(args, name) for name in names}
     try:
+        sampling["logit_bias"] = _logit_biases(args.logit_bias)
         texts = [("PROMPT", args.prompt), ("--target", args.target), ("--cache-salt", args.cache_salt)]
         for name, text in [*texts, *(("--stop", stop) for stop in args.stop or ())]:
             check_utf8(text, name)

@@ -12,7 +12,8 @@ validated by the server, which answers ``INVALID_ARGUMENT`` naming the field.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+import numbers
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypedDict
 
@@ -33,9 +34,15 @@ class SamplingKwargs(TypedDict, total=False):
     1.0, ``top_p`` 1.0, no ``top_k``).  ``stop``: strings that end the
     completion once its text contains one (not sent).  ``logprobs``: 0 for each
     token's log-probability, k (at most 20) for it and the k most likely tokens
-    at its position (``Completion.logprobs``).  ``cache_salt`` isolates a tenant's
-    cached prefixes; ``request_id`` must be unique among the requests in
-    flight (the server assigns one when unset).
+    at its position (``Completion.logprobs``).  ``presence_penalty`` and
+    ``frequency_penalty`` (each in [-2, 2]) penalize the tokens the completion
+    has generated so far, as OpenAI's do; ``logit_bias`` adds a bias in
+    [-100, 100] to the logits of up to 300 token ids (``{token_id: bias}``, or
+    ``(token_id, bias)`` pairs; the ids are ints, not OpenAI's strings);
+    ``min_tokens`` (at most ``max_tokens``) keeps stop tokens, EOS and stop
+    strings from ending the completion before that many tokens.
+    ``cache_salt`` isolates a tenant's cached prefixes; ``request_id`` must be
+    unique among the requests in flight (the server assigns one when unset).
     """
 
     max_tokens: int
@@ -47,6 +54,10 @@ class SamplingKwargs(TypedDict, total=False):
     stop: str | Sequence[str]
     ignore_eos: bool
     logprobs: int
+    presence_penalty: float
+    frequency_penalty: float
+    logit_bias: Mapping[int, float] | Sequence[tuple[int, float]]
+    min_tokens: int
     cache_salt: str
     request_id: str
 
@@ -54,6 +65,10 @@ class SamplingKwargs(TypedDict, total=False):
 SAMPLING_KEYWORDS = frozenset(generate_pb2.SamplingParams.DESCRIPTOR.fields_by_name)
 REQUEST_KEYWORDS = frozenset(("cache_salt", "request_id"))
 KEYWORDS = SAMPLING_KEYWORDS | REQUEST_KEYWORDS
+# NOTE: protobuf takes True for a double (as 1.0); the server refuses a bool for a number, and so does the client.
+_REAL_KEYWORDS = frozenset(
+    field.name for field in generate_pb2.SamplingParams.DESCRIPTOR.fields if field.type == field.TYPE_DOUBLE
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +187,10 @@ def to_generate_request(prompt: str | Sequence[int], kwargs: dict[str, Any]) -> 
         elif name == "ignore_eos" and not isinstance(value, bool):
             # NOTE: protobuf takes 0 and 1 for a bool; ignore_eos="no" would be True.
             raise TypeError(f"ignore_eos must be True or False, got {value!r}")
+        elif name in _REAL_KEYWORDS and isinstance(value, bool):
+            raise TypeError(f"{name} must be a number, got {value!r}")
+        elif name == "logit_bias":
+            _set_logit_bias(params, value)
         else:
             _set_field(params, name, value)
     return request
@@ -263,6 +282,34 @@ def _set_field(message: Any, name: str, value: Any, *, label: str | None = None)
         raise TypeError(f"{label or name}: {exc}") from None
     except ValueError as exc:  # an integer out of the field's range
         raise ValueError(f"{label or name}: {exc}") from None
+
+
+def _set_logit_bias(params: generate_pb2.SamplingParams, value: Any) -> None:
+    """``params.logit_bias`` from ``{token_id: bias}`` or ``(token_id, bias)`` pairs; ``TypeError`` for another
+    shape, an id that is not an int or a bias that is not a number, ``ValueError`` for an id given twice."""
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        items = list(value)
+        if not all(isinstance(item, Sequence) and not isinstance(item, (str, bytes)) and len(item) == 2
+                   for item in items):
+            items = None
+    else:
+        items = None
+    if items is None:
+        raise TypeError(f"logit_bias must be {{token_id: bias}} or (token_id, bias) pairs, got {value!r}")
+    for token_id, bias in items:
+        # NOTE: OpenAI's JSON spells ids as strings ("50256"); here they are ints, as everywhere in this API.
+        if isinstance(token_id, bool) or not isinstance(token_id, numbers.Integral):
+            raise TypeError(f"logit_bias: token ids must be ints, got {token_id!r}")
+        if isinstance(bias, bool) or not isinstance(bias, numbers.Real):
+            raise TypeError(f"logit_bias[{token_id}] must be a number, got {bias!r}")
+        if int(token_id) in params.logit_bias:
+            raise ValueError(f"logit_bias names token {token_id} twice")
+        try:
+            params.logit_bias[int(token_id)] = float(bias)
+        except ValueError as exc:  # an id past int64
+            raise ValueError(f"logit_bias: {exc}") from None
 
 
 def _unknown_keywords_message(unknown: list[str]) -> str:

@@ -276,8 +276,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     self._public(req_id, public_id, "no replica can take it now", remote_error_message(exc))
                 ) from None
             detokenizer = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
-            stop = tuple(request.sampling_params.stop)
-            matcher = StopStringMatcher(stop) if stop and detokenizer is not None else None
+            stop = tuple(request.sampling_params.stop) if detokenizer is not None else ()
+            matcher = StopStringMatcher(stop, spec.sampling_params.min_tokens) if stop else None
             num_output_tokens = 0
             while not finished:
                 delta = await stream.next_message()

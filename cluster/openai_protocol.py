@@ -11,12 +11,19 @@ each alternative's text, and the sampled token's, to its log-probability), and
 the chat one (``openai_chat``).  A token's text is its own decoding, which for
 a token holding part of a UTF-8 character is a replacement character.
 
+``presence_penalty`` and ``frequency_penalty`` (each in [-2, 2]) and
+``logit_bias`` (an object of token ids spelled as decimal strings, ``{"50256":
+-100}``, to biases in [-100, 100]; at most 300) have OpenAI's semantics; a key
+that is not a token id is a 400 naming ``logit_bias``.
+
 Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
-``cache_salt`` and ``stop_token_ids``.  ``stop`` strings are matched on the
-detokenized text by the shared pipeline and never sent.  OpenAI fields that kvserve does not
-implement yet are refused with a 400 naming them unless they have their
-neutral value (``echo`` false, penalties 0, ``response_format`` text, no
-``tools``, ...), so that a client never gets silently different semantics;
+``cache_salt`` and ``stop_token_ids``, and ``min_tokens`` (vLLM's name: no
+stop token, EOS or stop string ends the completion before that many tokens).
+``stop`` strings are matched on the detokenized text by the shared pipeline
+and never sent.  OpenAI fields that kvserve does not implement yet are refused
+with a 400 naming them unless they have their neutral value (``echo`` false,
+``response_format`` text, no ``tools``, ...), so that a client never gets
+silently different semantics;
 unknown fields are refused too.  Types are strict, as OpenAI's are
 (``"max_tokens": "5"`` or ``true`` is a 400), and an explicit ``null`` is
 the default of any field that has one, as OpenAI's nullable fields are.
@@ -60,6 +67,7 @@ DEFAULT_MAX_TOKENS = 16
 # The most choices (``n``) one request may ask for; each is one of the server's concurrent requests.
 MAX_CHOICES = 16
 _MAX_SEED = 2**63 - 1  # the gRPC API's int64
+_MAX_TOKEN_ID_DIGITS = 18  # every such id fits the gRPC API's int64
 
 
 # Requests are validated strictly: OpenAI refuses "5" or true for an integer, and so does kvserve.
@@ -103,9 +111,6 @@ class SamplingRequest(BaseModel):
     model_config = REQUEST_CONFIG
 
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
-        "presence_penalty": (0,),
-        "frequency_penalty": (0,),
-        "logit_bias": ({},),
         "store": (False,),
         "service_tier": ("auto", "default"),
     }
@@ -123,10 +128,11 @@ class SamplingRequest(BaseModel):
     metadata: dict[str, str] | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
-    # Neutral values only, for now (``NEUTRAL_VALUES``).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # Token ids as decimal strings (JSON's keys are strings) -> biases (``logit_bias_pairs``).
     logit_bias: dict[str, float] | None = None
+    # Neutral values only, for now (``NEUTRAL_VALUES``).
     store: bool = False
     service_tier: Any = None
     # kvserve's extras.
@@ -134,6 +140,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     cache_salt: str | None = None
     stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
 
     @model_validator(mode="before")
     @classmethod
@@ -150,6 +157,22 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def logit_bias_pairs(self) -> list[tuple[int, float]]:
+        """``logit_bias`` as ``(token id, bias)`` pairs; ``InvalidRequestError`` for a key that is not a token id.
+
+        NOTE: only ASCII digits, where ``int`` would also take ``" 5"``, ``"+5"``, ``"1_0"`` or other scripts' digits.
+        """
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise InvalidRequestError(
+                    f"logit_bias: keys must be token ids written as decimal strings (such as \"50256\"), got {key!r}"
+                )
+            if len(key) > _MAX_TOKEN_ID_DIGITS:  # no vocabulary is that large, and int() of a long one is slow
+                raise InvalidRequestError(f"logit_bias: the key {key[:24]}... is too long for a token id")
+            pairs.append((int(key), bias))
+        return pairs
 
     def unsupported_fields(self) -> dict[str, str]:
         """Each field kvserve does not implement that this request sets to a value other than a neutral one,
@@ -310,7 +333,9 @@ def _to_generate_request(
         generate.token_ids.ids.extend(prompt)
     params = generate.sampling_params
     fields = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
-              "top_k": request.top_k, "seed": request.seed, "logprobs": logprobs}
+              "top_k": request.top_k, "seed": request.seed, "logprobs": logprobs,
+              "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
+              "min_tokens": request.min_tokens}
     for name, value in fields.items():
         if value is not None:
             try:
@@ -323,6 +348,8 @@ def _to_generate_request(
         params.stop_token_ids.extend(request.stop_token_ids or ())
     except ValueError as exc:
         raise InvalidRequestError(f"stop_token_ids: {exc}") from None
+    for token_id, bias in request.logit_bias_pairs():
+        params.logit_bias[token_id] = bias
     generate.cache_salt = request.cache_salt or ""
     return generate
 

@@ -21,11 +21,21 @@ from kvserve.cluster.request_limits import RequestLimits
 from kvserve.cluster.stop_strings import check_stop_strings
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.logprobs import TokenLogprobs
-from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids, first_outside_vocabulary
+from kvserve.scheduler.sampling_params import (
+    MAX_LOGIT_BIAS_TOKENS,
+    SamplingParams,
+    check_token_ids_in_vocabulary,
+    first_outside_vocabulary,
+)
 
 MAX_REQUEST_ID_LENGTH = 256
 # Room in the quick refusal of text too long to fit (see ``_max_text_chars``).
 _TEXT_BOUND_FACTOR = 4
+# The proto's ``optional`` sampling fields: unset ones take SamplingParams' defaults.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
+    "min_tokens",
+)
 _FINISH_REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
     "length": generate_pb2.FINISH_REASON_LENGTH,
@@ -135,10 +145,6 @@ class RequestConversion:
 
     def to_sampling_params(self, params: generate_pb2.SamplingParams) -> SamplingParams:
         """``params`` checked against the vocabulary and the limits; ``SamplingParams`` validates the rest."""
-        try:
-            check_stop_token_ids(params.stop_token_ids, self._model_info.vocab_size)
-        except ValueError as exc:
-            raise InvalidRequestError(f"sampling_params.{exc}") from None
         if params.stop:
             if self._tokenizer is None:
                 raise InvalidRequestError("sampling_params.stop: stop strings need a tokenizer and this model has none")
@@ -146,18 +152,27 @@ class RequestConversion:
                 check_stop_strings(params.stop)
             except ValueError as exc:
                 raise InvalidRequestError(f"sampling_params.{exc}") from None
+        # NOTE: counted before the map is copied; SamplingParams checks the same bound on what it is given.
+        if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise InvalidRequestError(
+                f"sampling_params.logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
+                f"got {len(params.logit_bias)}"
+            )
         kwargs: dict[str, Any] = {
             "stop_token_ids": tuple(params.stop_token_ids),
             "ignore_eos": params.ignore_eos,
+            "logit_bias": dict(params.logit_bias),
         }
-        for name in ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs"):
+        for name in _OPTIONAL_SAMPLING_FIELDS:
             if params.HasField(name):
                 kwargs[name] = getattr(params, name)
         try:
             # SamplingParams validates every field and names it in its message.
-            return SamplingParams(**kwargs)
+            sampling_params = SamplingParams(**kwargs)
+            check_token_ids_in_vocabulary(sampling_params, self._model_info.vocab_size)
         except ValueError as exc:
             raise InvalidRequestError(f"sampling_params.{exc}") from None
+        return sampling_params
 
 
 def check_request_id(request_id: str) -> None:

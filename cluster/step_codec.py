@@ -12,7 +12,8 @@ entry per request, the flattened columns add up) and raises ``ValueError``
 naming the field, so a worker never indexes past the end of a column.
 
 ``SamplingParams.stop_token_ids`` and ``ignore_eos`` are not sent: stopping is
-decided by the scheduler, workers only sample.
+decided by the scheduler, workers only sample (a request with ``min_tokens``
+brings its stop tokens in ``NewRequestData.stop_token_ids``, to be held back).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvserve.scheduler.step_result import StepResult
 _INT32 = np.dtype("<i4")
 _UINT8 = np.dtype("u1")
 _FLOAT32 = np.dtype("<f4")
+_FLOAT64 = np.dtype("<f8")
 
 
 # -- sampling parameters ----------------------------------------------------------
@@ -47,11 +49,25 @@ def encode_sampling_params(params: SamplingParams) -> step_pb2.WireSamplingParam
         wire.seed = params.seed
     if params.logprobs is not None:
         wire.logprobs = params.logprobs
+    # Logits adjustments: the proto3 defaults (0, empty) are their neutral values.
+    wire.presence_penalty = params.presence_penalty
+    wire.frequency_penalty = params.frequency_penalty
+    wire.min_tokens = params.min_tokens
+    if params.logit_bias:
+        token_ids, biases = zip(*params.logit_bias)
+        wire.logit_bias_token_ids = _pack_int32(token_ids)
+        wire.logit_bias_values = _pack_float64(biases)
     return wire
 
 
 def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
     """The worker's view of a request's sampling parameters (no stop conditions)."""
+    bias_token_ids = _unpack(wire.logit_bias_token_ids, "logit_bias_token_ids", _INT32)
+    biases = _unpack(wire.logit_bias_values, "logit_bias_values", _FLOAT64)
+    if bias_token_ids.size != biases.size:
+        raise ValueError(
+            f"logit_bias_token_ids has {bias_token_ids.size} entries for {biases.size} logit_bias_values"
+        )
     return SamplingParams(
         max_tokens=wire.max_tokens,
         temperature=wire.temperature,
@@ -59,6 +75,10 @@ def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
         top_k=wire.top_k or None,
         seed=wire.seed if wire.HasField("seed") else None,
         logprobs=wire.logprobs if wire.HasField("logprobs") else None,
+        presence_penalty=wire.presence_penalty,
+        frequency_penalty=wire.frequency_penalty,
+        logit_bias=tuple(zip(bias_token_ids.tolist(), biases.tolist())),
+        min_tokens=wire.min_tokens,
     )
 
 
@@ -148,7 +168,8 @@ def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.N
     indices = []
     for new in new_requests:
         params = new.sampling_params
-        key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.logprobs)
+        key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.logprobs,
+               params.presence_penalty, params.frequency_penalty, params.logit_bias, params.min_tokens)
         index = index_of.get(key)
         if index is None:
             index = index_of[key] = len(index_of)
@@ -157,6 +178,13 @@ def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.N
     message.req_ids.extend([new.req_id for new in new_requests])
     message.num_prompt_tokens = _pack_int32([new.num_prompt_tokens for new in new_requests])
     message.sampling_params_index = _pack_int32(indices)
+    # NOTE: only logits adjustments need these: most plans leave both pairs of columns empty.
+    if any(new.output_token_ids for new in new_requests):
+        message.num_output_token_ids = _pack_int32([len(new.output_token_ids) for new in new_requests])
+        message.output_token_ids = _pack_int32([t for new in new_requests for t in new.output_token_ids])
+    if any(new.stop_token_ids for new in new_requests):
+        message.num_stop_token_ids = _pack_int32([len(new.stop_token_ids) for new in new_requests])
+        message.stop_token_ids = _pack_int32([t for new in new_requests for t in new.stop_token_ids])
 
 
 def _decode_new_requests(message: step_pb2.NewRequests) -> list[NewRequestData]:
@@ -175,10 +203,32 @@ def _decode_new_requests(message: step_pb2.NewRequests) -> list[NewRequestData]:
         raise ValueError(
             f"new_requests.sampling_params_index holds {bad}, but there are {len(params)} sampling_params"
         )
+    output_token_ids = _flat_column_per_request(message, "output_token_ids", len(req_ids))
+    stop_token_ids = _flat_column_per_request(message, "stop_token_ids", len(req_ids))
     return [
-        NewRequestData(req_id, params[index], num_prompt)
-        for req_id, index, num_prompt in zip(req_ids, indices.tolist(), num_prompt_tokens.tolist())
+        NewRequestData(req_id, params[index], num_prompt, outputs, stops)
+        for req_id, index, num_prompt, outputs, stops in zip(
+            req_ids, indices.tolist(), num_prompt_tokens.tolist(), output_token_ids, stop_token_ids
+        )
     ]
+
+
+def _flat_column_per_request(message: step_pb2.NewRequests, name: str, num_reqs: int) -> list[tuple[int, ...]]:
+    """The flat int32 column ``name``, cut per request by ``num_<name>`` (both empty: nothing for any)."""
+    counts_name = f"num_{name}"
+    if not getattr(message, counts_name) and not getattr(message, name):
+        return [()] * num_reqs
+    counts = _unpack_column(message, counts_name, num_reqs, label="new_requests.")
+    values = _unpack(getattr(message, name), f"new_requests.{name}", _INT32)
+    _check_non_negative(f"new_requests.{counts_name}", counts)
+    _check_non_negative(f"new_requests.{name}", values)
+    _check_total(f"new_requests.{name}", values.size, f"new_requests.{counts_name}", counts)
+    values_list = values.tolist()
+    parts, start = [], 0
+    for count in counts.tolist():
+        parts.append(tuple(values_list[start : start + count]))
+        start += count
+    return parts
 
 
 # -- step results -------------------------------------------------------------------
@@ -249,6 +299,10 @@ def _pack_int32(values: Sequence[int]) -> bytes:
 
 def _pack_float32(values: Sequence[float]) -> bytes:
     return struct.pack(f"<{len(values)}f", *values)
+
+
+def _pack_float64(values: Sequence[float]) -> bytes:
+    return struct.pack(f"<{len(values)}d", *values)
 
 
 def _unpack(data: bytes, name: str, dtype: np.dtype) -> np.ndarray:

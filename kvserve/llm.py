@@ -16,7 +16,7 @@ from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.request import FinishReason, Request
-from kvserve.scheduler.sampling_params import SamplingParams, check_stop_token_ids, first_outside_vocabulary
+from kvserve.scheduler.sampling_params import SamplingParams, check_token_ids_in_vocabulary, first_outside_vocabulary
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
@@ -149,7 +149,7 @@ class LLM:
                 )
         vocab_size = self.model_config.vocab_size
         for params in params_list:
-            check_stop_token_ids(params.stop_token_ids, vocab_size)  # as the cluster checks them
+            check_token_ids_in_vocabulary(params, vocab_size)  # as the cluster checks them
         requests: dict[str, Request] = {}
         try:
             for prompt, params in zip(prompt_list, params_list):

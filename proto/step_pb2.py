@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/proto/step.proto\x12\x13kvserve.internal.v1\"\x07\n\x05\x45mpty\"\x1f\n\tNumBlocks\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\x9b\x01\n\x12WireSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x9a\x01\n\x0bNewRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x0c\x12\x1d\n\x15sampling_params_index\x18\x03 \x01(\x0c\x12@\n\x0fsampling_params\x18\x04 \x03(\x0b\x32\'.kvserve.internal.v1.WireSamplingParams\"\xc3\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12\x19\n\x11num_new_block_ids\x18\x06 \x01(\x0c\x12\x15\n\rnew_block_ids\x18\x07 \x01(\x0c\x12\x0e\n\x06sample\x18\x08 \x01(\x0c\x12\x36\n\x0cnew_requests\x18\t \x01(\x0b\x32 .kvserve.internal.v1.NewRequests\x12\x18\n\x10\x66inished_req_ids\x18\n \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x0b \x03(\t\x12\x18\n\x10placeholder_rows\x18\x0c \x01(\x0c\"\xc8\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x13\n\x0bhas_samples\x18\x04 \x01(\x08\x12\x14\n\x0clogprob_rows\x18\x05 \x01(\x0c\x12\x16\n\x0etoken_logprobs\x18\x06 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x07 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x08 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x0cJ\x04\x08\x03\x10\x04\x32\xc5\x02\n\nStepWorker\x12P\n\x12\x44\x65termineNumBlocks\x12\x1a.kvserve.internal.v1.Empty\x1a\x1e.kvserve.internal.v1.NumBlocks\x12M\n\x0fInitializeCache\x12\x1e.kvserve.internal.v1.NumBlocks\x1a\x1a.kvserve.internal.v1.Empty\x12R\n\x0c\x45xecuteSteps\x12\x1d.kvserve.internal.v1.StepPlan\x1a\x1f.kvserve.internal.v1.StepResult(\x01\x30\x01\x12\x42\n\x08Shutdown\x12\x1a.kvserve.internal.v1.Empty\x1a\x1a.kvserve.internal.v1.Emptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvserve/proto/step.proto\x12\x13kvserve.internal.v1\"\x07\n\x05\x45mpty\"\x1f\n\tNumBlocks\x12\x12\n\nnum_blocks\x18\x01 \x01(\r\"\x9d\x02\n\x12WireSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x15\n\x08logprobs\x18\x06 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x01\x12\x1c\n\x14logit_bias_token_ids\x18\t \x01(\x0c\x12\x19\n\x11logit_bias_values\x18\n \x01(\x0c\x12\x12\n\nmin_tokens\x18\x0b \x01(\x05\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x86\x02\n\x0bNewRequests\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x0c\x12\x1d\n\x15sampling_params_index\x18\x03 \x01(\x0c\x12@\n\x0fsampling_params\x18\x04 \x03(\x0b\x32\'.kvserve.internal.v1.WireSamplingParams\x12\x1c\n\x14num_output_token_ids\x18\x05 \x01(\x0c\x12\x18\n\x10output_token_ids\x18\x06 \x01(\x0c\x12\x1a\n\x12num_stop_token_ids\x18\x07 \x01(\x0c\x12\x16\n\x0estop_token_ids\x18\x08 \x01(\x0c\"\xc3\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0f\n\x07req_ids\x18\x02 \x03(\t\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\x0c\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x0c\x12\x11\n\ttoken_ids\x18\x05 \x01(\x0c\x12\x19\n\x11num_new_block_ids\x18\x06 \x01(\x0c\x12\x15\n\rnew_block_ids\x18\x07 \x01(\x0c\x12\x0e\n\x06sample\x18\x08 \x01(\x0c\x12\x36\n\x0cnew_requests\x18\t \x01(\x0b\x32 .kvserve.internal.v1.NewRequests\x12\x18\n\x10\x66inished_req_ids\x18\n \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x0b \x03(\t\x12\x18\n\x10placeholder_rows\x18\x0c \x01(\x0c\"\xc8\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x19\n\x11sampled_token_ids\x18\x02 \x01(\x0c\x12\x13\n\x0bhas_samples\x18\x04 \x01(\x08\x12\x14\n\x0clogprob_rows\x18\x05 \x01(\x0c\x12\x16\n\x0etoken_logprobs\x18\x06 \x01(\x0c\x12\x18\n\x10num_top_logprobs\x18\x07 \x01(\x0c\x12\x15\n\rtop_token_ids\x18\x08 \x01(\x0c\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x0cJ\x04\x08\x03\x10\x04\x32\xc5\x02\n\nStepWorker\x12P\n\x12\x44\x65termineNumBlocks\x12\x1a.kvserve.internal.v1.Empty\x1a\x1e.kvserve.internal.v1.NumBlocks\x12M\n\x0fInitializeCache\x12\x1e.kvserve.internal.v1.NumBlocks\x1a\x1a.kvserve.internal.v1.Empty\x12R\n\x0c\x45xecuteSteps\x12\x1d.kvserve.internal.v1.StepPlan\x1a\x1f.kvserve.internal.v1.StepResult(\x01\x30\x01\x12\x42\n\x08Shutdown\x12\x1a.kvserve.internal.v1.Empty\x1a\x1a.kvserve.internal.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,13 +36,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_NUMBLOCKS']._serialized_start=58
   _globals['_NUMBLOCKS']._serialized_end=89
   _globals['_WIRESAMPLINGPARAMS']._serialized_start=92
-  _globals['_WIRESAMPLINGPARAMS']._serialized_end=247
-  _globals['_NEWREQUESTS']._serialized_start=250
-  _globals['_NEWREQUESTS']._serialized_end=404
-  _globals['_STEPPLAN']._serialized_start=407
-  _globals['_STEPPLAN']._serialized_end=730
-  _globals['_STEPRESULT']._serialized_start=733
-  _globals['_STEPRESULT']._serialized_end=933
-  _globals['_STEPWORKER']._serialized_start=936
-  _globals['_STEPWORKER']._serialized_end=1261
+  _globals['_WIRESAMPLINGPARAMS']._serialized_end=377
+  _globals['_NEWREQUESTS']._serialized_start=380
+  _globals['_NEWREQUESTS']._serialized_end=642
+  _globals['_STEPPLAN']._serialized_start=645
+  _globals['_STEPPLAN']._serialized_end=968
+  _globals['_STEPRESULT']._serialized_start=971
+  _globals['_STEPRESULT']._serialized_end=1171
+  _globals['_STEPWORKER']._serialized_start=1174
+  _globals['_STEPWORKER']._serialized_end=1499
 # @@protoc_insertion_point(module_scope)

@@ -9,6 +9,10 @@ from dataclasses import dataclass, field
 
 # The most alternatives a request may ask for at each position (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
+# OpenAI's bounds: penalties in [-2, 2], at most 300 biased tokens, each bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS_TOKENS = 300
+MAX_LOGIT_BIAS = 100.0
 
 
 def first_outside_vocabulary(token_ids: Sequence[int], vocab_size: int) -> int | None:
@@ -19,11 +23,14 @@ def first_outside_vocabulary(token_ids: Sequence[int], vocab_size: int) -> int |
     return None
 
 
-def check_stop_token_ids(stop_token_ids: Sequence[int], vocab_size: int) -> None:
-    """``ValueError`` naming the first stop token id outside the vocabulary ``[0, vocab_size)``:
-    an id the model cannot sample would never stop anything."""
-    if (bad := first_outside_vocabulary(stop_token_ids, vocab_size)) is not None:
+def check_token_ids_in_vocabulary(params: SamplingParams, vocab_size: int) -> None:
+    """``ValueError`` naming the first token id of ``params`` outside the vocabulary ``[0, vocab_size)``:
+    a stop id the model cannot sample would never stop anything, a bias on one would bias nothing."""
+    if (bad := first_outside_vocabulary(params.stop_token_ids, vocab_size)) is not None:
         raise ValueError(f"stop_token_ids: {bad} is outside the vocabulary [0, {vocab_size})")
+    biased = [token_id for token_id, _ in params.logit_bias]
+    if (bad := first_outside_vocabulary(biased, vocab_size)) is not None:
+        raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +45,18 @@ class SamplingParams:
     ``logprobs`` asks for log-probabilities: ``None`` for none, ``0`` for the
     sampled token's only, ``k`` for it and the ``k`` most likely tokens at each
     position (at most ``MAX_LOGPROBS``).  They are the model's own distribution
-    (``log_softmax`` of the raw logits, before temperature, top-k or top-p).
+    (``log_softmax`` of the raw logits, before penalties, biases, temperature,
+    top-k or top-p).
+
+    The logits are adjusted before anything else (greedy requests too), as
+    OpenAI's API defines it: ``presence_penalty`` is subtracted from the logit
+    of every token the request has generated so far, ``frequency_penalty``
+    times the number of times it generated it (its prompt does not count);
+    ``logit_bias`` adds to the logits of the tokens it names (given as a
+    mapping or pairs of token id and bias; kept as pairs sorted by token id).
+    ``min_tokens``: the stop tokens (``stop_token_ids`` and, unless
+    ``ignore_eos``, the model's end-of-sequence tokens) cannot be sampled, and
+    stop strings do not stop, before that many tokens were generated.
     """
 
     max_tokens: int = 16
@@ -49,6 +67,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
@@ -84,6 +106,12 @@ class SamplingParams:
         stop_token_ids = tuple(_integer("stop_token_ids", token_id) for token_id in stop_token_ids)
         if any(token_id < 0 for token_id in stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative, got {min(stop_token_ids)}")
+        presence_penalty = _penalty("presence_penalty", self.presence_penalty)
+        frequency_penalty = _penalty("frequency_penalty", self.frequency_penalty)
+        logit_bias = _logit_bias(self.logit_bias)
+        min_tokens = _integer("min_tokens", self.min_tokens)
+        if not 0 <= min_tokens <= max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}")
         # NOTE: numpy integers become ints: the fields travel in messages and hashes.
         object.__setattr__(self, "max_tokens", max_tokens)
         object.__setattr__(self, "seed", seed)
@@ -92,10 +120,24 @@ class SamplingParams:
         object.__setattr__(self, "top_p", top_p)
         object.__setattr__(self, "top_k", top_k)
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
+        object.__setattr__(self, "presence_penalty", presence_penalty)
+        object.__setattr__(self, "frequency_penalty", frequency_penalty)
+        object.__setattr__(self, "logit_bias", logit_bias)
+        object.__setattr__(self, "min_tokens", min_tokens)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the tokens generated so far (presence or frequency penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, biases, ``min_tokens``)."""
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0
 
 
 def _real(name: str, value: object) -> float:
@@ -103,6 +145,43 @@ def _real(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
     return float(value)
+
+
+def _penalty(name: str, value: object) -> float:
+    penalty = _real(name, value)
+    if not -MAX_PENALTY <= penalty <= MAX_PENALTY:  # NaN fails too
+        raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+    return penalty
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """``logit_bias`` as pairs ``(token id, bias)`` sorted by token id, from a mapping or from pairs."""
+    not_pairs = ValueError(f"logit_bias must map token ids to biases, got {value!r}")
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (str, bytes)):
+        raise not_pairs
+    else:
+        try:
+            items = [tuple(item) for item in value]  # type: ignore[union-attr]
+        except TypeError:
+            raise not_pairs from None
+        if any(len(item) != 2 for item in items):
+            raise not_pairs
+    if len(items) > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(items)}")
+    biases: dict[int, float] = {}
+    for token_id, bias in items:
+        token_id = _integer("logit_bias token id", token_id)
+        if token_id < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+        if token_id in biases:
+            raise ValueError(f"logit_bias names token {token_id} twice")
+        bias = _real(f"logit_bias[{token_id}]", bias)
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+        biases[token_id] = bias
+    return tuple(sorted(biases.items()))
 
 
 def _integer(name: str, value: object) -> int:

@@ -258,9 +258,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = start
-            new_requests.append(
-                NewRequestData(request.req_id, request.sampling_params, request.num_prompt_tokens)
-            )
+            new_requests.append(_new_request_data(request))
             block_ids = kv.get_block_ids(request.req_id)
             req_ids.append(request.req_id)
             num_scheduled.append(num_new)
@@ -367,7 +365,7 @@ class Scheduler:
             request.all_token_ids.append(token_id)
             request.output_token_ids.append(token_id)
             # NOTE: _finish_reason's rule, inlined: a call per token cost this loop 5-10%.
-            if token_id in request.stop_token_ids:
+            if token_id in request.stop_token_ids and _may_stop(request):
                 reason: FinishReason | None = FinishReason.STOP
             elif (
                 len(request.output_token_ids) >= request.sampling_params.max_tokens
@@ -463,9 +461,26 @@ class Scheduler:
         )
 
 
+def _may_stop(request: Request) -> bool:
+    """Whether a stop token just appended to ``request``'s output ends it: not before ``min_tokens``."""
+    return len(request.output_token_ids) > request.sampling_params.min_tokens
+
+
+def _new_request_data(request: Request) -> NewRequestData:
+    """What a worker learns of ``request`` when it (re)starts."""
+    params = request.sampling_params
+    if not params.adjusts_logits:
+        return NewRequestData(request.req_id, params, request.num_prompt_tokens)
+    return NewRequestData(
+        request.req_id, params, request.num_prompt_tokens,
+        output_token_ids=tuple(request.output_token_ids) if params.has_penalties else (),
+        stop_token_ids=tuple(sorted(request.stop_token_ids)) if params.min_tokens else (),
+    )
+
+
 def _finish_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:
     """Why ``request`` ends with its newly appended ``token_id``, if it does (``update`` inlines it)."""
-    if token_id in request.stop_token_ids:
+    if token_id in request.stop_token_ids and _may_stop(request):
         return FinishReason.STOP
     if len(request.output_token_ids) >= request.sampling_params.max_tokens or len(request.all_token_ids) >= max_model_len:
         return FinishReason.LENGTH

@@ -29,11 +29,19 @@ class NewRequestData:
 
     A resumed (previously preempted) request starts over with an empty block
     table; ``num_prompt_tokens`` lets the worker number its output tokens.
+
+    What only logits adjustments need (``SamplingParams.adjusts_logits``), empty
+    otherwise: ``output_token_ids``, the tokens the request generated before it
+    (re)started, for its penalties (the worker counts its samples from there);
+    ``stop_token_ids``, every token that would stop it (the model's EOS
+    included), which the worker holds back until ``min_tokens`` were generated.
     """
 
     req_id: str
     sampling_params: SamplingParams
     num_prompt_tokens: int
+    output_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ import torch
 from kvserve.kernels.host_to_device import list_to_device
 from kvserve.scheduler.logprobs import StepLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.worker.logits_adjuster import StepAdjustments
 
 _MASK64 = (1 << 64) - 1
 
@@ -123,23 +124,27 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         output_indices: Sequence[int],
+        adjustments: StepAdjustments | None = None,
     ) -> SamplerOutput:
         """Sample row ``i`` of ``logits`` with ``params[i]``.
 
         ``output_indices[i]`` is the position, within request ``i``'s output,
         of the token being sampled (0 for its first generated token).  Logits
         of any float dtype are accepted; the work is done in float32 on their
-        device.
+        device.  ``adjustments`` (penalties, biases, ``min_tokens``) change the
+        logits first, greedy rows' too; logprobs stay those of the raw logits.
         """
         _check_inputs(logits, params, output_indices)
-        logits = logits.float()
+        raw_logits = logits.float()
+        # NOTE: a copy: the logprobs are the raw logits' (and the caller's tensor stays as it was).
+        logits = raw_logits if adjustments is None else adjustments.apply(raw_logits.clone())
         # NOTE: max() returns the first maximal index like argmax(), at a third of its cost on CPU.
         max_logits, greedy_ids = logits.max(dim=-1)
         if all(p.is_greedy for p in params):
             token_ids = greedy_ids
         else:
             token_ids = self._sample(logits, params, output_indices, max_logits, greedy_ids)
-        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, params, token_ids))
+        return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(raw_logits, params, token_ids))
 
     def _sample(
         self,

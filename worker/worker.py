@@ -37,6 +37,7 @@ from kvserve.worker.kv_cache import (
     cuda_kv_cache_budget,
     num_blocks_for_budget,
 )
+from kvserve.worker.logits_adjuster import LogitsAdjuster
 from kvserve.worker.model_loader import load_model
 from kvserve.worker.sampler import Sampler, SamplerOutput
 
@@ -168,6 +169,8 @@ class Worker:
             max_model_len=config.max_model_len,
         )
         self.sampler = Sampler(seed=config.sampler_seed)
+        # Rank 0 samples, and keeps what penalties, biases and min_tokens need.
+        self.logits_adjuster = LogitsAdjuster(self.hf_config.vocab_size, self.device) if self.is_driver else None
         self.max_model_len = config.max_model_len or self.hf_config.max_position_embeddings
         # CUDA graphs need the CUDA kernels (the others plan on the host per batch).
         self.use_cuda_graphs = self.device.type == "cuda" and backend.name == "cuda" and not config.enforce_eager
@@ -259,6 +262,9 @@ class Worker:
             raise RuntimeError("initialize_cache() must be called before execute()")
         batch = self.input_batch
         batch.apply(plan)
+        adjuster = self.logits_adjuster
+        if adjuster is not None:
+            adjuster.apply_plan(plan)
         if not plan.req_ids:
             return LaunchedStep(plan.step_id, self.is_driver)
         graphs = self.decode_graphs
@@ -287,7 +293,13 @@ class Worker:
             # Rank 0 samples; the next plan's placeholders get its samples then (_last_samples).
             self._last_sampled = (plan, None)
             return LaunchedStep(plan.step_id, False)
-        sampled = self.sampler(logits, sampling_params, output_indices)
+        adjustments = None
+        if adjuster is not None and adjuster.num_requests:
+            sampled_req_ids = [req_id for req_id, sample in zip(plan.req_ids, plan.sample) if sample]
+            adjustments = adjuster.prepare(sampled_req_ids, output_indices)
+        sampled = self.sampler(logits, sampling_params, output_indices, adjustments)
+        if adjustments is not None:
+            adjuster.record(adjustments, sampled.token_ids)
         # For the next plan's placeholders (overlapped scheduling), if it has any.
         self._last_sampled = (plan, sampled.token_ids)
         return LaunchedStep.copying(plan.step_id, sampled)
@@ -341,6 +353,7 @@ class Worker:
         self.kv_caches = []
         self.input_batch = InputBatch(self.config.block_size, torch.device("cpu"))
         self._last_sampled = None
+        self.logits_adjuster = None
         self.model = None
         if self.config.tp_size > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

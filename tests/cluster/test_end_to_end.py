@@ -186,15 +186,24 @@ def test_get_stats_reports_every_replica_idle(served: Served):
 
 
 def _parity_workload() -> list[tuple[str | list[int], SamplingParams]]:
-    """32 requests: greedy and seeded sampling, text and token ids, shared prefixes, EOS allowed."""
+    """32 requests: greedy and seeded sampling, text and token ids, shared prefixes, EOS allowed,
+    penalties, logit biases and min_tokens (counted and held back on the workers)."""
     topics = ["the cat", "a river", "numbers 12345", "héllo wörld 日本語", "once upon a time"]
     workload: list[tuple[str | list[int], SamplingParams]] = []
     for i in range(NUM_STREAMS):
         prompt: str | list[int] = f"{topics[i % len(topics)]} and story number {i} " * (1 + i % 3)
         if i % 8 == 7:
             prompt = [(17 * i + 31 * j) % 1000 for j in range(5 + i)]
-        if i % 4 == 1:
+        if i % 8 == 5:
+            params = SamplingParams(max_tokens=8 + i % 17, temperature=0.8, seed=1000 + i, frequency_penalty=1.0,
+                                    logit_bias={42: 3.0})
+        elif i % 4 == 1:
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.8, top_p=0.9, top_k=50, seed=1000 + i)
+        elif i % 8 == 3:
+            # A fifth of the vocabulary stops the request, but not before 4 tokens.
+            params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, logit_bias={42: 10.0, 7: -100.0},
+                                    frequency_penalty=2.0, presence_penalty=0.5, min_tokens=4,
+                                    stop_token_ids=tuple(range(i % 5, 1000, 5)))
         elif i % 4 == 2:
             # A fifth of the vocabulary stops the request: some stop early.
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, stop_token_ids=tuple(range(i % 5, 1000, 5)))
@@ -216,6 +225,11 @@ def _to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.top_k = params.top_k
     if params.seed is not None:
         proto.seed = params.seed
+    if params.adjusts_logits:
+        proto.presence_penalty = params.presence_penalty
+        proto.frequency_penalty = params.frequency_penalty
+        proto.min_tokens = params.min_tokens
+        proto.logit_bias.update(dict(params.logit_bias))
     return proto
 
 
@@ -287,6 +301,7 @@ def test_concurrent_streams_generate_exactly_what_the_in_process_engine_does(ser
     # Round robin: each replica served half of the streams.
     assert sorted(replicas) == [0] * (NUM_STREAMS // 2) + [1] * (NUM_STREAMS // 2)
     assert any(want.finish_reason == "stop" for want in expected)
+    assert all(len(want.token_ids) >= params.min_tokens for (_, params), want in zip(workload, expected))
     wait_until_pools_are_full(served)
 
 

@@ -59,10 +59,12 @@ def scheduled_plans(overlapped: bool = False) -> list[StepPlan]:
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
         SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=20, seed=1234, stop_token_ids=(3, 4)),
         SamplingParams(max_tokens=15, temperature=1.3, seed=2**40, logprobs=3),
+        SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=0.5, frequency_penalty=-0.25,
+                       logit_bias={3: 1.5, 7: -2.0}, min_tokens=3, stop_token_ids=(5,)),
     ]
     for i in range(10):
         prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(3, 30))]
-        scheduler.add_request(Request(f"req-{i}", prompt, params[i % 3]))
+        scheduler.add_request(Request(f"req-{i}", prompt, params[i % len(params)], eos_token_ids=(2,)))
     plans: list[StepPlan] = []
     in_flight: tuple[StepPlan, list[int]] | None = None
     last_samples: dict[str, int] = {}
@@ -100,6 +102,8 @@ def test_every_scheduled_plan_round_trips_exactly(overlapped: bool) -> None:
         any(n > 1 for n in p.num_scheduled_tokens) and any(n == 1 for n in p.num_scheduled_tokens) for p in plans
     )
     assert any(not all(p.sample) for p in plans)  # an unfinished prefill chunk
+    # A request with min_tokens brings every token that would stop it (its EOS too).
+    assert {new.stop_token_ids for p in plans for new in p.new_requests if new.sampling_params.min_tokens} == {(2, 5)}
 
 
 def test_empty_plan_round_trips() -> None:
@@ -215,6 +219,46 @@ def test_new_requests_column_with_a_missing_request_is_rejected(message: step_pb
     message.new_requests.num_prompt_tokens = message.new_requests.num_prompt_tokens[:-4]
     pattern = r"^new_requests\.num_prompt_tokens has .* entries for .* new_requests\.req_ids"
     with pytest.raises(ValueError, match=pattern):
+        decode_plan(message)
+
+
+def test_sampling_params_carry_the_logits_adjustments() -> None:
+    params = SamplingParams(presence_penalty=-2.0, frequency_penalty=1.5, logit_bias={9: 0.1, 2: -100.0},
+                            min_tokens=4)
+    decoded = decode_sampling_params(encode_sampling_params(params))
+    assert (decoded.presence_penalty, decoded.frequency_penalty, decoded.logit_bias, decoded.min_tokens) == (
+        -2.0, 1.5, ((2, -100.0), (9, 0.1)), 4,
+    )
+
+
+def test_logit_biases_without_their_token_ids_are_rejected() -> None:
+    wire = encode_sampling_params(SamplingParams(logit_bias={1: 1.0, 2: 2.0}))
+    wire.logit_bias_token_ids = wire.logit_bias_token_ids[:4]
+    with pytest.raises(ValueError, match="^logit_bias_token_ids has 1 entries for 2 logit_bias_values"):
+        decode_sampling_params(wire)
+
+
+def penalised_plan() -> StepPlan:
+    params = SamplingParams(frequency_penalty=1.0, min_tokens=2)
+    new_requests = [NewRequestData("a", params, 3, (4, 4), (0,)), NewRequestData("b", SamplingParams(), 3),
+                    NewRequestData("c", params, 3, (), (0, 1))]
+    return StepPlan(1, ["a", "b", "c"], [1] * 3, [5, 3, 3], [9] * 3, [0] * 3, [], [True] * 3, new_requests, [], [])
+
+
+def test_new_requests_carry_their_outputs_and_stop_tokens_for_adjustments() -> None:
+    plan = penalised_plan()
+    assert over_the_wire(plan) == plan
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("num_output_token_ids", int32([2, 0]), r"^new_requests\.num_output_token_ids has 2 entries for 3"),
+    ("output_token_ids", int32([4]), r"^new_requests\.output_token_ids has 1 entries but .* adds up to 2"),
+    ("stop_token_ids", int32([0, -1, 1]), r"^new_requests\.stop_token_ids holds a negative value"),
+])
+def test_inconsistent_output_or_stop_token_columns_are_rejected(field: str, value: bytes, error: str) -> None:
+    message = encode_plan(penalised_plan())
+    setattr(message.new_requests, field, value)
+    with pytest.raises(ValueError, match=error):
         decode_plan(message)
 
 

@@ -47,11 +47,37 @@ def test_logprobs_from_0_to_20_are_accepted(logprobs: int) -> None:
         ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\] or None, got -1"),
         ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\] or None, got 21"),
         ({"logprobs": True}, "logprobs must be an integer, got True"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
+        ({"frequency_penalty": math.nan}, "frequency_penalty must be in"),
+        ({"frequency_penalty": "1"}, "frequency_penalty must be a number"),
+        ({"logit_bias": {5: 100.5}}, r"logit_bias\[5\] must be in \[-100, 100\], got 100.5"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias token ids must be non-negative, got -1"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias token id must be an integer, got '5'"),
+        ({"logit_bias": [(1, 1.0), (1, 2.0)]}, "logit_bias names token 1 twice"),
+        ({"logit_bias": [(1, 1.0, 3)]}, "logit_bias must map token ids to biases"),
+        ({"logit_bias": "ab"}, "logit_bias must map token ids to biases"),
+        ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias may name at most 300 tokens, got 301"),
+        ({"min_tokens": -1}, r"min_tokens must be in \[0, max_tokens=16\], got -1"),
+        ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be in \[0, max_tokens=4\], got 5"),
     ],
 )
 def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_logit_bias_is_kept_as_pairs_sorted_by_token_id() -> None:
+    from_mapping = SamplingParams(logit_bias={9: -1, 2: 0.5})
+    assert from_mapping.logit_bias == ((2, 0.5), (9, -1.0))
+    assert SamplingParams(logit_bias=[(9, -1.0), (2, 0.5)]) == from_mapping  # and compare (and hash) as such
+    assert hash(from_mapping) == hash(SamplingParams(logit_bias=from_mapping.logit_bias))
+
+
+def test_which_params_adjust_the_logits() -> None:
+    assert not SamplingParams().adjusts_logits
+    assert SamplingParams(frequency_penalty=0.1).has_penalties
+    assert SamplingParams(logit_bias={1: 1.0}).adjusts_logits and not SamplingParams(logit_bias={1: 1.0}).has_penalties
+    assert SamplingParams(min_tokens=1).adjusts_logits
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])

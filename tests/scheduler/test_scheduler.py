@@ -276,6 +276,21 @@ def test_stop_token_ids_stop_the_request() -> None:
     assert outs[0].finish_reason is FinishReason.STOP
 
 
+def test_stop_tokens_do_not_stop_a_request_before_min_tokens() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", [1, 2], max_tokens=5, stop_token_ids=(42,), min_tokens=2)
+    reasons = [_single_step_outputs(scheduler, 42)[1][0].finish_reason for _ in range(3)]
+    assert reasons == [None, None, FinishReason.STOP]
+
+
+def test_min_tokens_plans_reach_the_worker_with_the_stop_tokens_eos_included() -> None:
+    scheduler = make_scheduler()
+    scheduler.add_request(Request("a", [1, 2], SamplingParams(stop_token_ids=(42,), min_tokens=1), eos_token_ids=(7,)))
+    scheduler.add_request(Request("b", [1, 2], SamplingParams(min_tokens=1, ignore_eos=True), eos_token_ids=(7,)))
+    plan = scheduler.schedule()
+    assert [new.stop_token_ids for new in plan.new_requests] == [(7, 42), ()]
+
+
 def test_stops_at_max_model_len() -> None:
     scheduler = make_scheduler(max_model_len=6)
     add(scheduler, "a", [1, 2, 3, 4], max_tokens=50, ignore_eos=True)
