@@ -230,11 +230,36 @@ class FuzzedRequests:
                 token_ids=ids(), sampling_params=_sampling(), cache_salt="é" * 128
             ),
         }
-        if "logprobs" in generate_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
-            self.bad["logprobs out of [0, 20]"] = lambda: with_params(
+        self.bad.update({
+            "logprobs out of [0, 20]": lambda: with_params(
                 logprobs=r.choice((-1, 21, r.randrange(-(2**31), -1), 2**31 - 1))
+            ),
+            "presence_penalty out of [-2, 2] or NaN": lambda: with_params(
+                presence_penalty=r.choice((2.0000001, -2.5, 1e308, math.nan, -math.inf))
+            ),
+            "frequency_penalty out of [-2, 2] or NaN": lambda: with_params(
+                frequency_penalty=r.choice((-2.0000001, 3.0, -1e308, math.nan, math.inf))
+            ),
+            "logit_bias outside the vocabulary, the bias range, or NaN": lambda: with_params(
+                logit_bias=r.choice(({r.randrange(v, 2**63): 1.0}, {3: 100.5}, {3: -math.inf}, {3: math.nan}))
+            ),
+            "logit_bias over 300 tokens": lambda: with_params(
+                logit_bias={i: 1.0 for i in range(r.choice((301, 10**5)))}
+            ),
+            "min_tokens negative or over max_tokens": lambda: with_params(
+                min_tokens=r.choice((-1, ODD_MAX_TOKENS + 1, 2**31 - 1, -(2**31)))
+            ),
+        })
+        self.odd.update({
+            "logprobs 0 to 20, greedy": lambda: with_params(logprobs=r.choice((0, 1, 20))),
+            # NOTE: penalties and biases are not odd cases: they change the tokens (odd ones are the plain form's).
+            "min_tokens of max_tokens, greedy": lambda: with_params(min_tokens=ODD_MAX_TOKENS),
+        })
+        if "prompt_logprobs" in generate_pb2.SamplingParams.DESCRIPTOR.fields_by_name:
+            self.bad["prompt_logprobs out of [0, 20]"] = lambda: with_params(
+                prompt_logprobs=r.choice((-1, 21, 2**31 - 1))
             )
-            self.odd["logprobs 0 to 20, greedy"] = lambda: with_params(logprobs=r.choice((0, 1, 20)))
+            self.odd["prompt_logprobs 0 to 20, greedy"] = lambda: with_params(prompt_logprobs=r.choice((0, 20)))
         # Popped from the end: the bad kinds in order, then the odd ones.
         self._first_of_each = [(True, k) for k in reversed(self.odd)] + [(False, k) for k in reversed(self.bad)]
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvserve.proto import step_pb2
-from kvserve.scheduler.logprobs import StepLogprobs
+from kvserve.scheduler.logprobs import StepLogprobs, StepPromptLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.step_plan import NewRequestData, StepPlan
 from kvserve.scheduler.step_result import StepResult
@@ -49,6 +49,8 @@ def encode_sampling_params(params: SamplingParams) -> step_pb2.WireSamplingParam
         wire.seed = params.seed
     if params.logprobs is not None:
         wire.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        wire.prompt_logprobs = params.prompt_logprobs
     # Logits adjustments: the proto3 defaults (0, empty) are their neutral values.
     wire.presence_penalty = params.presence_penalty
     wire.frequency_penalty = params.frequency_penalty
@@ -75,6 +77,7 @@ def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
         top_k=wire.top_k or None,
         seed=wire.seed if wire.HasField("seed") else None,
         logprobs=wire.logprobs if wire.HasField("logprobs") else None,
+        prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None,
         presence_penalty=wire.presence_penalty,
         frequency_penalty=wire.frequency_penalty,
         logit_bias=tuple(zip(bias_token_ids.tolist(), biases.tolist())),
@@ -101,6 +104,9 @@ def encode_plan(plan: StepPlan) -> step_pb2.StepPlan:
     )
     if plan.placeholder_rows:
         message.placeholder_rows = _pack_int32(plan.placeholder_rows)
+    if plan.prompt_logprobs_rows:
+        message.prompt_logprobs_rows = _pack_int32(plan.prompt_logprobs_rows)
+        message.next_prompt_token_ids = _pack_int32(plan.next_prompt_token_ids)
     if plan.new_requests:
         _encode_new_requests(plan.new_requests, message.new_requests)
     return message
@@ -132,6 +138,13 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
     _check_total("token_ids", token_ids.size, "num_scheduled_tokens", num_scheduled)
     _check_total("new_block_ids", new_block_ids.size, "num_new_block_ids", num_new_blocks)
     placeholder_rows = _decode_placeholder_rows(message.placeholder_rows, num_scheduled, sample)
+    prompt_logprobs_rows = _unpack(message.prompt_logprobs_rows, "prompt_logprobs_rows", _INT32)
+    _check_increasing_rows("prompt_logprobs_rows", prompt_logprobs_rows, num_reqs)
+    next_prompt_token_ids = _unpack(message.next_prompt_token_ids, "next_prompt_token_ids", _INT32)
+    _check_non_negative("next_prompt_token_ids", next_prompt_token_ids)
+    if next_prompt_token_ids.size > prompt_logprobs_rows.size:
+        raise ValueError(f"next_prompt_token_ids has {next_prompt_token_ids.size} entries for "
+                         f"{prompt_logprobs_rows.size} prompt_logprobs_rows")
     return StepPlan(
         step_id=message.step_id,
         req_ids=list(message.req_ids),
@@ -146,6 +159,8 @@ def decode_plan(message: step_pb2.StepPlan) -> StepPlan:
         finished_req_ids=list(message.finished_req_ids),
         preempted_req_ids=list(message.preempted_req_ids),
         placeholder_rows=placeholder_rows,
+        prompt_logprobs_rows=prompt_logprobs_rows.tolist(),
+        next_prompt_token_ids=next_prompt_token_ids.tolist(),
     )
 
 
@@ -169,7 +184,8 @@ def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.N
     for new in new_requests:
         params = new.sampling_params
         key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.logprobs,
-               params.presence_penalty, params.frequency_penalty, params.logit_bias, params.min_tokens)
+               params.presence_penalty, params.frequency_penalty, params.logit_bias, params.min_tokens,
+               params.prompt_logprobs)
         index = index_of.get(key)
         if index is None:
             index = index_of[key] = len(index_of)
@@ -250,6 +266,16 @@ def encode_result(step_id: int, result: StepResult | None) -> step_pb2.StepResul
         message.num_top_logprobs = _pack_int32(logprobs.num_top)
         message.top_token_ids = _pack_int32(logprobs.top_token_ids)
         message.top_logprobs = _pack_float32(logprobs.top_logprobs)
+    prompt = result.prompt_logprobs
+    if prompt is not None:
+        message.prompt_logprobs.CopyFrom(step_pb2.PromptLogprobs(
+            rows=_pack_int32(prompt.rows),
+            num_positions=_pack_int32(prompt.num_positions),
+            num_top=_pack_int32(prompt.num_top),
+            token_logprobs=_pack_float32(prompt.token_logprobs),
+            top_token_ids=_pack_int32(prompt.top_token_ids),
+            top_logprobs=_pack_float32(prompt.top_logprobs),
+        ))
     return message
 
 
@@ -258,7 +284,45 @@ def decode_result(message: step_pb2.StepResult) -> StepResult | None:
     if not message.has_samples:
         return None
     token_ids = _unpack(message.sampled_token_ids, "sampled_token_ids", _INT32)
-    return StepResult(message.step_id, token_ids.tolist(), _decode_logprobs(message, token_ids.size))
+    prompt_logprobs = _decode_prompt_logprobs(message.prompt_logprobs) if message.HasField("prompt_logprobs") else None
+    return StepResult(message.step_id, token_ids.tolist(), _decode_logprobs(message, token_ids.size), prompt_logprobs)
+
+
+def _decode_prompt_logprobs(message: step_pb2.PromptLogprobs) -> StepPromptLogprobs:
+    label = "prompt_logprobs."
+    rows = _unpack(message.rows, label + "rows", _INT32)
+    num_positions = _unpack(message.num_positions, label + "num_positions", _INT32)
+    num_top = _unpack(message.num_top, label + "num_top", _INT32)
+    for name, column in (("num_positions", num_positions), ("num_top", num_top)):
+        if column.size != rows.size:
+            raise ValueError(f"{label}{name} has {column.size} entries for {rows.size} {label}rows")
+    token_logprobs = _unpack(message.token_logprobs, label + "token_logprobs", _FLOAT32)
+    top_token_ids = _unpack(message.top_token_ids, label + "top_token_ids", _INT32)
+    top_logprobs = _unpack(message.top_logprobs, label + "top_logprobs", _FLOAT32)
+    _check_increasing_rows(label + "rows", rows, None)
+    _check_non_negative(label + "num_positions", num_positions)
+    _check_non_negative(label + "num_top", num_top)
+    _check_total(label + "token_logprobs", token_logprobs.size, label + "num_positions", num_positions)
+    num_alternatives = num_positions.astype(np.int64) * num_top
+    _check_total(label + "top_token_ids", top_token_ids.size, label + "num_positions x num_top", num_alternatives)
+    if top_logprobs.size != top_token_ids.size:
+        raise ValueError(f"{label}top_logprobs has {top_logprobs.size} entries but top_token_ids has "
+                         f"{top_token_ids.size}")
+    return StepPromptLogprobs(
+        rows=rows.tolist(),
+        num_positions=num_positions.tolist(),
+        num_top=num_top.tolist(),
+        token_logprobs=token_logprobs.tolist(),
+        top_token_ids=top_token_ids.tolist(),
+        top_logprobs=top_logprobs.tolist(),
+    )
+
+
+def _check_increasing_rows(name: str, rows: np.ndarray, num_reqs: int | None) -> None:
+    """``ValueError`` unless ``rows`` increase from 0 on (and stay below ``num_reqs`` when given)."""
+    if rows.size and (rows.min() < 0 or (num_reqs is not None and rows.max() >= num_reqs) or (np.diff(rows) <= 0).any()):
+        bound = f"[0, {num_reqs})" if num_reqs is not None else "[0, ...)"
+        raise ValueError(f"{name} must increase within {bound}, got {rows.tolist()}")
 
 
 def _decode_logprobs(message: step_pb2.StepResult, num_sampled: int) -> StepLogprobs | None:
@@ -272,8 +336,7 @@ def _decode_logprobs(message: step_pb2.StepResult, num_sampled: int) -> StepLogp
     for name, column in (("token_logprobs", token_logprobs), ("num_top_logprobs", num_top)):
         if column.size != rows.size:
             raise ValueError(f"{name} has {column.size} entries for {rows.size} logprob_rows")
-    if rows.size and (rows.min() < 0 or rows.max() >= num_sampled or (np.diff(rows) <= 0).any()):
-        raise ValueError(f"logprob_rows must increase within [0, {num_sampled}), got {rows.tolist()}")
+    _check_increasing_rows("logprob_rows", rows, num_sampled)
     _check_non_negative("num_top_logprobs", num_top)
     _check_total("top_token_ids", top_token_ids.size, "num_top_logprobs", num_top)
     if top_logprobs.size != top_token_ids.size:

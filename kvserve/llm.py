@@ -15,6 +15,7 @@ from kvserve.generate_progress import GenerateProgress
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
+from kvserve.scheduler.prompt_logprobs import first_output_prompt_logprobs
 from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.sampling_params import SamplingParams, check_token_ids_in_vocabulary, first_outside_vocabulary
 from kvserve.scheduler.scheduler import Scheduler
@@ -34,7 +35,9 @@ class GenerationOutput:
     ``num_cached_tokens`` counts the prompt tokens served from the prefix
     cache; ``text`` is ``None`` when the model directory has no tokenizer.
     ``logprobs`` has one entry per token of ``token_ids`` when the request
-    asked for them (``SamplingParams.logprobs``), else it is ``None``.
+    asked for them (``SamplingParams.logprobs``), else it is ``None``; so has
+    ``prompt_logprobs`` per token of ``prompt_token_ids``
+    (``SamplingParams.prompt_logprobs``), the first ``None``: nothing predicts it.
     ``finish_reason`` is ``"stop"`` (a stop or EOS token, included in ``token_ids``)
     or ``"length"`` (``max_tokens`` or ``max_model_len``).
     """
@@ -45,6 +48,7 @@ class GenerationOutput:
     finish_reason: str
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class LLM:
@@ -216,6 +220,7 @@ class LLM:
             finish_reason=request.finish_reason.value,
             num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=logprobs,
+            prompt_logprobs=first_output_prompt_logprobs(request),
         )
 
     def shutdown(self) -> None:

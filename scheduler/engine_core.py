@@ -77,7 +77,8 @@ class EngineCore:
         logprobs = None
         if result.logprobs is not None and collect_outputs:
             logprobs = result.logprobs.per_sampled_row(len(result.sampled_token_ids))
-        return self.scheduler.update(plan, result.sampled_token_ids, logprobs, collect_outputs=collect_outputs)
+        return self.scheduler.update(plan, result.sampled_token_ids, logprobs,
+                                     prompt_logprobs=result.prompt_logprobs, collect_outputs=collect_outputs)
 
     def fail_step(self, plan: StepPlan) -> None:
         """``plan`` never ran: abort its requests and uncache the blocks it was to fill.

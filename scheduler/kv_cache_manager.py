@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from kvserve.scheduler.block_hash import BlockHasher, num_cacheable_blocks, token_ids_to_bytes
 from kvserve.scheduler.block_pool import BlockPool, KVCacheEventObserver
 from kvserve.scheduler.kv_cache_block import KVCacheBlock
+from kvserve.scheduler.prompt_logprobs import max_cached_tokens
 from kvserve.scheduler.request import Request
 
 
@@ -100,6 +101,8 @@ class KVCacheManager:
             return _NO_HIT
         self.update_block_hashes(request)
         max_hit_blocks = num_cacheable_blocks(request.num_tokens, self.block_size)
+        if (max_tokens := max_cached_tokens(request)) is not None:  # cached tokens have no prompt logprobs
+            max_hit_blocks = min(max_hit_blocks, max_tokens // self.block_size)
         get_cached = self.block_pool.cached_block_hash_to_block.get_one_block
         blocks: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:

@@ -55,3 +55,37 @@ class StepLogprobs:
             )
             offset = end
         return per_row
+
+
+@dataclass(frozen=True, slots=True)
+class StepPromptLogprobs:
+    """The prompt logprobs one step computed (``kvserve.scheduler.prompt_logprobs``), as columns.
+
+    ``rows`` are plan rows (``StepPlan.prompt_logprobs_rows``), increasing; row
+    ``rows[j]`` covers ``num_positions[j]`` prompt tokens, from the one after its
+    chunk's first position on, with ``num_top[j]`` alternatives at each.  The
+    flat columns hold the rows one after the other: ``token_logprobs`` a value per
+    position, ``top_token_ids`` and ``top_logprobs`` ``num_top`` per position.
+    """
+
+    rows: list[int]
+    num_positions: list[int]
+    num_top: list[int]
+    token_logprobs: list[float]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def per_row(self) -> list[tuple[int, list[TokenLogprobs]]]:
+        """Each row and its positions' ``TokenLogprobs``, in order."""
+        per_row = []
+        position = top = 0
+        for row, num_positions, num_top in zip(self.rows, self.num_positions, self.num_top, strict=True):
+            logprobs = []
+            for logprob in self.token_logprobs[position : position + num_positions]:
+                logprobs.append(TokenLogprobs(
+                    logprob, tuple(self.top_token_ids[top : top + num_top]), tuple(self.top_logprobs[top : top + num_top])
+                ))
+                top += num_top
+            position += num_positions
+            per_row.append((row, logprobs))
+        return per_row

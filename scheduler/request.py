@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 from kvserve.scheduler.block_hash import BlockHash
+from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
 
@@ -72,6 +73,7 @@ class Request:
         "block_hashes",
         "kv_room",
         "num_pending_tokens",
+        "prompt_logprobs",
     )
 
     def __init__(
@@ -119,6 +121,9 @@ class Request:
         # Tokens sampled by scheduled steps whose results have not been applied
         # yet: 0 except between schedule() and update() (overlapped scheduling).
         self.num_pending_tokens = 0
+        # The logprobs of prompt tokens 1, 2, ... received so far, when the request asks for them
+        # (SamplingParams.prompt_logprobs; kvserve.scheduler.prompt_logprobs).
+        self.prompt_logprobs: list[TokenLogprobs] | None = [] if params.prompt_logprobs is not None else None
 
     @property
     def prompt_token_ids(self) -> list[int]:

@@ -46,7 +46,10 @@ class SamplingParams:
     sampled token's only, ``k`` for it and the ``k`` most likely tokens at each
     position (at most ``MAX_LOGPROBS``).  They are the model's own distribution
     (``log_softmax`` of the raw logits, before penalties, biases, temperature,
-    top-k or top-p).
+    top-k or top-p).  ``prompt_logprobs`` asks the same of the prompt: for every
+    prompt token after the first, its logprob given the tokens before it and,
+    for ``k``, the ``k`` most likely tokens there (such a request reads from the
+    prefix cache only what it has logprobs for: cached tokens have no logits).
 
     The logits are adjusted before anything else (greedy requests too), as
     OpenAI's API defines it: ``presence_penalty`` is subtracted from the logit
@@ -71,6 +74,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
@@ -93,6 +97,11 @@ class SamplingParams:
         logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {logprobs}")
+        prompt_logprobs = None if self.prompt_logprobs is None else _integer("prompt_logprobs", self.prompt_logprobs)
+        if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {prompt_logprobs}"
+            )
         if not isinstance(self.ignore_eos, bool):
             # NOTE: any object is truthy or not; ignore_eos="no" ignored EOS.
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
@@ -124,6 +133,7 @@ class SamplingParams:
         object.__setattr__(self, "frequency_penalty", frequency_penalty)
         object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "min_tokens", min_tokens)
+        object.__setattr__(self, "prompt_logprobs", prompt_logprobs)
 
     @property
     def is_greedy(self) -> bool:

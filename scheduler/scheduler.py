@@ -28,7 +28,8 @@ from kvserve.scheduler.block_pool import KVCacheEventObserver
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.kv_cache_block import KVCacheBlock
 from kvserve.scheduler.kv_cache_manager import KVCacheManager
-from kvserve.scheduler.logprobs import TokenLogprobs
+from kvserve.scheduler.logprobs import StepPromptLogprobs, TokenLogprobs
+from kvserve.scheduler.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.scheduler_load import (
@@ -180,6 +181,8 @@ class Scheduler:
         new_requests: list[NewRequestData] = []
         preempted_req_ids: list[str] = []
         placeholder_rows: list[int] = []
+        prompt_logprobs_rows: list[int] = []
+        next_prompt_token_ids: list[int] = []
 
         # Running requests first: decodes and unfinished prefill chunks.
         running = self.running
@@ -237,6 +240,8 @@ class Scheduler:
             request.num_computed_tokens = start + num_new
             budget -= num_new
             req_index += 1
+            if request.prompt_logprobs is not None:
+                plan_prompt_logprobs(request, len(req_ids) - 1, start, prompt_logprobs_rows, next_prompt_token_ids)
             if start < request.num_prompt_tokens:
                 self._num_queued_prefill_tokens -= running_prefill_progress(request, start)
 
@@ -258,7 +263,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = start
-            new_requests.append(_new_request_data(request))
+            new_requests.append(NewRequestData.for_request(request))
             block_ids = kv.get_block_ids(request.req_id)
             req_ids.append(request.req_id)
             num_scheduled.append(num_new)
@@ -273,6 +278,8 @@ class Scheduler:
                 sample.append(False)
             request.num_computed_tokens = start + num_new
             budget -= num_new
+            if request.prompt_logprobs is not None:
+                plan_prompt_logprobs(request, len(req_ids) - 1, start, prompt_logprobs_rows, next_prompt_token_ids)
             # From waiting (all its tokens queued) to running (its prompt's rest queued).
             self._num_queued_prefill_tokens -= request.num_tokens - queued_prefill_tokens(request)
             self._num_running_tokens += start
@@ -297,6 +304,8 @@ class Scheduler:
             finished_req_ids=finished_req_ids,
             preempted_req_ids=preempted_req_ids,
             placeholder_rows=placeholder_rows,
+            prompt_logprobs_rows=prompt_logprobs_rows,
+            next_prompt_token_ids=next_prompt_token_ids,
         )
         self._next_step_id += 1
         if logger.isEnabledFor(logging.DEBUG):
@@ -312,6 +321,7 @@ class Scheduler:
         sampled_token_ids: Sequence[int],
         logprobs: Sequence[TokenLogprobs | None] | None = None,
         *,
+        prompt_logprobs: StepPromptLogprobs | None = None,
         collect_outputs: bool = True,
     ) -> list[RequestOutput]:
         """Apply the tokens sampled for ``plan`` (one per ``plan.sample`` row, in order).
@@ -320,7 +330,8 @@ class Scheduler:
         finished carry their reason and have already freed their blocks.
         Requests aborted while the step was in flight are skipped.
         ``logprobs``, when given, parallels ``sampled_token_ids`` (``None`` for
-        the rows whose requests did not ask for them).
+        the rows whose requests did not ask for them); ``prompt_logprobs`` join
+        their requests' ``Request.prompt_logprobs``.
         ``collect_outputs=False`` returns ``[]`` instead (the state changes
         are the same), for callers that follow requests themselves: the
         simulator, where making an output per token took a tenth of the samples
@@ -339,6 +350,8 @@ class Scheduler:
         if self.queue_observer is not None:
             self.queue_observer.step_applied()
         requests = self.requests
+        if prompt_logprobs is not None:
+            record_prompt_logprobs(plan, prompt_logprobs, requests)
         max_model_len = self.scheduler_config.max_model_len
         outputs: list[RequestOutput] = []
         any_finished = False
@@ -464,18 +477,6 @@ class Scheduler:
 def _may_stop(request: Request) -> bool:
     """Whether a stop token just appended to ``request``'s output ends it: not before ``min_tokens``."""
     return len(request.output_token_ids) > request.sampling_params.min_tokens
-
-
-def _new_request_data(request: Request) -> NewRequestData:
-    """What a worker learns of ``request`` when it (re)starts."""
-    params = request.sampling_params
-    if not params.adjusts_logits:
-        return NewRequestData(request.req_id, params, request.num_prompt_tokens)
-    return NewRequestData(
-        request.req_id, params, request.num_prompt_tokens,
-        output_token_ids=tuple(request.output_token_ids) if params.has_penalties else (),
-        stop_token_ids=tuple(sorted(request.stop_token_ids)) if params.min_tokens else (),
-    )
 
 
 def _finish_reason(request: Request, token_id: int, max_model_len: int) -> FinishReason | None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 
 
@@ -42,6 +43,18 @@ class NewRequestData:
     num_prompt_tokens: int
     output_token_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def for_request(cls, request: Request) -> NewRequestData:
+        """What a worker learns of ``request`` when it (re)starts."""
+        params = request.sampling_params
+        if not params.adjusts_logits:
+            return cls(request.req_id, params, request.num_prompt_tokens)
+        return cls(
+            request.req_id, params, request.num_prompt_tokens,
+            output_token_ids=tuple(request.output_token_ids) if params.has_penalties else (),
+            stop_token_ids=tuple(sorted(request.stop_token_ids)) if params.min_tokens else (),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +88,11 @@ class StepPlan:
     ``placeholder_rows`` (overlapped scheduling): rows whose single token is
     the one sampled for that request by the previous step, planned before it
     was known; ``token_ids`` holds 0 there and the worker puts in its own sample.
+
+    ``prompt_logprobs_rows``: rows whose chunk yields prompt logprobs (increasing;
+    see ``kvserve.scheduler.prompt_logprobs``); ``next_prompt_token_ids``: for
+    each of them whose chunk ends before its prompt does, in order, the prompt
+    token after the chunk.
     """
 
     step_id: int
@@ -89,6 +107,8 @@ class StepPlan:
     finished_req_ids: list[str]
     preempted_req_ids: list[str]
     placeholder_rows: list[int] = field(default_factory=list)
+    prompt_logprobs_rows: list[int] = field(default_factory=list)
+    next_prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_reqs(self) -> int:

@@ -38,6 +38,7 @@ from kvserve.worker.kv_cache import (
     num_blocks_for_budget,
 )
 from kvserve.worker.logits_adjuster import LogitsAdjuster
+from kvserve.worker.prompt_logprobs import PromptLogprobsOnDevice, compute_prompt_logprobs
 from kvserve.worker.model_loader import load_model
 from kvserve.worker.sampler import Sampler, SamplerOutput
 
@@ -268,13 +269,15 @@ class Worker:
         if not plan.req_ids:
             return LaunchedStep(plan.step_id, self.is_driver)
         graphs = self.decode_graphs
-        decode = batch.prepare_decode(plan) if graphs is not None else None
+        # NOTE: prompt logprobs need the hidden states of whole chunks: such a step runs eagerly.
+        decode = batch.prepare_decode(plan) if graphs is not None and not plan.prompt_logprobs_rows else None
         padded_size = graphs.padded_size(decode) if graphs is not None and decode is not None else None
         if padded_size is not None:
             fix = None
             if plan.placeholder_rows:  # a decode step's row r is its token r
                 fix = lambda input_ids: self._fill_placeholders(plan, input_ids, range(decode.num_reqs))  # noqa: E731
             hidden_states = graphs.run(decode, padded_size, fix_input_ids=fix)
+            prompt = None
             sampling_params, output_indices = decode.sampling_params, decode.output_indices
             logits_rows = (
                 hidden_states if len(output_indices) == decode.num_reqs
@@ -284,10 +287,17 @@ class Worker:
             inputs = batch.prepare(plan)
             self._fill_placeholders(plan, inputs.input_ids, inputs.attn_metadata.query_start_loc_cpu)
             hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
+            prompt = None
+            if plan.prompt_logprobs_rows:
+                states = [batch.requests[req_id] for req_id in plan.req_ids]
+                prompt = compute_prompt_logprobs(
+                    self.model.compute_logits, hidden_states, plan, states, inputs.attn_metadata.query_start_loc_cpu,
+                    vocab_size=self.hf_config.vocab_size, keep=self.is_driver,
+                )
             sampling_params, output_indices = inputs.sampling_params, inputs.output_indices
             logits_rows = hidden_states[inputs.logits_indices] if output_indices else None
         if not output_indices:
-            return LaunchedStep(plan.step_id, self.is_driver)
+            return LaunchedStep.copying(plan.step_id, None, prompt) if prompt else LaunchedStep(plan.step_id, self.is_driver)
         logits = self.model.compute_logits(logits_rows)
         if not self.is_driver:
             # Rank 0 samples; the next plan's placeholders get its samples then (_last_samples).
@@ -302,7 +312,7 @@ class Worker:
             adjuster.record(adjustments, sampled.token_ids)
         # For the next plan's placeholders (overlapped scheduling), if it has any.
         self._last_sampled = (plan, sampled.token_ids)
-        return LaunchedStep.copying(plan.step_id, sampled)
+        return LaunchedStep.copying(plan.step_id, sampled, prompt)
 
     def _fill_placeholders(self, plan: StepPlan, input_ids: torch.Tensor, token_index_of_row) -> None:
         """Put the last step's samples into ``input_ids`` at ``plan``'s placeholder rows.
@@ -368,7 +378,8 @@ class LaunchedStep:
     """A step whose work is queued on the device; rank 0's samples are on their way to the host.
 
     The samples (tokens, and logprobs for the requests that asked) travel in one
-    copy (``SamplerOutput.pack``), and ``result()`` is the step's one wait.
+    copy (``SamplerOutput.pack``), the prompt logprobs, when the plan asked, in a
+    second, and ``result()`` is the step's one wait.
     """
 
     step_id: int
@@ -376,17 +387,24 @@ class LaunchedStep:
     sampled: SamplerOutput | None = None
     packed: torch.Tensor | None = None  # on the host (pinned on CUDA), complete once `ready` passed
     ready: torch.cuda.Event | None = None
+    prompt: PromptLogprobsOnDevice | None = None
+    prompt_packed: torch.Tensor | None = None  # like `packed`
 
     @classmethod
-    def copying(cls, step_id: int, sampled: SamplerOutput) -> LaunchedStep:
-        """The step whose samples are ``sampled``, copied to the host without a wait."""
-        packed = sampled.pack()
-        if packed.device.type != "cuda":
-            return cls(step_id, True, sampled, packed)
-        host_packed = packed.to("cpu", non_blocking=True)
+    def copying(
+        cls, step_id: int, sampled: SamplerOutput | None, prompt: PromptLogprobsOnDevice | None = None
+    ) -> LaunchedStep:
+        """The step whose samples are ``sampled`` (and prompt logprobs ``prompt``), copied to the host
+        without a wait."""
+        packed = sampled.pack() if sampled is not None else None
+        prompt_packed = prompt.packed if prompt is not None else None
+        on_device = [t for t in (packed, prompt_packed) if t is not None]
+        if not on_device or on_device[0].device.type != "cuda":
+            return cls(step_id, True, sampled, packed, None, prompt, prompt_packed)
+        packed, prompt_packed = (t.to("cpu", non_blocking=True) if t is not None else None for t in (packed, prompt_packed))
         ready = torch.cuda.Event()
         ready.record()
-        return cls(step_id, True, sampled, host_packed, ready)
+        return cls(step_id, True, sampled, packed, ready, prompt, prompt_packed)
 
     def wait(self) -> None:
         """Block until the device ran the step (from any thread); ``result()`` then waits no more."""
@@ -397,9 +415,12 @@ class LaunchedStep:
         """The sampled tokens (rank 0) after one wait for the device; ``None`` on other ranks."""
         if not self.is_driver:
             return None
-        if self.sampled is None or self.packed is None:
-            return StepResult(self.step_id)
         if self.ready is not None:
             self.ready.synchronize()
-        token_ids, logprobs = self.sampled.unpack(self.packed)
-        return StepResult(self.step_id, token_ids, logprobs)
+        token_ids, logprobs = [], None
+        if self.sampled is not None and self.packed is not None:
+            token_ids, logprobs = self.sampled.unpack(self.packed)
+        prompt_logprobs = None
+        if self.prompt is not None and self.prompt_packed is not None:
+            prompt_logprobs = self.prompt.unpack(self.prompt_packed)
+        return StepResult(self.step_id, token_ids, logprobs, prompt_logprobs)

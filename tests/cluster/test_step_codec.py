@@ -18,7 +18,7 @@ from kvserve.cluster.step_codec import (
 )
 from kvserve.proto import step_pb2
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
-from kvserve.scheduler.logprobs import StepLogprobs
+from kvserve.scheduler.logprobs import StepLogprobs, StepPromptLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
@@ -61,6 +61,7 @@ def scheduled_plans(overlapped: bool = False) -> list[StepPlan]:
         SamplingParams(max_tokens=15, temperature=1.3, seed=2**40, logprobs=3),
         SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=0.5, frequency_penalty=-0.25,
                        logit_bias={3: 1.5, 7: -2.0}, min_tokens=3, stop_token_ids=(5,)),
+        SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2),
     ]
     for i in range(10):
         prompt = [rng.randrange(1, 50) for _ in range(rng.randrange(3, 30))]
@@ -102,6 +103,10 @@ def test_every_scheduled_plan_round_trips_exactly(overlapped: bool) -> None:
         any(n > 1 for n in p.num_scheduled_tokens) and any(n == 1 for n in p.num_scheduled_tokens) for p in plans
     )
     assert any(not all(p.sample) for p in plans)  # an unfinished prefill chunk
+    # Prompt logprobs of chunks, some ending before their prompt does.
+    assert any(p.next_prompt_token_ids for p in plans) and any(
+        len(p.next_prompt_token_ids) < len(p.prompt_logprobs_rows) for p in plans
+    )
     # A request with min_tokens brings every token that would stop it (its EOS too).
     assert {new.stop_token_ids for p in plans for new in p.new_requests if new.sampling_params.min_tokens} == {(2, 5)}
 
@@ -308,5 +313,41 @@ def test_placeholder_rows_outside_the_sampled_decodes_are_rejected(rows: list[in
     plan = StepPlan(0, ["a", "b"], [1, 3], [3, 0], [0, 1, 2, 3], [0, 0], [], [True, False], [], [], [])
     message = encode_plan(plan)
     message.placeholder_rows = np.asarray(rows, dtype=np.int32).tobytes()
+    with pytest.raises(ValueError, match=error):
+        decode_plan(message)
+
+
+def prompt_logprobs_result() -> StepResult:
+    prompt = StepPromptLogprobs(rows=[0, 2], num_positions=[2, 1], num_top=[1, 0], token_logprobs=[-0.5, -1.25, -2.0],
+                                top_token_ids=[4, 9], top_logprobs=[-0.25, -0.75])
+    return StepResult(3, [7], None, prompt)
+
+
+def test_result_round_trips_with_the_prompt_logprobs_of_the_plan() -> None:
+    result = prompt_logprobs_result()
+    assert decode_result(step_pb2.StepResult.FromString(encode_result(3, result).SerializeToString())) == result
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("rows", int32([2, 0]), r"^prompt_logprobs\.rows must increase"),
+    ("num_top", int32([1]), r"^prompt_logprobs\.num_top has 1 entries for 2 prompt_logprobs\.rows"),
+    ("token_logprobs", np.zeros(2, "<f4").tobytes(), r"^prompt_logprobs\.token_logprobs has 2 entries but .* 3"),
+    ("top_token_ids", int32([4]), r"^prompt_logprobs\.top_token_ids has 1 entries but .* adds up to 2"),
+])
+def test_inconsistent_prompt_logprobs_are_rejected(field: str, value: bytes, error: str) -> None:
+    message = encode_result(3, prompt_logprobs_result())
+    setattr(message.prompt_logprobs, field, value)
+    with pytest.raises(ValueError, match=error):
+        decode_result(message)
+
+
+@pytest.mark.parametrize("rows,next_ids,error", [
+    ([1, 1], [], r"^prompt_logprobs_rows must increase within \[0, 3\)"),
+    ([3], [], r"^prompt_logprobs_rows must increase within \[0, 3\)"),
+    ([0], [5, 6], r"^next_prompt_token_ids has 2 entries for 1 prompt_logprobs_rows"),
+])
+def test_inconsistent_prompt_logprobs_rows_are_rejected(rows: list[int], next_ids: list[int], error: str) -> None:
+    message = encode_plan(penalised_plan())
+    message.prompt_logprobs_rows, message.next_prompt_token_ids = int32(rows), int32(next_ids)
     with pytest.raises(ValueError, match=error):
         decode_plan(message)

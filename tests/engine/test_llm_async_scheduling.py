@@ -50,6 +50,12 @@ def assert_same(plain, overlapped) -> None:
             assert len(b.logprobs) == len(b.token_ids)
             assert [t.logprob for t in b.logprobs] == pytest.approx([t.logprob for t in a.logprobs], abs=1e-5)
             assert [t.top_token_ids for t in b.logprobs] == [t.top_token_ids for t in a.logprobs]
+        assert (a.prompt_logprobs is None) == (b.prompt_logprobs is None)
+        if a.prompt_logprobs is not None:
+            assert a.prompt_logprobs[0] is None and b.prompt_logprobs[0] is None
+            assert [t.logprob for t in b.prompt_logprobs[1:]] == pytest.approx(
+                [t.logprob for t in a.prompt_logprobs[1:]], abs=1e-5)
+            assert [t.top_token_ids for t in b.prompt_logprobs[1:]] == [t.top_token_ids for t in a.prompt_logprobs[1:]]
 
 
 def test_greedy_outputs_equal_the_plain_engine_with_eos_stops_and_chunks(model_dir) -> None:
@@ -92,11 +98,12 @@ def test_an_engine_with_nothing_left_in_flight_after_generate(model_dir) -> None
 def test_tensor_parallel_ranks_get_the_samples_of_rank_0(model_dir) -> None:
     """With two ranks only rank 0 samples; it sends its samples to rank 1 for the
     placeholders, so both ranks compute the same tokens: outputs equal the plain engine's,
-    seeded random sampling, preemption and penalties (counted on rank 0) included."""
+    seeded random sampling, preemption, penalties (counted on rank 0) and prompt logprobs
+    (their logits gathered from both ranks) included."""
     prompts = random_prompts(6, seed=12, lo=3, hi=40)
     penalties = dict(logit_bias={42: 10.0}, frequency_penalty=2.0)
     params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i,
-                             **(penalties if i % 3 == 0 else {}))
+                             prompt_logprobs=2 if i % 3 == 1 else None, **(penalties if i % 3 == 0 else {}))
               for i in range(len(prompts))]
     plain, overlapped = generate_both(model_dir, prompts, params, tensor_parallel_size=2, block_size=4,
                                       num_blocks=48, max_num_batched_tokens=32)
@@ -111,7 +118,7 @@ def test_graphed_steps_with_placeholders_equal_the_plain_engine_on_cuda(tmp_path
     prompts = random_prompts(10, seed=11, lo=3, hi=60)
     penalties = dict(logit_bias={42: 10.0}, frequency_penalty=2.0, presence_penalty=0.5)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3 if i % 2 else None,
-                             **(penalties if i % 3 == 0 else {}))
+                             prompt_logprobs=2 if i % 4 == 1 else None, **(penalties if i % 3 == 0 else {}))
               for i in range(len(prompts))]
     plain, overlapped = generate_both(path, prompts, params, device="cuda", dtype="float32", num_blocks=256,
                                       max_num_seqs=16)
@@ -141,11 +148,12 @@ def test_overlapped_launches_do_not_synchronise_with_the_device(tmp_path) -> Non
 
         worker.launch = strict_launch
         prompts = random_prompts(12, seed=2, lo=3, hi=40)
-        # greedy, random, top-k and top-p, seeded, penalties with biases and min_tokens
+        # greedy, random, top-k and top-p, seeded, penalties with biases and min_tokens, prompt logprobs
         kinds = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.7, top_k=20, top_p=0.9),
                  dict(temperature=1.0, seed=5),
                  dict(temperature=0.0, logit_bias={42: 10.0, 3: -100.0}, frequency_penalty=2.0,
-                      presence_penalty=0.5, min_tokens=4, stop_token_ids=(3,))]  # 3 never comes: 16 tokens
+                      presence_penalty=0.5, min_tokens=4, stop_token_ids=(3,)),  # 3 never comes: 16 tokens
+                 dict(temperature=0.0, prompt_logprobs=3)]
         params = [SamplingParams(max_tokens=16, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(len(prompts))]
         outputs = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in outputs] == [16] * len(prompts)

@@ -16,7 +16,7 @@ import torch
 from kvserve import LLM, SamplingParams
 from kvserve.worker.layers.attention import Attention
 from kvserve.worker.tiny_model import create_tiny_model
-from tests.engine.hf_reference import hf_greedy, load_hf_model
+from tests.engine.hf_reference import hf_greedy, hf_log_softmax, load_hf_model
 from tests.engine.test_llm_parity import FAMILIES, random_prompts
 
 pytestmark = pytest.mark.gpu
@@ -70,6 +70,18 @@ def test_long_prompts_spanning_several_splits_match_transformers(cuda_model) -> 
     prompts = random_prompts(2, seed=3, lo=900, hi=1200)
     tokens = generate_on_cuda(path, prompts, block_size=16, num_blocks=256)
     assert tokens == hf_greedy(hf, prompts, GREEDY.max_tokens)
+
+
+def test_prompt_logprobs_over_chunks_match_transformers(cuda_model) -> None:
+    path, hf = cuda_model
+    prompt = random_prompts(1, seed=4, lo=60, hi=61)[0]
+    with LLM(path, device="cuda", dtype="float32", block_size=16, num_blocks=64, max_num_batched_tokens=24) as llm:
+        output = llm.generate([prompt], SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
+    reference = hf_log_softmax(hf, prompt[:1], prompt[1:])
+    expected = reference.gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+    got = torch.tensor([entry.logprob for entry in output.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, expected, atol=1e-3, rtol=0)
+    assert [list(e.top_token_ids) for e in output.prompt_logprobs[1:]] == reference.topk(2, dim=-1).indices.tolist()
 
 
 def test_float32_is_what_both_sides_compute_in() -> None:
