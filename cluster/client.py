@@ -184,9 +184,12 @@ class Client:
         # leaves nothing running (a call started in stream() ran on to its end).
         _check_open(self)
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        # NOTE: the prompt's logprobs come with the first message that carries tokens (the first, but for an abort).
+        pending = request.sampling_params.HasField("prompt_logprobs")
         try:
             for response in call:
-                yield to_delta(response)
+                yield to_delta(response, with_prompt_logprobs=pending and bool(response.token_ids))
+                pending = pending and not response.token_ids
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
         finally:
@@ -286,9 +289,12 @@ class AsyncClient:
         # NOTE: as Client._deltas, the call starts at the first anext().
         self._check_usable()
         call = self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
+        # NOTE: the prompt's logprobs come with the first message that carries tokens (the first, but for an abort).
+        pending = request.sampling_params.HasField("prompt_logprobs")
         try:
             async for response in call:
-                yield to_delta(response)
+                yield to_delta(response, with_prompt_logprobs=pending and bool(response.token_ids))
+                pending = pending and not response.token_ids
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
         finally:

@@ -34,7 +34,9 @@ class SamplingKwargs(TypedDict, total=False):
     1.0, ``top_p`` 1.0, no ``top_k``).  ``stop``: strings that end the
     completion once its text contains one (not sent).  ``logprobs``: 0 for each
     token's log-probability, k (at most 20) for it and the k most likely tokens
-    at its position (``Completion.logprobs``).  ``presence_penalty`` and
+    at its position (``Completion.logprobs``); ``prompt_logprobs`` the same of
+    each prompt token given the tokens before it (``Completion.prompt_logprobs``).
+    ``presence_penalty`` and
     ``frequency_penalty`` (each in [-2, 2]) penalize the tokens the completion
     has generated so far, as OpenAI's do; ``logit_bias`` adds a bias in
     [-100, 100] to the logits of up to 300 token ids (``{token_id: bias}``, or
@@ -54,6 +56,7 @@ class SamplingKwargs(TypedDict, total=False):
     stop: str | Sequence[str]
     ignore_eos: bool
     logprobs: int
+    prompt_logprobs: int
     presence_penalty: float
     frequency_penalty: float
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]]
@@ -88,7 +91,10 @@ class CompletionDelta:
     "abort") and ``usage``; ``replica`` is the replica serving the request (``None``
     when none did: the server lost its scheduler).
     ``logprobs`` parallels ``token_ids`` when the request asked for them
-    (``logprobs=k``), else it is ``None``.
+    (``logprobs=k``), else it is ``None``.  ``prompt_logprobs`` is set on the
+    first delta only, when the request asked for them (``prompt_logprobs=k``):
+    one entry per prompt token, the first ``None`` (nothing comes before it),
+    as ``kvserve.llm.GenerationOutput.prompt_logprobs``; else it is ``None``.
     """
 
     request_id: str
@@ -98,11 +104,13 @@ class CompletionDelta:
     finish_reason: str | None = None
     usage: Usage | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class Completion:
-    """A whole completion: the concatenation of its stream's deltas (``logprobs`` as in ``CompletionDelta``)."""
+    """A whole completion: the concatenation of its stream's deltas (``logprobs`` and ``prompt_logprobs``
+    as in ``CompletionDelta``)."""
 
     request_id: str
     text: str
@@ -111,6 +119,7 @@ class Completion:
     usage: Usage
     replica: int | None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +205,9 @@ def to_generate_request(prompt: str | Sequence[int], kwargs: dict[str, Any]) -> 
     return request
 
 
-def to_delta(response: generate_pb2.GenerateResponse) -> CompletionDelta:
+def to_delta(response: generate_pb2.GenerateResponse, *, with_prompt_logprobs: bool = False) -> CompletionDelta:
+    """``response`` as a delta; ``with_prompt_logprobs``: it is the first message of a request that asked for
+    its prompt's logprobs (the server leaves out the first prompt token's entry, which is ``None`` here)."""
     finish_reason = _FINISH_REASONS.get(response.finish_reason)
     usage = None
     if finish_reason is not None:
@@ -212,14 +223,18 @@ def to_delta(response: generate_pb2.GenerateResponse) -> CompletionDelta:
         replica=response.replica if response.HasField("replica") else None,
         finish_reason=finish_reason,
         usage=usage,
-        logprobs=tuple(
-            TokenLogprobs(
-                token.logprob,
-                tuple(top.token_id for top in token.top_logprobs),
-                tuple(top.logprob for top in token.top_logprobs),
-            )
-            for token in response.logprobs
-        ) if response.logprobs else None,
+        logprobs=tuple(_token_logprobs(token) for token in response.logprobs) if response.logprobs else None,
+        prompt_logprobs=(
+            (None, *(_token_logprobs(token) for token in response.prompt_logprobs)) if with_prompt_logprobs else None
+        ),
+    )
+
+
+def _token_logprobs(token: generate_pb2.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token.logprob,
+        tuple(top.token_id for top in token.top_logprobs),
+        tuple(top.logprob for top in token.top_logprobs),
     )
 
 
@@ -247,6 +262,7 @@ class CompletionBuilder:
         self._texts: list[str] = []
         self._token_ids: list[int] = []
         self._logprobs: list[TokenLogprobs] | None = None
+        self._prompt_logprobs: tuple[TokenLogprobs | None, ...] | None = None
         self._last: CompletionDelta | None = None
 
     def add(self, delta: CompletionDelta) -> None:
@@ -254,6 +270,8 @@ class CompletionBuilder:
         self._token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             self._logprobs = [*(self._logprobs or ()), *delta.logprobs]
+        if delta.prompt_logprobs is not None:
+            self._prompt_logprobs = delta.prompt_logprobs
         self._last = delta
 
     def build(self) -> Completion:
@@ -268,6 +286,7 @@ class CompletionBuilder:
             usage=last.usage,
             replica=last.replica,
             logprobs=tuple(self._logprobs) if self._logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
 

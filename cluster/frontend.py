@@ -382,7 +382,6 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     ) -> generate_pb2.GenerateResponse:
         return to_response(req_id, delta, detokenizer)
 
-
     # -- requests and outputs ----------------------------------------------------
 
     async def _add_request(self, spec: RequestSpec) -> int | None:
@@ -409,7 +408,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     def _route(self, batch: OutputBatch) -> None:
         streams = self._streams
-        logprobs = batch.logprobs
+        logprobs, prompt_logprobs = batch.logprobs, batch.prompt_logprobs
         orphans: list[str] = []
         for req_id, token_ids, replica in zip(batch.req_ids, batch.token_ids, batch.replicas):
             stream = streams.get(req_id)
@@ -417,7 +416,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 if req_id not in self._draining:  # those are aborted already
                     orphans.append(req_id)
             else:
-                stream.add(token_ids, replica, logprobs.get(req_id) if logprobs else None)
+                stream.add(token_ids, replica, logprobs.get(req_id) if logprobs else None,
+                           prompt_logprobs.get(req_id) if prompt_logprobs else None)
         for delta in batch.last_deltas:
             stream = streams.get(delta.req_id)
             if stream is not None:

@@ -33,6 +33,9 @@ class RequestDelta:
     ``UNAVAILABLE``); only the last one carries the usage counts
     (``num_prompt_tokens``, ``num_cached_tokens``, ``num_output_tokens``).
     ``logprobs`` parallels ``token_ids`` when the request asked for them, else it is ``None``.
+    ``prompt_logprobs`` is set on the one delta that carries the request's first output token, when
+    it asked for them (``SamplingParams.prompt_logprobs``): one entry per prompt token, the first
+    ``None`` (nothing predicts it; ``kvserve.scheduler.prompt_logprobs.first_output_prompt_logprobs``).
     """
 
     req_id: str
@@ -45,6 +48,7 @@ class RequestDelta:
     # The replica that served the request; None when none did (the server lost its scheduler).
     replica: int | None = None
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def is_last(self) -> bool:
@@ -66,6 +70,7 @@ class RequestDelta:
                 self.num_output_tokens,
                 self.replica,
                 self.logprobs,
+                self.prompt_logprobs,
             ),
         )
 
@@ -76,7 +81,8 @@ class OutputBatch:
 
     A request still running has its new tokens at index ``i`` of the parallel
     lists ``req_ids``, ``token_ids`` and ``replicas``, and, if it asked for
-    them, their logprobs in ``logprobs`` under its id; a request that ended is
+    them, their logprobs in ``logprobs`` under its id (and its prompt's, with its first token, in
+    ``prompt_logprobs``); a request that ended is
     one whole ``RequestDelta`` in ``last_deltas`` (its last tokens included).
     Each request appears once.  Iterating yields every delta.
 
@@ -88,6 +94,7 @@ class OutputBatch:
     token_ids: list[list[int]] = field(default_factory=list)
     replicas: list[int | None] = field(default_factory=list)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
     last_deltas: list[RequestDelta] = field(default_factory=list)
     # How many replicas were healthy when the batch was taken (None: not reported).
     num_healthy_replicas: int | None = None
@@ -104,15 +111,20 @@ class OutputBatch:
                 batch.replicas.append(delta.replica)
                 if delta.logprobs is not None:
                     batch.logprobs[delta.req_id] = delta.logprobs
+                if delta.prompt_logprobs is not None:
+                    batch.prompt_logprobs[delta.req_id] = delta.prompt_logprobs
         return batch
 
     def __len__(self) -> int:
         return len(self.req_ids) + len(self.last_deltas)
 
     def __iter__(self) -> Iterator[RequestDelta]:
-        logprobs = self.logprobs
+        logprobs, prompt_logprobs = self.logprobs, self.prompt_logprobs
         for req_id, token_ids, replica in zip(self.req_ids, self.token_ids, self.replicas, strict=True):
-            yield RequestDelta(req_id, token_ids, replica=replica, logprobs=logprobs.get(req_id))
+            yield RequestDelta(
+                req_id, token_ids, replica=replica, logprobs=logprobs.get(req_id),
+                prompt_logprobs=prompt_logprobs.get(req_id),
+            )
         yield from self.last_deltas
 
 

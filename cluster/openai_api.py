@@ -42,6 +42,7 @@ from kvserve.cluster.openai_chat import (
     render_prompt,
     rest_of_context,
 )
+from kvserve.cluster.openai_echo import echoed_prompt
 from kvserve.cluster.openai_errors import FieldNames, error_response, frontend_error_response
 from kvserve.cluster.openai_protocol import (
     CompletionRequest,
@@ -181,14 +182,18 @@ def create_app(
             return refusal
         request_id = uuid.uuid4().hex
         try:
+            prompt, echo = await echoed_prompt(
+                body.prompt, body.echo, body.logprobs, frontend.tokenizer, frontend.limits.max_prompt_bytes
+            )
             generates = to_generate_requests(
-                body, body.prompt, body.max_tokens, body.logprobs, request_id=request_id, max_choices=max_choices
+                body, prompt, body.max_tokens, body.logprobs, request_id=request_id, max_choices=max_choices,
+                prompt_logprobs=body.logprobs if echo is not None else None,
             )
         except InvalidRequestError as exc:
             return frontend_error_response(exc)
         return await respond(
             frontend, request_id, generates, text_completions,
-            stream=body.stream, include_usage=body.include_usage, request=request,
+            stream=body.stream, include_usage=body.include_usage, request=request, echo=echo,
         )
 
     return app

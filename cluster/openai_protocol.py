@@ -20,8 +20,10 @@ Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
 ``cache_salt`` and ``stop_token_ids``, and ``min_tokens`` (vLLM's name: no
 stop token, EOS or stop string ends the completion before that many tokens).
 ``stop`` strings are matched on the detokenized text by the shared pipeline
-and never sent.  OpenAI fields that kvserve does not implement yet are refused
-with a 400 naming them unless they have their neutral value (``echo`` false,
+and never sent.  ``echo: true`` (completions) puts the prompt, and with
+``logprobs`` its tokens' logprobs, in front of each choice's (``openai_echo``).
+OpenAI fields that kvserve does not implement yet are refused
+with a 400 naming them unless they have their neutral value (``best_of`` 1,
 ``response_format`` text, no ``tools``, ...), so that a client never gets
 silently different semantics;
 unknown fields are refused too.  Types are strict, as OpenAI's are
@@ -199,7 +201,6 @@ class CompletionRequest(SamplingRequest):
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
         **SamplingRequest.NEUTRAL_VALUES,
         "best_of": (1,),
-        "echo": (False,),
         "suffix": ("",),
     }
 
@@ -226,8 +227,9 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions API's logprobs: per token its text, log-probability, alternatives and offset."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    # null for an echoed prompt's first token (``openai_echo``): nothing predicts it.
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 
@@ -280,13 +282,14 @@ def to_generate_requests(
     *,
     request_id: str,
     max_choices: int,
+    prompt_logprobs: int | None = None,
 ) -> list[generate_pb2.GenerateRequest]:
     """``request`` as the gRPC API's requests, one per choice; ``InvalidRequestError`` for what kvserve
     cannot serve, ``n`` over ``max_choices`` included.
 
     Choice ``i``'s request id is ``{request_id}-{i}`` (``request_id`` itself when ``n`` is 1) and its
     seed, when the request has one, ``seed + i``.  ``logprobs``: how many alternatives per token the
-    endpoint's own fields ask for (``None``: no logprobs).
+    endpoint's own fields ask for (``None``: no logprobs); ``prompt_logprobs`` the same of the prompt's tokens.
     """
     n = request.n
     if not 1 <= n <= max_choices:
@@ -294,7 +297,7 @@ def to_generate_requests(
         if max_choices < MAX_CHOICES:
             message += f" (each choice is a request, and this server runs {max_choices} at a time)"
         raise InvalidRequestError(message)
-    generate = _to_generate_request(request, prompt, max_tokens, logprobs)
+    generate = _to_generate_request(request, prompt, max_tokens, logprobs, prompt_logprobs)
     params = generate.sampling_params
     if params.HasField("seed") and params.seed > _MAX_SEED - (n - 1):
         raise InvalidRequestError(
@@ -316,6 +319,7 @@ def _to_generate_request(
     prompt: str | list[int] | list[str] | list[list[int]],
     max_tokens: int | None,
     logprobs: int | None,
+    prompt_logprobs: int | None,
 ) -> generate_pb2.GenerateRequest:
     for name, instead in request.unsupported_fields().items():
         raise InvalidRequestError(f"{name}: kvserve does not support this field yet; {instead}")
@@ -335,7 +339,7 @@ def _to_generate_request(
     fields = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
               "top_k": request.top_k, "seed": request.seed, "logprobs": logprobs,
               "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
-              "min_tokens": request.min_tokens}
+              "min_tokens": request.min_tokens, "prompt_logprobs": prompt_logprobs}
     for name, value in fields.items():
         if value is not None:
             try:
@@ -409,22 +413,26 @@ class CompletionLogprobsEncoder:
         self._text_offset = 0
 
     def encode(
-        self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs]
+        self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs | None]
     ) -> CompletionLogprobs:
+        """``None`` logprobs (an echoed prompt's first token) are nulls."""
         token_text = self._token_text
         tokens = [token_text(token_id) for token_id in token_ids]
         text_offset = []
         for token in tokens:
             text_offset.append(self._text_offset)
             self._text_offset += len(token)
-        top_logprobs = []
+        top_logprobs: list[dict[str, float] | None] = []
         for token, token_logprobs in zip(tokens, logprobs, strict=True):
+            if token_logprobs is None:
+                top_logprobs.append(None)
+                continue
             top = {token_text(alternative.token_id): alternative.logprob for alternative in token_logprobs.top_logprobs}
             top.setdefault(token, token_logprobs.logprob)
             top_logprobs.append(top)
         return CompletionLogprobs(
             tokens=tokens,
-            token_logprobs=[token_logprobs.logprob for token_logprobs in logprobs],
+            token_logprobs=[None if token_logprobs is None else token_logprobs.logprob for token_logprobs in logprobs],
             top_logprobs=top_logprobs,
             text_offset=text_offset,
         )

@@ -7,7 +7,8 @@ naming its choice's ``index`` and ending with its own finish reason; the usage
 chunk comes once every choice has ended.  A client that disconnects aborts its
 requests, which frees their blocks, as a cancelled gRPC call does; so does an
 error in one of its choices.  How each endpoint's answers look is its
-``ResponseShape``.
+``ResponseShape``.  A completion with ``echo`` puts its prompt in front of each choice
+(``openai_echo``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pydantic import BaseModel
 
 from kvserve.cluster.frontend import Frontend, FrontendError
 from kvserve.cluster.openai_choices import interleave
+from kvserve.cluster.openai_echo import EchoedPrompt
 from kvserve.cluster.openai_errors import (
     COMPLETION_FIELDS,
     FieldNames,
@@ -44,9 +46,12 @@ MEASURED = "measured"
 
 
 class LogprobsEncoder(Protocol):
-    """One completion's logprobs in an endpoint's shape, one message after another."""
+    """One completion's logprobs in an endpoint's shape, one message after another (``None``: an echoed
+    prompt's first token, which only text completions have)."""
 
-    def encode(self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs]) -> BaseModel: ...
+    def encode(
+        self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs | None]
+    ) -> BaseModel: ...
 
 
 class ResponseShape(Protocol):
@@ -76,17 +81,18 @@ async def respond(
     include_usage: bool,
     request: Request,
     fields: FieldNames = COMPLETION_FIELDS,
+    echo: EchoedPrompt | None = None,
 ) -> Response:
     """The completion of ``generates`` (one request per choice) through the front end's pipeline, whole or as
     server-sent events; ``request_id`` names the completion.  Measured as one request, whatever its ``n``.
-    Errors name the fields as the request did (``fields``)."""
+    Errors name the fields as the request did (``fields``); ``echo``: the prompt each choice begins with."""
     setattr(request.state, MEASURED, True)
     pipelines = [frontend.responses(generate, tenant=request.state.tenant, measured=False) for generate in generates]
     choices = frontend.metrics.track_choices(interleave(pipelines), len(generates))
     kept = [kept_tokens(generate, frontend.tokenizer) for generate in generates]
     if stream:
-        return await _stream(request_id, choices, kept, shape, include_usage, fields)
-    return await _complete(request_id, choices, kept, shape, request, fields)
+        return await _stream(request_id, choices, kept, shape, include_usage, fields, echo)
+    return await _complete(request_id, choices, kept, shape, request, fields, echo)
 
 
 def _tokens_to_send(
@@ -106,6 +112,7 @@ async def _complete(
     shape: ResponseShape,
     request: Request,
     fields: FieldNames,
+    echo: EchoedPrompt | None,
 ) -> Response:
     """The whole completion, or an error; the requests are aborted if the client leaves first."""
     collecting = asyncio.ensure_future(_collect(choices, kept))
@@ -123,27 +130,28 @@ async def _complete(
         return Response(status_code=499)
     except FrontendError as exc:
         return frontend_error_response(exc, fields)
-    outputs = [
-        ChoiceOutput(
-            "".join(choice.texts),
-            finish_reason(choice.last),
-            # A choice that asks for logprobs gets them, empty when a stop string cut all its text.
-            shape.logprobs_encoder().encode(choice.token_ids, choice.logprobs)
-            if choice.logprobs or kept_of_choice is not None else None,
-        )
-        for choice, kept_of_choice in zip(collected, kept, strict=True)
-    ]
+    outputs = []
+    for choice, kept_of_choice in zip(collected, kept, strict=True):
+        text, token_ids, logprobs = "".join(choice.texts), choice.token_ids, choice.logprobs
+        if echo is not None:
+            text, token_ids, logprobs = echo.prepend(text, token_ids, logprobs, choice.prompt_logprobs)
+        # A choice that asks for logprobs gets them, empty when a stop string cut all its text.
+        asks = logprobs or kept_of_choice is not None
+        encoded = shape.logprobs_encoder().encode(token_ids, logprobs) if asks else None
+        outputs.append(ChoiceOutput(text, finish_reason(choice.last), encoded))
     whole = shape.whole(request_id, outputs, to_usage([choice.last for choice in collected]))
     return Response(whole.model_dump_json(), media_type="application/json")
 
 
 @dataclass(slots=True)
 class _Collected:
-    """One choice's messages: the texts of all, the token ids and logprobs of those that carry logprobs."""
+    """One choice's messages: the texts of all, the token ids and logprobs of those that carry logprobs, and
+    the prompt's logprobs (of its first message, when its request asked)."""
 
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[generate_pb2.TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[generate_pb2.TokenLogprobs] = field(default_factory=list)
     last: generate_pb2.GenerateResponse | None = None
 
 
@@ -160,6 +168,7 @@ async def _collect(
             if logprobs:
                 choice.token_ids.extend(token_ids)
                 choice.logprobs.extend(logprobs)
+            choice.prompt_logprobs.extend(response.prompt_logprobs)
             choice.last = response
     if any(choice.last is None for choice in collected):  # a pipeline always ends with its last message, or raises
         raise RuntimeError("a request ended without a response")
@@ -179,6 +188,7 @@ async def _stream(
     shape: ResponseShape,
     include_usage: bool,
     fields: FieldNames,
+    echo: EchoedPrompt | None,
 ) -> Response:
     """Server-sent events; errors found before the first token are answered with their HTTP status.
 
@@ -193,7 +203,7 @@ async def _stream(
         await choices.aclose()
         raise
     return StreamingResponse(
-        _events(request_id, first, choices, kept, shape, include_usage, fields),
+        _events(request_id, first, choices, kept, shape, include_usage, fields, echo),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -207,6 +217,7 @@ async def _events(
     shape: ResponseShape,
     include_usage: bool,
     fields: FieldNames,
+    echo: EchoedPrompt | None,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     num_choices = len(kept)
@@ -218,9 +229,13 @@ async def _events(
         try:
             while True:
                 reason = finish_reason(response)
-                token_ids, token_logprobs = _tokens_to_send(response, kept[index])
+                text, (token_ids, token_logprobs) = response.text, _tokens_to_send(response, kept[index])
+                if echo is not None and not started[index]:  # the prompt comes in each choice's first chunk
+                    text, token_ids, token_logprobs = echo.prepend(
+                        text, token_ids, token_logprobs, response.prompt_logprobs
+                    )
                 logprobs = encoders[index].encode(token_ids, token_logprobs) if token_logprobs else None
-                chunk = shape.chunk(request_id, created, index, response.text, reason, not started[index], logprobs)
+                chunk = shape.chunk(request_id, created, index, text, reason, not started[index], logprobs)
                 started[index] = True
                 if chunk is not None:
                     yield f"data: {chunk.model_dump_json()}\n\n"

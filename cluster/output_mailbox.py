@@ -19,20 +19,42 @@ from dataclasses import dataclass, field
 
 from kvserve.cluster.messages import RequestDelta
 from kvserve.scheduler.logprobs import TokenLogprobs
+from kvserve.scheduler.prompt_logprobs import first_output_prompt_logprobs
 from kvserve.scheduler.request import Request
+from kvserve.scheduler.request_output import RequestOutput
 
 
 @dataclass(slots=True)
 class PendingOutput:
     """What one request produced since the front end last polled: its new tokens (and their
-    logprobs, if it asked), and its end."""
+    logprobs, if it asked), its prompt's logprobs with its first token (if it asked), and its end."""
 
     # None for a request no replica took (it waited for one in vain: ``replica_wait_queue``).
     replica: int | None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # The request's last delta once it ended, without its tokens.
     end: RequestDelta | None = None
+
+    def add(self, output: RequestOutput, request: Request) -> None:
+        """``output``, a step's token of ``request`` (its ``Request``, already updated with it), and its end if
+        it was the last.
+
+        The prompt's logprobs go with the request's first output token, and with no other: a request moved
+        off a failed replica keeps the tokens it produced there (``SchedulerActor._resumed``), so its next
+        token is not its first.
+        """
+        self.token_ids.append(output.token_id)
+        if output.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(output.logprobs)
+        # NOTE: complete once the first output token exists (kvserve.scheduler.prompt_logprobs).
+        if request.prompt_logprobs is not None and len(request.output_token_ids) == 1:
+            self.prompt_logprobs = first_output_prompt_logprobs(request)
+        if output.finish_reason is not None:
+            self.finish(request, reason=output.finish_reason.value)
 
     def finish(self, request: Request, *, reason: str | None = None, error: str | None = None) -> None:
         self.end = RequestDelta(
@@ -47,8 +69,13 @@ class PendingOutput:
 
     def to_delta(self, req_id: str) -> RequestDelta:
         if self.end is None:
-            return RequestDelta(req_id, self.token_ids, replica=self.replica, logprobs=self.logprobs)
-        return dataclasses.replace(self.end, token_ids=self.token_ids, logprobs=self.logprobs)
+            return RequestDelta(
+                req_id, self.token_ids, replica=self.replica, logprobs=self.logprobs,
+                prompt_logprobs=self.prompt_logprobs,
+            )
+        return dataclasses.replace(
+            self.end, token_ids=self.token_ids, logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs
+        )
 
 
 class OutputMailbox:

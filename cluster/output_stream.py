@@ -55,8 +55,8 @@ class OutputStream:
     """
 
     __slots__ = (
-        "req_id", "_pacing", "_token_ids", "_logprobs", "_replica", "_last", "_last_message_time", "_waiter",
-        "_wake_on_data",
+        "req_id", "_pacing", "_token_ids", "_logprobs", "_prompt_logprobs", "_replica", "_last", "_last_message_time",
+        "_waiter", "_wake_on_data",
     )
 
     def __init__(self, req_id: str, pacing: StreamPacing) -> None:
@@ -65,17 +65,25 @@ class OutputStream:
         self._token_ids: list[int] = []
         # The held-back tokens' logprobs, if the request asked for them.
         self._logprobs: list[TokenLogprobs] | None = None
+        # The prompt's logprobs, until the message of the first tokens (they come with them, once).
+        self._prompt_logprobs: list[TokenLogprobs | None] | None = None
         self._replica: int | None = None
         self._last: RequestDelta | None = None
         self._last_message_time: float | None = None  # None until the first message
         self._waiter: asyncio.Future[None] | None = None
         self._wake_on_data = False
 
-    def add(self, token_ids: list[int], replica: int, logprobs: list[TokenLogprobs] | None = None) -> None:
-        """New tokens of the running request (and their logprobs, if it asked)."""
+    def add(
+        self, token_ids: list[int], replica: int, logprobs: list[TokenLogprobs] | None = None,
+        prompt_logprobs: list[TokenLogprobs | None] | None = None,
+    ) -> None:
+        """New tokens of the running request (and their logprobs, if it asked; with its first token, its
+        prompt's, if it asked)."""
         self._token_ids += token_ids
         if logprobs is not None:
             self._logprobs = logprobs if self._logprobs is None else self._logprobs + logprobs
+        if prompt_logprobs is not None:
+            self._prompt_logprobs = prompt_logprobs
         self._replica = replica
         if self._wake_on_data and self._waiter is not None:
             resolve_waiter(self._waiter)
@@ -102,15 +110,21 @@ class OutputStream:
             await self._wait(loop, None)
         token_ids, self._token_ids = self._token_ids, []
         logprobs, self._logprobs = self._logprobs, None
+        prompt_logprobs, self._prompt_logprobs = self._prompt_logprobs, None
         self._last_message_time = loop.time()
         last = self._last
         if last is None:
-            return RequestDelta(self.req_id, token_ids, replica=self._replica, logprobs=logprobs)
+            return RequestDelta(
+                self.req_id, token_ids, replica=self._replica, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+            )
         if not token_ids:
             return last
         if logprobs is not None or last.logprobs is not None:
             logprobs = (logprobs or []) + (last.logprobs or [])
-        return dataclasses.replace(last, token_ids=token_ids + last.token_ids, logprobs=logprobs)
+        return dataclasses.replace(
+            last, token_ids=token_ids + last.token_ids, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else last.prompt_logprobs,
+        )
 
     async def _wait(self, loop: asyncio.AbstractEventLoop, deadline: float | None) -> None:
         """Until ``deadline`` (``end`` wakes it early), or, for ``None``, until ``add`` or ``end``."""

@@ -34,7 +34,7 @@ _TEXT_BOUND_FACTOR = 4
 # The proto's ``optional`` sampling fields: unset ones take SamplingParams' defaults.
 _OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
-    "min_tokens",
+    "min_tokens", "prompt_logprobs",
 )
 _FINISH_REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,
@@ -213,7 +213,8 @@ def to_response(
     req_id: str, delta: RequestDelta, detokenizer: IncrementalDetokenizer | None
 ) -> generate_pb2.GenerateResponse:
     """``delta`` as a response: its tokens, their text from ``detokenizer`` (flushed at the
-    request's end), its logprobs if it asked, and its end's reason and usage."""
+    request's end), its logprobs and its prompt's if it asked (``GenerateResponse.prompt_logprobs``:
+    one per prompt token after the first), and its end's reason and usage."""
     text = ""
     if detokenizer is not None:
         text = detokenizer.add(delta.token_ids)
@@ -224,6 +225,9 @@ def to_response(
     )
     if delta.logprobs:
         response.logprobs.extend([_to_token_logprobs(logprobs) for logprobs in delta.logprobs])
+    if delta.prompt_logprobs:
+        # NOTE: the first prompt token's entry is None (nothing predicts it): the API leaves it out.
+        response.prompt_logprobs.extend([_to_token_logprobs(logprobs) for logprobs in delta.prompt_logprobs[1:]])
     if delta.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[delta.finish_reason]
         response.usage.prompt_tokens = delta.num_prompt_tokens

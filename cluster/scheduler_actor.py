@@ -371,16 +371,11 @@ class SchedulerActor:
         requests = self._requests
         for output in outputs:
             req_id = output.req_id
-            entry = entry_of(req_id, replica.replica_id)
-            entry.token_ids.append(output.token_id)
-            if output.logprobs is not None:
-                if entry.logprobs is None:
-                    entry.logprobs = []
-                entry.logprobs.append(output.logprobs)
+            _, request = requests[req_id]
+            entry_of(req_id, replica.replica_id).add(output, request)
             if output.finish_reason is not None:
-                _, request = requests.pop(req_id)
+                del requests[req_id]
                 self._num_moves.pop(req_id, None)
-                entry.finish(request, reason=output.finish_reason.value)
         self._outputs.notify()
 
     # -- failures and lost outputs ---------------------------------------------
@@ -469,7 +464,7 @@ class SchedulerActor:
         )
         for token_id in request.output_token_ids:
             resumed.append_output_token(token_id)
-        resumed.num_cached_tokens = request.num_cached_tokens
+        resumed.num_cached_tokens, resumed.prompt_logprobs = request.num_cached_tokens, request.prompt_logprobs
         return resumed
 
     def _move(self, request: Request, started: bool, moved_from: int, reason: str) -> str | None:

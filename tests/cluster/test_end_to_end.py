@@ -187,7 +187,7 @@ def test_get_stats_reports_every_replica_idle(served: Served):
 
 def _parity_workload() -> list[tuple[str | list[int], SamplingParams]]:
     """32 requests: greedy and seeded sampling, text and token ids, shared prefixes, EOS allowed,
-    penalties, logit biases and min_tokens (counted and held back on the workers)."""
+    penalties, logit biases and min_tokens (counted and held back on the workers), prompt logprobs."""
     topics = ["the cat", "a river", "numbers 12345", "héllo wörld 日本語", "once upon a time"]
     workload: list[tuple[str | list[int], SamplingParams]] = []
     for i in range(NUM_STREAMS):
@@ -208,7 +208,8 @@ def _parity_workload() -> list[tuple[str | list[int], SamplingParams]]:
             # A fifth of the vocabulary stops the request: some stop early.
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, stop_token_ids=tuple(range(i % 5, 1000, 5)))
         else:
-            params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, ignore_eos=i % 3 == 0)
+            params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, ignore_eos=i % 3 == 0,
+                                    prompt_logprobs=2 if i % 8 == 0 else None)
         workload.append((prompt, params))
     return workload
 
@@ -225,6 +226,8 @@ def _to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.top_k = params.top_k
     if params.seed is not None:
         proto.seed = params.seed
+    if params.prompt_logprobs is not None:
+        proto.prompt_logprobs = params.prompt_logprobs
     if params.adjusts_logits:
         proto.presence_penalty = params.presence_penalty
         proto.frequency_penalty = params.frequency_penalty
@@ -297,6 +300,13 @@ def test_concurrent_streams_generate_exactly_what_the_in_process_engine_does(ser
         assert last.usage.prompt_tokens == len(want.prompt_token_ids)
         assert last.usage.completion_tokens == len(want.token_ids)
         assert len({m.request_id for m in messages}) == 1
+        # Prompt logprobs come once, on the first message with tokens.
+        assert [len(m.prompt_logprobs) for m in messages if m.prompt_logprobs] == (
+            [len(want.prompt_token_ids) - 1] if want.prompt_logprobs is not None else []
+        )
+        if want.prompt_logprobs is not None:
+            got = [entry.logprob for entry in messages[0].prompt_logprobs]
+            assert got == pytest.approx([entry.logprob for entry in want.prompt_logprobs[1:]], abs=1e-4)
         replicas.append(last.replica)
     # Round robin: each replica served half of the streams.
     assert sorted(replicas) == [0] * (NUM_STREAMS // 2) + [1] * (NUM_STREAMS // 2)

@@ -7,16 +7,13 @@ which records what it is given and finishes each request at once.
 
 from __future__ import annotations
 
-import asyncio
-import json
 
 import httpx
 import pytest
 
-from kvserve.cluster.frontend import Frontend
 from kvserve.cluster.messages import RequestDelta, RequestSpec
-from kvserve.cluster.openai_api import create_app
 from kvserve.scheduler.sampling_params import SamplingParams
+from tests.cluster.in_process_openai import post_to_app
 from tests.cluster.test_frontend_streaming import MODEL_INFO, FakeScheduler
 
 VOCAB_SIZE = MODEL_INFO.vocab_size
@@ -54,22 +51,8 @@ class FixedTokenizer:
 
 def post(path: str, body: dict) -> tuple[httpx.Response, list[RequestSpec]]:
     """``body`` POSTed to ``path`` (``model`` added), and the specs the scheduler was given for it."""
-
-    async def run() -> tuple[httpx.Response, list[RequestSpec]]:
-        scheduler = RecordingScheduler()
-        frontend = Frontend(scheduler, MODEL_INFO, FixedTokenizer(), max_concurrent_requests=8)
-        frontend.start()
-        app = create_app(frontend, max_body_bytes=1 << 20, max_choices=8)
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
-                response = await client.post(
-                    path, content=json.dumps({"model": "unused", **body}), headers={"content-type": "application/json"}
-                )
-        finally:
-            await frontend.stop()
-        return response, scheduler.specs
-
-    return asyncio.run(run())
+    scheduler = RecordingScheduler()
+    return post_to_app(scheduler, FixedTokenizer(), path, body), scheduler.specs
 
 
 def complete(**fields) -> tuple[httpx.Response, list[RequestSpec]]:

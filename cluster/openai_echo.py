@@ -1,0 +1,108 @@
+"""``echo: true`` on ``/v1/completions``: each choice's text, and its logprobs, begin with the prompt's.
+
+As OpenAI's legacy completions API does it (lm-evaluation-harness scores a
+continuation so: ``echo: true, logprobs: 1, max_tokens: 1``, then reads the
+prompt tokens' logprobs)::
+
+    prompt      "The cat"   (tokens "The", " cat")       completion  " sat"
+    text            "The cat sat"
+    tokens          ["The", " cat", " sat"]
+    token_logprobs  [null,  -2.1,   -0.7]        nothing predicts the first prompt token
+    top_logprobs    [null,  {...},  {...}]
+    text_offset     [0,     3,      7]
+
+The prompt's logprobs are the pipeline's (``GenerateResponse.prompt_logprobs``,
+asked for with ``sampling_params.prompt_logprobs``: the request's ``logprobs``
+alternatives), on each choice's first message.  They are named by the
+prompt's token ids, so a text prompt that asks for logprobs is tokenized here,
+once (as the pipeline would: ``tokenizer(text)``), and sent as ids.  The
+echoed text is a text prompt itself, or a token-id prompt decoded as a
+completion's text is (special tokens skipped; ``""`` without a tokenizer, as
+a completion's text is then).  Streamed, the prompt comes in each choice's
+first chunk; with ``n`` choices each echoes it.
+
+NOTE: the logprobs name every prompt token, a BOS the tokenizer added
+included (as vLLM's do), and ``text_offset`` runs over the tokens' own texts:
+such a token's text (``"<s>"``) is not in the echoed text, so the offsets
+after it are shifted by its length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.cluster.detokenizer import decode_function
+from kvserve.proto import generate_pb2
+
+Prompt = str | list[int] | list[str] | list[list[int]]
+
+
+class EchoedPrompt:
+    """The prompt each choice of one completion begins with: its text (``text``, or ``token_ids`` decoded),
+    its token ids when known (a token-id prompt, or a text prompt tokenized for logprobs), and whether the
+    request asks for logprobs."""
+
+    __slots__ = ("_text", "token_ids", "with_logprobs", "_tokenizer")
+
+    def __init__(
+        self, text: str | None, token_ids: Sequence[int] | None, *, with_logprobs: bool, tokenizer: Any | None
+    ) -> None:
+        self._text = text
+        self.token_ids = tuple(token_ids) if token_ids is not None else None
+        self.with_logprobs = with_logprobs
+        self._tokenizer = tokenizer
+
+    @property
+    def text(self) -> str:
+        """The prompt's text; a token-id prompt's is decoded on first use, once the pipeline has validated
+        its ids."""
+        if self._text is None:
+            ids = self.token_ids
+            self._text = "" if self._tokenizer is None or ids is None else decode_function(self._tokenizer)(list(ids))
+        return self._text
+
+    def prepend(
+        self,
+        text: str,
+        token_ids: Sequence[int],
+        logprobs: Sequence[generate_pb2.TokenLogprobs | None],
+        prompt_logprobs: Sequence[generate_pb2.TokenLogprobs],
+    ) -> tuple[str, Sequence[int], Sequence[generate_pb2.TokenLogprobs | None]]:
+        """A choice's first chunk (or whole completion) with the prompt in front: its text, and, where the
+        request asks for logprobs, its tokens and their logprobs (``None`` for the first token's).
+
+        ``prompt_logprobs``: the choice's first message's, one per prompt token after the first.
+        """
+        text = self.text + text
+        ids = self.token_ids
+        # NOTE: a choice whose first message is an abort (no token yet) has none to put in front.
+        if not self.with_logprobs or ids is None or len(prompt_logprobs) != len(ids) - 1:
+            return text, token_ids, logprobs
+        return text, [*ids, *token_ids], [None, *prompt_logprobs, *logprobs]
+
+
+async def echoed_prompt(
+    prompt: Prompt, echo: bool, logprobs: int | None, tokenizer: Any | None, max_prompt_bytes: int
+) -> tuple[Prompt, EchoedPrompt | None]:
+    """The prompt to send the pipeline, and what each choice echoes (``None`` without ``echo``).
+
+    A text prompt that the pipeline would refuse untokenized (empty, over ``max_prompt_bytes``, no
+    tokenizer) is sent as it is, to be refused so; so is a batch of prompts.
+    """
+    if not echo:
+        return prompt, None
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            return prompt, None
+        prompt = prompt[0]
+    with_logprobs = logprobs is not None
+    if isinstance(prompt, list):
+        return prompt, EchoedPrompt(None, prompt, with_logprobs=with_logprobs, tokenizer=tokenizer)
+    if not with_logprobs or tokenizer is None or not prompt or len(prompt.encode()) > max_prompt_bytes:
+        return prompt, EchoedPrompt(prompt, None, with_logprobs=with_logprobs, tokenizer=tokenizer)
+    # NOTE: a thread, as the pipeline tokenizes long prompts: on the event loop it would stall every stream.
+    text = prompt
+    token_ids = await asyncio.to_thread(lambda: list(tokenizer(text)["input_ids"]))
+    return token_ids, EchoedPrompt(text, token_ids, with_logprobs=True, tokenizer=tokenizer)
