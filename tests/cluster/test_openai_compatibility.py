@@ -1,5 +1,5 @@
 """What an OpenAI client may send and what it gets back, as OpenAI's API defines it: text that is not UTF-8,
-nulls, strict types, unsupported fields, default output limits, prompt limits, stop strings and logprobs.
+nulls, strict types, unsupported fields, default output limits, prompt limits, stop strings, logprobs and echo.
 
 The server: ``openai_served`` (one replica of the tiny model, its gRPC and HTTP servers).
 """
@@ -10,6 +10,7 @@ import json
 
 import httpx
 import pytest
+import torch
 
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.frontend import InvalidRequestError
@@ -21,6 +22,7 @@ from tests.cluster.openai_served import (  # noqa: F401 - fixtures
     Served,
     served,
 )
+from tests.engine.hf_reference import hf_log_softmax, load_hf_model
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 MAX_MODEL_LEN = 2048  # the tiny model's
@@ -461,3 +463,19 @@ def test_head_health_answers_as_get_without_a_body(served: Served):
 
     assert response.status_code == 200
     assert response.content == b""
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(served: Served):
+    """lm-evaluation-harness's loglikelihood request: the prompt echoed with its tokens' logprobs."""
+    prompt = "the quick brown fox jumps"
+    response = complete(served, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    prompt_ids = served.tokenizer(prompt)["input_ids"]
+    assert choice["text"].startswith(prompt) and len(choice["text"]) > len(prompt)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt_ids) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    reference = hf_log_softmax(load_hf_model(served.model_dir), prompt_ids[:1], prompt_ids[1:])
+    expected = reference.gather(-1, torch.tensor(prompt_ids[1:])[:, None]).squeeze(-1).tolist()
+    assert logprobs["token_logprobs"][1 : len(prompt_ids)] == pytest.approx(expected, abs=1e-4)
