@@ -147,6 +147,23 @@ def test_kvserve_extras_are_accepted_as_extra_body_fields(served: Served, sdk: o
     assert completion.usage.prompt_tokens_details.cached_tokens == 0
 
 
+def test_the_sdks_penalties_logit_bias_and_echo_reach_the_model(served: Served, sdk: openai.OpenAI, grpc_client: Client):
+    prompt = [5, 6, 7, 8]
+    # A bias of 100 wins every step; a frequency penalty of 2 lets other tokens in after a while.
+    biased = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=24, logit_bias={"42": 10},
+                                    **GREEDY)
+    penalised = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=24, logit_bias={"42": 10},
+                                       frequency_penalty=2.0, presence_penalty=0.5, **GREEDY)
+    expected = grpc_client.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True, logit_bias={42: 10.0},
+                                    frequency_penalty=2.0, presence_penalty=0.5)
+    assert penalised.choices[0].text == expected.text != biased.choices[0].text
+    # echo with logprobs, as lm-evaluation-harness sends it: the SDK parses the nulls of the first prompt token.
+    echoed = sdk.completions.create(model=served.model, prompt=prompt, max_tokens=1, echo=True, logprobs=1, **GREEDY)
+    logprobs = echoed.choices[0].logprobs
+    assert logprobs.token_logprobs[0] is None and len(logprobs.token_logprobs) == len(prompt) + 1
+    assert all(isinstance(value, float) for value in logprobs.token_logprobs[1:])
+
+
 def test_a_stop_token_id_ends_the_completion_with_reason_stop(served: Served, grpc_client: Client):
     tokens = grpc_client.generate([5, 6, 7], max_tokens=6, temperature=0.0, ignore_eos=True).token_ids
     body = {"model": served.model, "prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0,
