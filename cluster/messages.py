@@ -130,13 +130,14 @@ class OutputBatch:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
-    """What the front end needs to know of the served model."""
+    """What the front end needs to know of the served model (``simulated``: its replicas have no model)."""
 
     model_dir: str
     vocab_size: int
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     num_replicas: int
+    simulated: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,6 +172,14 @@ class RequestConversion:
             check_token_ids_in_vocabulary(sampling_params, self._model_info.vocab_size)
         except ValueError as exc:
             raise InvalidRequestError(f"sampling_params.{exc}") from None
+        if self._model_info.simulated:
+            # NOTE: simulated replicas make up their tokens; logprobs of them would be made up too.
+            for name in ("logprobs", "prompt_logprobs"):
+                if getattr(sampling_params, name) is not None:
+                    raise InvalidRequestError(
+                        f"sampling_params.{name}: this server's replicas are simulated (no model), so it has no "
+                        "log-probabilities"
+                    )
         return sampling_params
 
 

@@ -202,6 +202,7 @@ class SchedulerActor:
             max_model_len=model.max_model_len,
             eos_token_ids=model.eos_token_ids,
             num_replicas=len(self._replicas),
+            simulated=self.config.simulation is not None,
         )
 
     # -- requests --------------------------------------------------------------

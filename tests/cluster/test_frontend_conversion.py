@@ -210,3 +210,17 @@ def test_each_request_limit_is_refused_naming_it(tokenizer, limits, fields, mess
 def test_limits_below_one_are_refused():
     with pytest.raises(ValueError, match="max_prompt_bytes must be a positive integer"):
         RequestLimits(max_prompt_bytes=0)
+
+
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_a_simulated_server_refuses_logprobs_it_cannot_compute(field):
+    info = ModelInfo(model_dir="unused", vocab_size=1000, max_model_len=64, eos_token_ids=(), num_replicas=1,
+                     simulated=True)
+    frontend = Frontend(None, info, None, max_concurrent_requests=1)
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=[5, 6]), sampling_params=generate_pb2.SamplingParams(**{field: 1})
+    )
+    with pytest.raises(InvalidRequestError, match=f"^sampling_params.{field}: this server's replicas are simulated"):
+        frontend.to_request_spec(request)
+    plain = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6]))
+    assert frontend.to_request_spec(plain).sampling_params == SamplingParams()
