@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import math
 import os
@@ -23,7 +22,13 @@ from kvserve.cluster.request_limits import (
     RequestLimits,
 )
 from kvserve.cluster.serve_runtime import check_local_gpus, init_ray, serve_until_signalled
-from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES
+from kvserve.scheduler.routing.policies import (
+    DEFAULT_POLICY,
+    POLICIES,
+    describe_parameters,
+    policy_factory,
+    policy_parameters,
+)
 
 if TYPE_CHECKING:
     from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
@@ -182,7 +187,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "model's time and samples synthetic tokens; needs --num-blocks, takes CPU worker slots, and "
         "--max-model-len may exceed the model's limit",
     )
-    add_cost_model_flag(parser, "with --simulated: ")
+    add_cost_model_flag(
+        parser, "with --simulated, for the replicas' steps and (unless --routing-arg cost_model names another) "
+        "the routing policy's estimates: ",
+    )
     parser.add_argument(
         "--time-scale", type=float, default=None, metavar="X",
         help="with --simulated: steps last X times the cost model's time (default: 1; 0: no wait at all)",
@@ -204,15 +212,20 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "before they fail with UNAVAILABLE (default: %(default)g; 0: they fail at once)",
     )
     parser.add_argument(
-        "--routing", default=DEFAULT_POLICY, choices=sorted(POLICIES),
-        help="the policy that picks each new request's replica (default: %(default)s)",
+        "--routing", default=DEFAULT_POLICY, type=_routing_name, metavar="POLICY",
+        help=f"the policy that picks each new request's replica: one of {', '.join(sorted(POLICIES))}, or "
+        "MODULE:CLASS (or MODULE:FACTORY) for one of your own, which must be importable where the scheduler "
+        "runs (installed, or on PYTHONPATH) (default: %(default)s)",
     )
     parser.add_argument(
         "--routing-arg", action="append", default=[], type=_routing_arg, metavar="KEY=VALUE",
         dest="routing_args",
         help="a keyword argument of the routing policy, e.g. cache_threshold=0.5 for cache_aware; "
         "repeatable.  VALUE is read as a number, true, false or none (any case), else as a "
-        "string.  cost_ttft's max_num_batched_tokens defaults to --max-num-batched-tokens",
+        "string.  cost_ttft's max_num_batched_tokens defaults to --max-num-batched-tokens, and its "
+        "cost_model (a JSON file or a measured model's name, e.g. cost_model=llama-3-8b-h100: name the "
+        "calibrated model of a GPU fleet) to --cost-model with --simulated, else to StepCostModel.default(); "
+        "a policy of your own gets them too if it takes arguments of those names",
     )
     # The settings' own checks name their fields; serve's errors name the flags that set them.
     parser.set_defaults(handler=run_serve, flags_of_settings=_flags_of_settings(parser))
@@ -229,17 +242,28 @@ def _routing_arg(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def _routing_name(text: str) -> str:
+    """``--routing``: a built-in policy's name or ``MODULE:CLASS``, checked (and imported) now."""
+    try:
+        policy_factory(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _routing_args(routing: str, pairs: Sequence[tuple[str, Any]]) -> dict[str, Any]:
     """``--routing-arg``'s pairs as the keyword arguments of the policy ``routing``; ``ValueError``
-    for a key given twice or one the policy does not take (naming those it takes)."""
-    accepted = tuple(inspect.signature(POLICIES[routing]).parameters)
+    for a key given twice or one the policy does not take (naming those it takes, with their defaults)."""
+    accepted = policy_parameters(routing)
     routing_args: dict[str, Any] = {}
     for key, value in pairs:
         if key in routing_args:
             raise ValueError(f"--routing-arg {key} is given more than once")
         if key not in accepted:
-            takes = f"takes {', '.join(accepted)}" if accepted else "takes no arguments"
-            raise ValueError(f"--routing-arg {key}: the routing policy {routing} has no argument {key!r}; it {takes}")
+            raise ValueError(
+                f"--routing-arg {key}: the routing policy {routing} has no argument {key!r}; "
+                f"{describe_parameters(routing)}"
+            )
         routing_args[key] = value
     return routing_args
 

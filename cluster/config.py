@@ -10,16 +10,17 @@ raises ``ValueError`` naming the field.  Values that depend on the model
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import ipaddress
 import math
+import os
 from dataclasses import dataclass, field
 
 from kvserve.cluster.request_limits import RequestLimits
 from kvserve.scheduler.checks import check_positive_ints
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.engine_config import EngineConfig, ParallelConfig
-from kvserve.scheduler.routing.policies import DEFAULT_POLICY, POLICIES, make_policy
+from kvserve.scheduler.routing.policies import DEFAULT_POLICY, make_policy, policy_factory, policy_parameters
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig, SimulationConfig
 from typing import TYPE_CHECKING, Any
@@ -134,8 +135,12 @@ class ClusterConfig:
     ``engine`` is what every replica runs (``kvserve.scheduler.engine_config``: the
     model, its cache, scheduler, runtime and parallel settings).  The rest is the
     cluster's own:
-    ``routing``: the routing policy, by name (``kvserve.scheduler.routing.policies.POLICIES``);
-    ``routing_args``: keyword arguments of its constructor.
+    ``routing``: the routing policy, by name (a key of ``kvserve.scheduler.routing.policies.POLICIES``,
+    or ``module:Class`` for one's own, which the scheduler actor imports);
+    ``routing_args``: keyword arguments of its constructor (a ``cost_model`` may be a
+    ``StepCostModel``, or a JSON file or measured model's name that ``StepCostModel.load``
+    reads, here: the actor may run on another node).  See ``routing_policy`` for the
+    arguments the policy takes from the rest of the config.
     ``undelivered_output_timeout_s``: when the front end stops fetching outputs
     for this long, the scheduler aborts the requests whose outputs wait.
     ``placement_timeout_s``: how long a replica may wait for its resources
@@ -162,24 +167,26 @@ class ClusterConfig:
     simulation: SimulationConfig | None = None
 
     @classmethod
-    def from_kwargs(cls, model: str, **kwargs: Any) -> ClusterConfig:
+    def from_kwargs(cls, model: str | os.PathLike[str], **kwargs: Any) -> ClusterConfig:
         """The cluster's own fields and the engine's settings (``EngineConfig.from_kwargs``: by
         name, ``block_size=32``, or a whole group, ``parallel=ParallelConfig(...)``)."""
         own = {f.name for f in dataclasses.fields(cls)} - {"engine"}
         cluster_kwargs = {name: kwargs.pop(name) for name in list(kwargs) if name in own}
+        if isinstance(model, os.PathLike):
+            model = os.fspath(model)
         return cls(EngineConfig.from_kwargs(model, **kwargs), **cluster_kwargs)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError(f"engine must be an EngineConfig, got {type(self.engine).__name__}")
-        if not isinstance(self.routing, str) or self.routing not in POLICIES:
-            raise ValueError(f"routing must be one of {sorted(POLICIES)}, got {self.routing!r}")
+        try:
+            policy_factory(self.routing)
+        except ValueError as exc:
+            raise ValueError(f"routing: {exc}") from None
         if not isinstance(self.routing_args, dict) or not all(isinstance(k, str) for k in self.routing_args):
             raise ValueError(f"routing_args must be a dict of keyword arguments, got {self.routing_args!r}")
         # A copy: the caller may change its dict, the config must not change.
-        object.__setattr__(self, "routing_args", dict(self.routing_args))
-        # Fail now, not in the actor, on arguments the policy rejects.
-        self.routing_policy()
+        object.__setattr__(self, "routing_args", _read_cost_model(self.routing, dict(self.routing_args)))
         timeout = self.undelivered_output_timeout_s
         if not isinstance(timeout, (int, float)) or not math.isfinite(timeout) or timeout <= 0:
             raise ValueError(f"undelivered_output_timeout_s must be a positive number, got {timeout!r}")
@@ -205,6 +212,8 @@ class ClusterConfig:
                 raise ValueError(f"simulation must be a SimulationConfig, got {type(self.simulation).__name__}")
             if self.engine.cache.num_blocks is None:
                 raise ValueError("num_blocks is required with simulation: simulated replicas have no memory to size")
+        # Fail now, not in the actor, on arguments the policy rejects.
+        self.routing_policy()
 
     @property
     def parallel(self) -> ParallelConfig:
@@ -219,19 +228,21 @@ class ClusterConfig:
 
         A policy that takes ``max_num_batched_tokens`` (``cost_ttft``, which
         prices queued work in steps of that budget) gets this config's step
-        budget unless ``routing_args`` sets it.
+        budget unless ``routing_args`` sets it; with ``simulation``, one that
+        takes ``cost_model`` gets the simulated replicas' cost model unless
+        ``routing_args`` sets it.
         """
         kwargs = dict(self.routing_args)
-        factory = POLICIES[self.routing]
-        inherits_budget = (
-            "max_num_batched_tokens" not in kwargs and "max_num_batched_tokens" in inspect.signature(factory).parameters
-        )
+        parameters = policy_parameters(self.routing)
+        inherits_budget = "max_num_batched_tokens" not in kwargs and "max_num_batched_tokens" in parameters
         if inherits_budget:
             kwargs["max_num_batched_tokens"] = self.engine.scheduler.max_num_batched_tokens
+        if self.simulation is not None and "cost_model" not in kwargs and "cost_model" in parameters:
+            kwargs["cost_model"] = self.simulation.cost_model
         try:
             return make_policy(self.routing, **kwargs)
         except ValueError as exc:
-            if inherits_budget and "max_num_batched_tokens" in str(exc):
+            if inherits_budget and str(exc).startswith("max_num_batched_tokens"):
                 # NOTE: named as the engine's setting it came from, not as a routing argument nobody gave.
                 raise ValueError(
                     f"max_num_batched_tokens: the routing policy {self.routing} prices steps of this budget: {exc}"
@@ -258,3 +269,16 @@ class ClusterConfig:
         from kvserve.worker.worker import WorkerConfig
 
         return WorkerConfig.for_engine(self.engine, max_model_len)
+
+
+def _read_cost_model(routing: str, routing_args: dict[str, Any]) -> dict[str, Any]:
+    """``routing_args`` with a ``cost_model`` given as a file or a measured model's name read
+    (``StepCostModel.load``), for a policy that takes one; ``ValueError`` naming it when it cannot be."""
+    name = routing_args.get("cost_model")
+    if not isinstance(name, (str, os.PathLike)) or "cost_model" not in policy_parameters(routing):
+        return routing_args
+    try:
+        routing_args["cost_model"] = StepCostModel.load(name)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"routing_args: cost_model {name}: {getattr(exc, 'strerror', None) or exc}") from None
+    return routing_args

@@ -118,7 +118,7 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
             [done] = ready
             replica_id = pending.pop(done)
             stats = ray.get(done)
-            report(f"replica {replica_id} ready ({stats.num_kv_blocks} KV blocks)")
+            report(replica_ready_line(replica_id, stats.num_kv_blocks))
         model_info = ray.get(scheduler.ready.remote())
         placement_groups = tuple(ray.get(scheduler.placement_groups.remote()))
     except BaseException as exc:
@@ -129,6 +129,15 @@ def start_cluster(config: ClusterConfig, *, progress: Callable[[str], None] | No
             raise RuntimeError(f"the cluster failed to start: {remote_error_message(exc)}") from exc
         raise
     return ClusterHandle(scheduler, model_info, config, device_kind, placement_groups)
+
+
+def replica_ready_line(replica_id: int, num_kv_blocks: int) -> str:
+    """The progress line of a replica that started with ``num_kv_blocks`` blocks in its pool.
+
+    NOTE: the pool's first block is the null block, which holds no tokens: the line counts the
+    usable ones, as the fleet's description and the results table do.
+    """
+    return f"replica {replica_id} ready ({num_kv_blocks - 1} usable KV blocks)"
 
 
 def _still_waiting(

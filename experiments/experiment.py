@@ -27,14 +27,15 @@ requests, ``--num-requests`` of them (by default 250 per replica: with
 fewer, a big fleet's figures are sampling noise; see
 ``default_num_requests``; a trace: its earliest records, warm-up included).
 
-Writes to ``--out``: ``config.json`` (the settings, defaults applied as values; with ``--qps knee``, the
-rate found is added to it) at the start; once
-every run has finished, ``requests.csv`` (one row per request and run),
-``summary.csv``, ``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``, then
-``summary.md`` (the table printed at the end, with the infinite-cache hit
-rate) last.  The result files of an earlier run in ``--out`` are removed at
-the start, and each file is written under a temporary name and renamed
-when complete: a folder without ``summary.md`` holds no finished run.
+Writes to ``--out``: ``config.json`` (the settings, defaults applied as values: the cost model's
+coefficients, the model directory served, every workload parameter; with ``--qps knee``, the
+rate found is added to it) at the start; once every run has finished, ``requests.csv`` (one row
+per request and run), ``summary.csv`` (their columns and units: at the end of --help),
+``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``, then ``summary.md`` (the setup printed at
+the start and the table printed at the end, with the infinite-cache hit rate) last.  The result
+files of an earlier run in ``--out`` are removed at the start, and each file is written under a
+temporary name and renamed when complete: a folder without ``summary.md`` holds no finished run.
+Progress goes to stderr: a stage's line once it has taken 2 s, a run's every 10% after its first 2 s.
 Ctrl-C or SIGTERM stops the experiment (exit status 130).
 """
 
@@ -49,7 +50,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvserve.cluster.cli_values import add_cost_model_flag
+from kvserve.experiments.experiment_notes import one_replica_note, small_sample_note, trace_shortfall_note
 from kvserve.experiments.experiment_report import (
+    CSV_COLUMNS_HELP,
     PLOTS,
     REQUEST_CSV_FIELDS,
     SUMMARY_HEADERS,
@@ -72,7 +75,7 @@ from kvserve.experiments.experiment_fleet import (
 )
 from kvserve.experiments import experiment_runs
 from kvserve.experiments.experiment_knee import KneeNotFound, find_knee_qps
-from kvserve.experiments.experiment_runs import Run, print_progress
+from kvserve.experiments.experiment_runs import Run, print_progress, stage
 from kvserve.experiments.experiment_setup import (
     DEFAULT_BASELINE,
     DEFAULT_BURSTINESS,
@@ -88,6 +91,7 @@ from kvserve.experiments.experiment_setup import (
     check_options,
     check_policies,
     choose_baseline,
+    cost_model_name,
     default_num_requests,
     default_policy_kwargs,
     describe,
@@ -137,19 +141,21 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "experiment",
         help="compare routing policies on one workload (simulated fleet, or --live on Ray)",
         description=__doc__,
-        epilog=_DO_NOT_COMBINE,
+        epilog=f"{_DO_NOT_COMBINE}\n{CSV_COLUMNS_HELP}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     workloads = sorted([*WORKLOADS, TRACE_WORKLOAD])
     parser.add_argument("--workload", required=True, help=f"one of {', '.join(workloads)}")
     parser.add_argument(
         "--workload-arg", action="append", default=[], metavar="KEY=VALUE",
-        help="override a generator parameter, e.g. num_groups=32 (repeatable)",
+        help="override a generator parameter, e.g. num_groups=32 (repeatable; an unknown KEY lists the "
+        "workload's parameters and their defaults)",
     )
     parser.add_argument("--trace", type=Path, help="the JSONL trace of the mooncake workload")
     parser.add_argument(
         "--policies", default=",".join(POLICIES),
-        help=f"comma-separated policies (default: all of {', '.join(POLICIES)})",
+        help=f"comma-separated policies (default: all of {', '.join(POLICIES)}); your own as MODULE:CLASS, "
+        "importable where the replicas' scheduler runs (scheduler/routing/README.md)",
     )
     parser.add_argument(
         "--policy-arg", action="append", default=[], metavar="POLICY.KEY=VALUE",
@@ -316,20 +322,27 @@ def _run(args: argparse.Namespace) -> int:
         stream = stream.with_vocab_size(model.vocab_size)
 
     reference_qps = None if stream.workload == TRACE_WORKLOAD else 1.0
-    print_progress(f"generating the {stream.workload} stream {_rate(reference_qps)}")
-    reference_stream = _stream_at(stream, reference_qps)
-    if not reference_stream:
-        raise ExperimentError("the workload has no requests")
-    # A trace may hold fewer than --num-requests; session workloads add a warm-up.
-    num_measured = sum(r.measured for r in reference_stream)
-    reference = infinite_cache_reference(reference_stream, args.block_size)
+    with stage(f"generating the {stream.workload} stream {_rate(reference_qps)}"):
+        reference_stream = _stream_at(stream, reference_qps)
+        if not reference_stream:
+            raise ExperimentError("the workload has no requests")
+        # A trace may hold fewer than --num-requests; session workloads add a warm-up.
+        num_measured = sum(r.measured for r in reference_stream)
+        reference = infinite_cache_reference(reference_stream, args.block_size)
     # The caches are sized on the default stream's working set, whatever --num-requests (see sizing_stream).
     sizing = sizing_stream(args, stream)
     sizing_reference = reference
-    if sizing is not None and sizing.num_requests != stream.num_requests:
+    if sizing is not None and (sizing.num_requests, sizing.params) != (stream.num_requests, stream.params):
         num_sizing = "all its" if sizing.num_requests is None else f"{sizing.num_requests:,}"
-        print_progress(f"generating the stream {_rate(reference_qps)} with {num_sizing} requests, to size the caches")
-        sizing_reference = infinite_cache_reference(_stream_at(sizing, reference_qps), args.block_size)
+        with stage(f"generating the stream {_rate(reference_qps)} with {num_sizing} requests, to size the caches"):
+            try:
+                sizing_requests = _stream_at(sizing, reference_qps)
+            except ExperimentError as exc:
+                raise ExperimentError(
+                    f"sizing the caches on the stream with {num_sizing} requests: {exc}; "
+                    "give --kv-blocks-per-replica to set their size instead"
+                ) from None
+            sizing_reference = infinite_cache_reference(sizing_requests, args.block_size)
     fleet = fleet_config(args, reference_stream, sizing_reference, cost_model)
     if args.address is None:  # a joined cluster's replicas live on its nodes
         num_runs = len(rates) * len(policies)  # the knee's search: one run at a time
@@ -337,13 +350,27 @@ def _run(args: argparse.Namespace) -> int:
     if model is not None:
         # Synthetic tokens come from the model's vocabulary, live and simulated alike.
         fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
-    prepare_output(args, RESULT_FILES, reference, sizing_reference, fleet)
-    describe(stream, num_measured, reference, sizing, sizing_reference, fleet)
+    prepare_output(args, RESULT_FILES, stream, reference, sizing_reference, fleet,
+                   None if model is None else model.model_dir)
+    setup = describe(stream, num_measured, reference, sizing, sizing_reference, fleet, cost_model_name(args))
     if model is not None:
-        print(
+        setup.append(
             f"token ids come from the served model's vocabulary of {model.vocab_size}: for the same stream "
             f"in simulation, add --workload-arg vocab_size={model.vocab_size}; time scale {args.time_scale:g}"
         )
+    notes = (
+        trace_shortfall_note(args.num_requests if stream.workload == TRACE_WORKLOAD else None,
+                             len(reference_stream), num_measured),
+        small_sample_note(num_measured),
+        one_replica_note(fleet.num_replicas, len(policies)),
+    )
+    setup += [note for note in notes if note is not None]
+    status = 0
+    try:
+        for line in setup:
+            print(line)
+    except BrokenPipeError:  # the reader has gone (`| head -1`): the runs go on and write their files
+        status = closed_stdout_status()
 
     if knee:
         def stream_at(qps: float, num_requests: int) -> list[WorkloadRequest]:
@@ -388,10 +415,10 @@ def _run(args: argparse.Namespace) -> int:
         for run, result in results:
             if run.qps not in infinite_hit_rates:
                 # Per rate: a session workload's stream depends on it.
-                print_progress(f"infinite-cache hit rate {_rate(run.qps)}")
-                requests = stream.at(run.qps)
-                infinite_hit_rates[run.qps] = infinite_cache_reference(requests, args.block_size).hit_rate
-                measured[run.qps] = [r.measured for r in requests]
+                with stage(f"computing the infinite-cache hit rate {_rate(run.qps)}"):
+                    requests = stream.at(run.qps)
+                    infinite_hit_rates[run.qps] = infinite_cache_reference(requests, args.block_size).hit_rate
+                    measured[run.qps] = [r.measured for r in requests]
             summary = summarize(
                 result,
                 workload=stream.workload,
@@ -418,7 +445,9 @@ def _run(args: argparse.Namespace) -> int:
     write_summary_csv(args.out / "summary.csv", summaries)
     plots = [] if args.no_plots else plot_summaries(summaries, args.out)
     with atomic_open(args.out / "summary.md") as out:
-        out.write(f"{header}\n\n{table}\n")
+        # The setup as printed at the start (fleet, cost model, seed, notes), then the results.
+        setup_lines = "".join(f"{line}  \n" for line in setup)  # Markdown line breaks
+        out.write(f"{setup_lines}\n{header}\n\n{table}\n")
     # Printed once every file is written: a reader of stdout that stops early loses nothing.
     print()
     print(header)
@@ -426,7 +455,7 @@ def _run(args: argparse.Namespace) -> int:
     for path in plots:
         print(f"wrote {path}")
     print(f"wrote {request_csv}, {args.out / 'summary.csv'}, {args.out / 'summary.md'}")
-    return 0
+    return status
 
 
 def _fleet_at(

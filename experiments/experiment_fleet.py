@@ -19,7 +19,7 @@ from kvserve.experiments.experiment_setup import (
 )
 from kvserve.experiments.workloads import WorkloadRequest
 from kvserve.experiments.workloads.cache_reference import CacheReference
-from kvserve.experiments.workloads.registry import TRACE_WORKLOAD
+from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, workload_parameters
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
@@ -36,11 +36,23 @@ def sizing_stream(args: argparse.Namespace, stream: StreamSpec) -> StreamSpec | 
     1,604 blocks where the default 2,000 requests give 9,960; the fleet could not hold the 16,013
     blocks of the sessions under way, and every policy's hit rate was 0.20-0.29 of an infinite cache's.
     ``--num-requests`` now sets how long a run measures, not how much its replicas hold.
+
+    A shared-prefix stream with ``prompts_per_group`` has num_groups x prompts_per_group requests:
+    the sizing stream keeps its groups and takes as many prompts per group as come nearest the default.
     """
     if args.kv_blocks_per_replica is not None:
         return None
-    num_requests = None if stream.workload == TRACE_WORKLOAD else default_num_requests(args.replicas)
-    return dataclasses.replace(stream, num_requests=num_requests)
+    if stream.workload == TRACE_WORKLOAD:
+        return dataclasses.replace(stream, num_requests=None)
+    num_requests = default_num_requests(args.replicas)
+    params = stream.params
+    per_group = params.get("prompts_per_group")
+    num_groups = params.get("num_groups", workload_parameters(stream.workload).get("num_groups"))
+    if per_group is not None and isinstance(num_groups, int) and num_groups > 0:
+        per_group = max(1, round(num_requests / num_groups))
+        num_requests = num_groups * per_group
+        params = {**params, "prompts_per_group": per_group}
+    return dataclasses.replace(stream, num_requests=num_requests, params=params)
 
 
 def cache_sized_by(args: argparse.Namespace, reference: CacheReference) -> tuple[float, int] | None:

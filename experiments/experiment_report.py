@@ -65,6 +65,35 @@ def progress_line(label: str, num_finished: int, num_requests: int, elapsed_s: f
     )
 
 
+# --help's account of the CSV files: every column, with its unit (times are the model's seconds:
+# a live run's wall-clock times divided by --time-scale).
+CSV_COLUMNS_HELP = """\
+summary.csv, one row per run (policy at a rate), over its measured requests:
+  workload, num_replicas, policy
+  qps                  offered load, requests/s (a trace replayed as recorded: its mean rate)
+  num_requests         measured requests (a warm-up's are served, not counted)
+  hit_rate             prompt tokens served from a prefix cache / prompt tokens (0-1)
+  infinite_hit_rate    the same for one infinite cache over the same stream (0-1)
+  hit_vs_infinite      hit_rate / infinite_hit_rate (blank when that is 0; higher is better)
+  ttft_p50, ttft_p99   time to first token percentiles, seconds (the table shows milliseconds)
+  e2e_p50, e2e_p99     arrival to last token percentiles, seconds
+  throughput           output tokens/s, from the first measured arrival to the run's end
+  load_imbalance       max / mean over replicas of the measured requests each served (1 = even)
+  busy_imbalance       max / mean over replicas of the time each spent running steps, whole run
+                       (blank for --live: its replicas' steps are not seen)
+  num_preemptions      preemptions of the measured requests (blank for --live)
+  wall_seconds         wall-clock seconds the run took
+requests.csv, one row per request and run, warm-up included:
+  policy, qps          as in summary.csv
+  index                the request's position in the stream (arrival order)
+  arrival_time         seconds from the start of the run (time 0)
+  ttft, latency        time to first token and arrival to last token, seconds
+  replica_id           the replica that served it
+  num_prompt_tokens, num_cached_tokens (of the prompt, served from a prefix cache), num_output_tokens
+  num_preemptions      times it was preempted (blank for --live)
+  measured             1: counted in summary.csv; 0: warm-up
+"""
+
 REQUEST_CSV_FIELDS = (
     "policy", "qps", "index", "arrival_time", "ttft", "latency", "replica_id",
     "num_prompt_tokens", "num_cached_tokens", "num_output_tokens", "num_preemptions", "measured",
@@ -140,9 +169,11 @@ def summarize(
     )
 
 
+# Each ratio column says which way is better.
 SUMMARY_HEADERS = (
-    "policy", "qps", "hit rate", "vs infinite", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 s", "e2e p99 s",
-    "tok/s", "load max/mean", "busy max/mean", "preempt", "TTFT p99 vs baseline",
+    "policy", "qps", "hit rate", "vs infinite (higher is better)", "TTFT p50 ms", "TTFT p99 ms", "e2e p50 s",
+    "e2e p99 s", "tok/s", "load max/mean (lower is better)", "busy max/mean (lower is better)", "preempt",
+    "TTFT p99 vs baseline (lower is better)",
 )
 
 
@@ -154,7 +185,8 @@ def summary_rows(summaries: Sequence[RunSummary], baseline: str) -> list[list[ob
         reference = baseline_p99.get(s.qps)
         ratio = f"{s.ttft_p99 / reference:.2f}x" if reference else "-"
         rows.append([
-            s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}", "-" if s.hit_vs_infinite is None else f"{s.hit_vs_infinite:.2f}",
+            s.policy, f"{s.qps:g}", f"{s.hit_rate:.3f}",
+            "-" if s.hit_vs_infinite is None else f"{s.hit_vs_infinite:.3f}",
             f"{s.ttft_p50 * 1e3:.2f}", f"{s.ttft_p99 * 1e3:.2f}", f"{s.e2e_p50:.2f}", f"{s.e2e_p99:.2f}",
             f"{s.throughput:.0f}", f"{s.load_imbalance:.2f}",
             "-" if s.busy_imbalance is None else f"{s.busy_imbalance:.2f}",

@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,8 +37,29 @@ class Run:
     policy_kwargs: dict[str, Any]
 
 
+# A stage's line, and a run's progress lines, are printed only once it has taken this long:
+# a quick experiment prints its setup and its table, not a dozen lines a run.
+QUIET_SECONDS = 2.0
+
+
 def print_progress(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def stage(line: str) -> Iterator[None]:
+    """Say ``line`` (on stderr) once the stage under way has taken ``QUIET_SECONDS``; never if it ends sooner."""
+    if QUIET_SECONDS <= 0:
+        print_progress(line)
+        yield
+        return
+    timer = threading.Timer(QUIET_SECONDS, print_progress, (line,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def simulate(
@@ -48,12 +71,15 @@ def simulate(
     report: Callable[[str], None] | None = None,
     processes: int = 1,
 ) -> SimulationResult:
-    """One simulated run (its replicas stepped by ``processes`` processes), reporting progress every 10% as a line."""
+    """One simulated run (its replicas stepped by ``processes`` processes), reporting progress every 10% as a
+    line once it has run ``QUIET_SECONDS``."""
     start = time.perf_counter()
     emit = report or print_progress
 
     def progress(num_finished: int, num_requests: int) -> None:
-        emit(progress_line(label, num_finished, num_requests, time.perf_counter() - start))
+        elapsed = time.perf_counter() - start
+        if elapsed >= QUIET_SECONDS:
+            emit(progress_line(label, num_finished, num_requests, elapsed))
 
     return FleetSimulator(fleet, policy, processes=processes).run(
         stream, progress=progress, progress_every=max(1, len(stream) // 10)

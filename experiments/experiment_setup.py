@@ -22,9 +22,14 @@ from kvserve.experiments.experiment_report import atomic_open
 from kvserve.experiments.report import count
 from kvserve.experiments.workloads import WorkloadRequest, make_workload
 from kvserve.experiments.workloads.cache_reference import CacheReference
-from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, WORKLOADS
+from kvserve.experiments.workloads.registry import (
+    TRACE_WORKLOAD,
+    WORKLOADS,
+    check_workload_parameters,
+    workload_parameters,
+)
 from kvserve.cluster.ray_address import parse_gcs_address
-from kvserve.scheduler.routing.policies import POLICIES, make_policy
+from kvserve.scheduler.routing.policies import POLICIES, make_policy, policy_factory, policy_parameters
 from kvserve.scheduler.cost_model import StepCostModel
 from kvserve.scheduler.simulation.simulator import FleetConfig
 
@@ -45,11 +50,12 @@ WORKLOAD_ARG_OPTIONS = {
     "trace": "--trace",
 }
 
-# The policy arguments the experiment sets, by policy, and the options they come from.
-EXPERIMENT_POLICY_ARGS: dict[str, dict[str, str]] = {
-    "least_loaded": {"seed": "--seed"},
-    "consistent_hash": {"seed": "--seed"},
-    "cost_ttft": {"cost_model": "--cost-model", "max_num_batched_tokens": "--max-num-batched-tokens"},
+# The arguments the experiment gives every policy whose constructor or factory names them
+# (built-in or module:Class), and the options they come from.
+EXPERIMENT_POLICY_ARGS: dict[str, str] = {
+    "seed": "--seed",
+    "cost_model": "--cost-model",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
 }
 
 
@@ -186,9 +192,16 @@ def parse_policies(text: str) -> list[str]:
     policies = [name.strip() for name in text.split(",") if name.strip()]
     if not policies:
         raise ExperimentError(f"--policies names no policy; choose from {', '.join(POLICIES)}")
-    unknown = [name for name in policies if name not in POLICIES]
+    unknown = [name for name in policies if name not in POLICIES and ":" not in name]
     if unknown:
-        raise ExperimentError(f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}")
+        raise ExperimentError(
+            f"unknown policies {', '.join(unknown)}; choose from {', '.join(POLICIES)}, or name your own as module:Class"
+        )
+    for name in policies:
+        try:
+            policy_factory(name)  # imports a module:Class policy, so that a bad name fails now, in one line
+        except ValueError as exc:
+            raise ExperimentError(f"--policies: {exc}") from None
     repeated = sorted({name for name in policies if policies.count(name) > 1})
     if repeated:
         raise ExperimentError(f"--policies names {', '.join(repeated)} more than once")
@@ -196,21 +209,33 @@ def parse_policies(text: str) -> list[str]:
 
 
 def parse_policy_args(items: Sequence[str], policies: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """``--policy-arg POLICY.KEY=VALUE`` items by policy; each policy must be one of ``policies``."""
+    """``--policy-arg POLICY.KEY=VALUE`` items by policy; each policy must be one of ``policies``.
+
+    KEY is after the last dot, so POLICY may be ``package.module:Class``.
+    """
     parsed: dict[str, dict[str, Any]] = {}
     for key, value in parse_key_values(items, "--policy-arg", "POLICY.KEY=VALUE"):
-        policy, dot, name = key.partition(".")
-        if not dot or policy not in POLICIES or not name:
+        policy, dot, name = key.rpartition(".")
+        if not dot or not policy or not name.isidentifier():
             raise ExperimentError(f"--policy-arg must be POLICY.KEY=VALUE with a known policy, got {key!r}")
         if policy not in policies:
+            if policy not in POLICIES and ":" not in policy:
+                raise ExperimentError(f"--policy-arg must be POLICY.KEY=VALUE with a known policy, got {key!r}")
             raise ExperimentError(f"--policy-arg {key}: {policy} is not run (the policies: {', '.join(policies)})")
-        option = EXPERIMENT_POLICY_ARGS.get(policy, {}).get(name)
-        if option is not None:
-            raise ExperimentError(f"--policy-arg {key}: the experiment sets it from {option}")
+        if name in EXPERIMENT_POLICY_ARGS and name in _parameters(policy):
+            raise ExperimentError(f"--policy-arg {key}: the experiment sets it from {EXPERIMENT_POLICY_ARGS[name]}")
         if name in parsed.get(policy, {}):
             raise ExperimentError(f"--policy-arg {key} is given more than once")
         parsed.setdefault(policy, {})[name] = value
     return parsed
+
+
+def _parameters(policy: str) -> dict[str, Any]:
+    """The named parameters of ``policy``; ``ExperimentError`` for a name that does not resolve."""
+    try:
+        return policy_parameters(policy)
+    except ValueError as exc:
+        raise ExperimentError(f"--policies: {exc}") from None
 
 
 def check_policies(kwargs_by_policy: dict[str, dict[str, Any]], policy_args: dict[str, dict[str, Any]]) -> None:
@@ -231,8 +256,12 @@ def choose_baseline(baseline: str | None, policies: Sequence[str], knee: bool) -
     """
     if knee:
         baseline = baseline or DEFAULT_BASELINE
-        if baseline not in POLICIES:
+        if baseline not in POLICIES and ":" not in baseline:
             raise ExperimentError(f"unknown --baseline {baseline!r}; choose from {', '.join(POLICIES)}")
+        try:
+            policy_factory(baseline)
+        except ValueError as exc:
+            raise ExperimentError(f"--baseline: {exc}") from None
         return baseline
     if baseline is None:
         return DEFAULT_BASELINE if DEFAULT_BASELINE in policies else policies[0]
@@ -263,6 +292,10 @@ def stream_spec(args: argparse.Namespace) -> StreamSpec:
         )
     elif args.trace is not None:
         raise ExperimentError(f"--trace is for the {TRACE_WORKLOAD} workload, not {args.workload}")
+    try:
+        check_workload_parameters(args.workload, {key: value for key, value in params.items() if key != "trace"})
+    except ValueError as exc:
+        raise ExperimentError(f"--workload-arg: {exc}") from None
     burstiness = DEFAULT_BURSTINESS if args.burstiness is None else args.burstiness
     return StreamSpec(args.workload, args.num_requests, args.seed, burstiness, params)
 
@@ -280,7 +313,7 @@ def parse_rates(text: str, stream: StreamSpec) -> list[Any]:
     except ValueError:
         raise ExperimentError(f"--qps must be comma-separated numbers, 'knee' or 'trace', got {text!r}") from None
     if any(not (q > 0 and math.isfinite(q)) for q in rates):
-        raise ExperimentError(f"--qps rates must be positive, got {text!r}")
+        raise ExperimentError(f"--qps rates must be finite numbers > 0, got {text!r}")
     if len(set(rates)) < len(rates):
         raise ExperimentError(f"--qps rates must differ, got {text!r}")
     return rates
@@ -298,9 +331,10 @@ def qps_label(qps: float | None, stream: Sequence[WorkloadRequest]) -> float:
 def default_policy_kwargs(
     policy: str, seed: int, cost_model: StepCostModel, max_num_batched_tokens: int
 ) -> dict[str, Any]:
-    """The arguments of ``EXPERIMENT_POLICY_ARGS`` for ``policy``."""
+    """The arguments of ``EXPERIMENT_POLICY_ARGS`` that ``policy``'s constructor or factory names."""
     values = {"seed": seed, "cost_model": cost_model, "max_num_batched_tokens": max_num_batched_tokens}
-    return {name: values[name] for name in EXPERIMENT_POLICY_ARGS.get(policy, {})}
+    parameters = _parameters(policy)
+    return {name: values[name] for name in EXPERIMENT_POLICY_ARGS if name in parameters}
 
 
 def describe(
@@ -310,15 +344,17 @@ def describe(
     sizing: StreamSpec | None,
     sizing_reference: CacheReference,
     fleet: FleetConfig,
-) -> None:
-    """Print the setup; ``num_requests`` is the measured requests of the stream.
+    cost_name: str,
+) -> list[str]:
+    """The lines that describe the setup; ``num_requests`` is the measured requests of the stream.
 
     ``reference``: the stream's infinite-cache reference at the reference rate; ``sizing`` and
     ``sizing_reference``: the stream the caches were sized on and its reference (``sizing`` ``None``:
-    ``--kv-blocks-per-replica`` set them, and ``sizing_reference`` is ``reference``).
+    ``--kv-blocks-per-replica`` set them, and ``sizing_reference`` is ``reference``); ``cost_name``:
+    the step cost model's name (``cost_model_name``).
     """
     cost = fleet.cost_model
-    params = f" {stream.params}" if stream.params else ""
+    params = f" {format_params(stream.params)}" if stream.params else ""
     # The reference rate, which the fleet was sized at: 1 qps, a trace as recorded.
     rate = "as recorded" if stream.workload == TRACE_WORKLOAD else "at 1 qps"
     lines = [
@@ -332,6 +368,9 @@ def describe(
             "all its records" if sizing.num_requests is None
             else f"{sizing.num_requests:,} requests, the default for {count(fleet.num_replicas, 'replica')}"
         )
+        changed = {key: value for key, value in sizing.params.items() if stream.params.get(key) != value}
+        if changed:  # e.g. prompts_per_group, which must fit the length
+            length += f", {format_params(changed)}"
         lines.append(
             f"caches sized on the stream {rate} with {length} (--num-requests sets how long a run measures, "
             f"not the caches): {sizing_reference.num_reused_blocks} blocks reused"
@@ -342,7 +381,7 @@ def describe(
         f"({fleet.cache_config.num_usable_blocks / max(sizing_reference.num_reused_blocks, 1):.2g} of {working_set}), "
         f"budget {fleet.scheduler_config.max_num_batched_tokens} tokens, max {fleet.scheduler_config.max_num_seqs} seqs",
         f"step cost: a={cost.a:.3g} s, b={cost.b:.3g} s/prefill token, c={cost.c:.3g} s/decode, "
-        f"d={cost.d:.3g} s/context token",
+        f"d={cost.d:.3g} s/context token ({cost_name})",
     ]
     cache = fleet.cache_config
     fits = cache.num_usable_blocks // -(-fleet.scheduler_config.max_model_len // cache.block_size)
@@ -351,8 +390,7 @@ def describe(
             f"note: a replica's KV cache holds only {fits} of the longest requests at once, so replicas queue "
             "for memory, not compute; --kv-fraction or --kv-blocks-per-replica sets its size"
         )
-    for line in lines:
-        print(line)
+    return lines
 
 
 def check_output_dir(out: Path) -> None:
@@ -371,12 +409,19 @@ def check_output_dir(out: Path) -> None:
 def prepare_output(
     args: argparse.Namespace,
     result_files: Sequence[str],
+    stream: StreamSpec,
     reference: CacheReference,
     sizing_reference: CacheReference,
     fleet: FleetConfig,
+    model_dir: str | None,
 ) -> None:
     """Create ``--out`` (``check_output_dir`` has checked it), remove an earlier run's ``result_files``
-    there and write ``config.json``."""
+    there and write ``config.json``.
+
+    ``stream``: the stream as generated (a live run's ``vocab_size`` added); ``model_dir``: the model
+    a live run serves (``None``: a simulation).  The config holds what rebuilds the run: the cost
+    model's coefficients, the model directory and every workload parameter, defaults included.
+    """
     out: Path = args.out
     config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
               if key != "handler"}
@@ -386,6 +431,11 @@ def prepare_output(
         config["burstiness"] = DEFAULT_BURSTINESS
     if args.kv_fraction is None and args.kv_blocks_per_replica is None:
         config["kv_fraction"] = DEFAULT_KV_FRACTION
+    config["cost_model"] = {"name": cost_model_name(args), **dataclasses.asdict(fleet.cost_model)}
+    config["model"] = model_dir
+    # Every parameter of the generator (its defaults as values), and those the stream was given
+    # besides --workload-arg (a live run's vocab_size, a trace's path).
+    config["workload_params"] = {**workload_parameters(stream.workload), **stream.params}
     config["kv_blocks_per_replica_used"] = fleet.cache_config.num_usable_blocks
     config["infinite_cache_hit_rate"] = reference.hit_rate
     config["prefix_working_set_blocks"] = reference.num_reused_blocks
@@ -413,3 +463,13 @@ def record_in_config(out: Path, **values: Any) -> None:
             file.write(json.dumps(config, indent=2, default=str) + "\n")
     except OSError as exc:
         raise ExperimentError(f"--out {out}: {exc.strerror or exc}") from None
+
+
+def cost_model_name(args: argparse.Namespace) -> str:
+    """How ``--cost-model`` named the step cost model: a measured model's name, a file, or the default."""
+    return "StepCostModel.default()" if args.cost_model is None else str(args.cost_model)
+
+
+def format_params(params: dict[str, Any]) -> str:
+    """Workload parameters as the command line takes them: ``num_groups=4 trace=t.jsonl``."""
+    return " ".join(f"{key}={value}" for key, value in params.items())

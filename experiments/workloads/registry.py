@@ -7,6 +7,7 @@ trace at its own rate.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,37 @@ WORKLOADS: dict[str, Callable[..., list[WorkloadRequest]]] = {
 }
 
 TRACE_WORKLOAD = "mooncake"
+
+# Arguments of every generator that are not workload parameters: the experiment sets them from options of its own.
+_NOT_PARAMETERS = frozenset({"path", "num_requests", "qps", "seed", "burstiness"})
+
+
+def workload_parameters(name: str) -> dict[str, Any]:
+    """The parameters workload ``name`` takes (``--workload-arg``), with their defaults.
+
+    The trace workload's ``trace`` (the path) has no default; it is left out, as are the
+    arguments every workload takes from options of their own (seed, burstiness, rate, length).
+    """
+    generator = mooncake_trace if name == TRACE_WORKLOAD else WORKLOADS.get(name)
+    if generator is None:
+        raise ValueError(f"unknown workload {name!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")
+    return {
+        parameter.name: parameter.default
+        for parameter in inspect.signature(generator).parameters.values()
+        if parameter.name not in _NOT_PARAMETERS
+    }
+
+
+def check_workload_parameters(name: str, params: dict[str, Any]) -> None:
+    """``ValueError`` naming a parameter ``name`` does not take, and listing those it does with their defaults
+    (``params``: a trace's ``trace`` left out)."""
+    accepted = workload_parameters(name)
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        listed = ", ".join(f"{key}={value}" for key, value in accepted.items())
+        raise ValueError(
+            f"the {name} workload has no parameter {', '.join(unknown)}; its parameters (with their defaults): {listed}"
+        )
 
 
 def make_workload(
@@ -48,15 +80,14 @@ def make_workload(
         trace = params.pop("trace", None)
         if trace is None:
             raise ValueError("the mooncake workload needs trace=PATH")
-        unknown = set(params) - {"vocab_size", "block_tokens", "warmup_fraction"}
-        if unknown:
-            raise ValueError(f"unknown parameters for the mooncake workload: {sorted(unknown)}")
+        check_workload_parameters(name, params)
         return mooncake_trace(trace, num_requests=num_requests, qps=qps, seed=seed, **params)
     generator = WORKLOADS.get(name)
     if generator is None:
         raise ValueError(f"unknown workload {name!r}; choose from {sorted([*WORKLOADS, TRACE_WORKLOAD])}")
     if qps is None:
         raise ValueError(f"workload {name!r} needs a rate (qps)")
+    check_workload_parameters(name, params)
     try:
         return generator(num_requests, qps, seed=seed, burstiness=burstiness, **params)
     except TypeError as exc:

@@ -55,7 +55,11 @@ from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 
 
 class CostTTFTPolicy:
-    """Lowest estimated TTFT under the step cost model; near-ties to the least loaded; loads bounded."""
+    """Lowest estimated TTFT under the step cost model; near-ties to the least loaded; loads bounded.
+
+    ``cost_model`` None: the fleet's, which ``FleetSimulator`` and a simulated cluster's
+    ``ClusterConfig`` give it; ``StepCostModel.default()`` where nothing does.
+    """
 
     name = "cost_ttft"
 
@@ -74,11 +78,20 @@ class CostTTFTPolicy:
         check_numbers(0, tie_tolerance_steps=tie_tolerance_steps)
         if load_factor is not None:
             check_numbers(1, above=True, load_factor=load_factor)
+        # NOTE: None: the fleet's model, which FleetSimulator gives it (adopt_fleet_cost_model).
+        self._cost_model_given = cost_model is not None
         self.cost_model = cost_model or StepCostModel.default()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.tie_tolerance_steps = tie_tolerance_steps
         self.load_factor = load_factor
         self.load_slack = load_slack
+
+    def adopt_fleet_cost_model(self, cost_model: StepCostModel) -> None:
+        """Price with the fleet's ``cost_model`` unless the constructor was given one."""
+        if not isinstance(cost_model, StepCostModel):
+            raise TypeError(f"cost_model must be a StepCostModel, got {cost_model!r}")
+        if not self._cost_model_given:
+            self.cost_model = cost_model
 
     def estimate_ttft(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex

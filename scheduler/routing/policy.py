@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from kvserve.scheduler.block_hash import BlockHash, num_cacheable_blocks
 from kvserve.scheduler.routing.load import ReplicaLoad
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
+
+if TYPE_CHECKING:
+    from kvserve.scheduler.cost_model import StepCostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,3 +59,16 @@ class RoutingPolicy(Protocol):
     def select(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
     ) -> int: ...
+
+
+@runtime_checkable
+class FleetCostModelPolicy(Protocol):
+    """A policy that prices with a step cost model and, built without one, takes its fleet's.
+
+    ``FleetSimulator`` calls ``adopt_fleet_cost_model`` once, before the first request, so
+    that ``make_policy("cost_ttft")`` prices with the simulated fleet's model; a model given
+    to the constructor stays.  (A live cluster's config passes it to the constructor instead:
+    ``ClusterConfig.routing_policy``.)
+    """
+
+    def adopt_fleet_cost_model(self, cost_model: StepCostModel) -> None: ...

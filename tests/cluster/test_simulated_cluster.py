@@ -225,7 +225,8 @@ def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_
     assert live_summary["num_preemptions"] == "" and sim_summary["num_preemptions"] == "0"
     assert {row["num_preemptions"] for row in rows} == {""}
     assert "|       - |" in (live_out / "summary.md").read_text()
-    assert (live_out / "summary.md").read_text().startswith("multi_turn (live, simulated replicas)")
+    # The setup printed at the start, then the table's header.
+    assert "\n\nmulti_turn (live, simulated replicas)" in (live_out / "summary.md").read_text()
 
 
 def test_kvserve_experiment_live_at_the_knee_finds_it_by_simulation_and_runs_live_there(
@@ -248,7 +249,7 @@ def test_kvserve_experiment_live_at_the_knee_finds_it_by_simulation_and_runs_liv
     knee_qps = json.loads((out / "config.json").read_text())["knee_qps"]
     [summary] = read_summary(out)
     assert float(summary["qps"]) == pytest.approx(knee_qps)
-    assert (out / "summary.md").read_text().startswith("shared_prefix (live, simulated replicas)")
+    assert "\n\nshared_prefix (live, simulated replicas)" in (out / "summary.md").read_text()
 
 
 def test_kvserve_experiment_live_says_at_once_when_no_ray_cluster_is_at_the_address(model_dir, tmp_path):

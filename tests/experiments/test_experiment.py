@@ -47,7 +47,8 @@ TINY_WORKLOAD = [
 TINY = [*TINY_WORKLOAD, "--replicas", "3", "--num-requests", "80"]
 
 
-def test_a_tiny_experiment_writes_requests_summary_and_plots(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_a_tiny_experiment_writes_requests_summary_and_plots(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(experiment_runs, "QUIET_SECONDS", 0.0)  # every progress line, however quick the run
     out = tmp_path / "run"
     args = parse([*TINY, "--sim", "--policies", "round_robin,cache_aware,cost_ttft", "--qps", "5,20", "--out", str(out)])
 
@@ -200,7 +201,8 @@ def error_line(err: str) -> str:
     [
         (["--qps", "1,,2"], "--qps must be comma-separated numbers"),
         (["--qps", "1,1"], "--qps rates must differ"),
-        (["--qps", "0"], "--qps rates must be positive"),
+        (["--qps", "0"], "--qps rates must be finite numbers > 0"),
+        (["--qps", "inf"], "--qps rates must be finite numbers > 0, got 'inf'"),
         (["--qps", "knee", "--knee-factor", "0"], "--knee-factor must be a number > 1"),
         (["--qps", "5", "--knee-factor", "3"], "--knee-factor is for --qps knee"),
         (["--qps", "1", "--block-size", "0"], "--block-size must be >= 1"),
@@ -340,7 +342,8 @@ def test_the_memory_check_counts_the_fleets_that_run_at_once_not_the_jobs(tmp_pa
     assert "(4 parallel jobs at once)" in run_bad([*argv, "--qps", "1,2", "--jobs", "1000"], capsys)
 
 
-def test_the_infinite_cache_reference_is_computed_once_per_rate_and_said(tmp_path, capsys) -> None:  # noqa: ANN001
+def test_the_infinite_cache_reference_is_computed_once_per_rate_and_said(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr(experiment_runs, "QUIET_SECONDS", 0.0)  # every stage said, however quick
     args = parse([*TINY, "--qps", "1,2", "--policies", "round_robin", "--no-plots", "--out", str(tmp_path / "run")])
 
     assert run_experiment(args) == 0

@@ -298,7 +298,7 @@ def test_a_malformed_trace_line_is_reported_with_its_number(tmp_path) -> None:  
 def test_unknown_workloads_and_parameters_are_rejected() -> None:
     with pytest.raises(ValueError, match="unknown workload"):
         make_workload("chatbot", 10, qps=1)
-    with pytest.raises(ValueError, match="bad parameters"):
+    with pytest.raises(ValueError, match="the shared_prefix workload has no parameter num_gropus; its parameters"):
         make_workload("shared_prefix", 10, qps=1, num_gropus=3)
 
 
