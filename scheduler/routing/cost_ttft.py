@@ -53,12 +53,17 @@ from kvserve.scheduler.routing.load import LoadTable, ReplicaLoad
 from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 
+# The step budget priced where nothing gives one (the engine's default max_num_batched_tokens).
+DEFAULT_STEP_BUDGET = 2048
+
 
 class CostTTFTPolicy:
     """Lowest estimated TTFT under the step cost model; near-ties to the least loaded; loads bounded.
 
     ``cost_model`` None: the fleet's, which ``FleetSimulator`` and a simulated cluster's
     ``ClusterConfig`` give it; ``StepCostModel.default()`` where nothing does.
+    ``max_num_batched_tokens`` None: the replicas' step budget, which ``FleetSimulator``
+    and ``ClusterConfig`` give it; ``DEFAULT_STEP_BUDGET`` where nothing does.
     """
 
     name = "cost_ttft"
@@ -66,32 +71,37 @@ class CostTTFTPolicy:
     def __init__(
         self,
         cost_model: StepCostModel | None = None,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         tie_tolerance_steps: float = 0.5,
         load_factor: float | None = 2.0,
         load_slack: int = 8,
     ) -> None:
         if cost_model is not None and not isinstance(cost_model, StepCostModel):
             raise TypeError(f"cost_model must be a StepCostModel, got {cost_model!r}")
-        check_ints(2, max_num_batched_tokens=max_num_batched_tokens)
+        if max_num_batched_tokens is not None:
+            check_ints(2, max_num_batched_tokens=max_num_batched_tokens)
         check_ints(0, load_slack=load_slack)
         check_numbers(0, tie_tolerance_steps=tie_tolerance_steps)
         if load_factor is not None:
             check_numbers(1, above=True, load_factor=load_factor)
-        # NOTE: None: the fleet's model, which FleetSimulator gives it (adopt_fleet_cost_model).
+        # NOTE: None: the fleet's, which FleetSimulator gives it (adopt_fleet).
         self._cost_model_given = cost_model is not None
         self.cost_model = cost_model or StepCostModel.default()
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self._budget_given = max_num_batched_tokens is not None
+        self.max_num_batched_tokens = max_num_batched_tokens or DEFAULT_STEP_BUDGET
         self.tie_tolerance_steps = tie_tolerance_steps
         self.load_factor = load_factor
         self.load_slack = load_slack
 
-    def adopt_fleet_cost_model(self, cost_model: StepCostModel) -> None:
-        """Price with the fleet's ``cost_model`` unless the constructor was given one."""
+    def adopt_fleet(self, cost_model: StepCostModel, max_num_batched_tokens: int) -> None:
+        """Price with the fleet's ``cost_model`` and step budget, each unless the constructor was given one."""
         if not isinstance(cost_model, StepCostModel):
             raise TypeError(f"cost_model must be a StepCostModel, got {cost_model!r}")
+        check_ints(2, max_num_batched_tokens=max_num_batched_tokens)
         if not self._cost_model_given:
             self.cost_model = cost_model
+        if not self._budget_given:
+            self.max_num_batched_tokens = max_num_batched_tokens
 
     def estimate_ttft(
         self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex

@@ -62,13 +62,13 @@ class RoutingPolicy(Protocol):
 
 
 @runtime_checkable
-class FleetCostModelPolicy(Protocol):
-    """A policy that prices with a step cost model and, built without one, takes its fleet's.
+class FleetSettingsPolicy(Protocol):
+    """A policy that prices with a step cost model and a step budget and, built without them, takes its fleet's.
 
-    ``FleetSimulator`` calls ``adopt_fleet_cost_model`` once, before the first request, so
-    that ``make_policy("cost_ttft")`` prices with the simulated fleet's model; a model given
-    to the constructor stays.  (A live cluster's config passes it to the constructor instead:
-    ``ClusterConfig.routing_policy``.)
+    ``FleetSimulator`` calls ``adopt_fleet`` once, before the first request, so that
+    ``make_policy("cost_ttft")`` prices with the simulated fleet's model and step budget; what
+    was given to the constructor stays.  (A live cluster's config passes them to the constructor
+    instead: ``ClusterConfig.routing_policy``.)
     """
 
-    def adopt_fleet_cost_model(self, cost_model: StepCostModel) -> None: ...
+    def adopt_fleet(self, cost_model: StepCostModel, max_num_batched_tokens: int) -> None: ...

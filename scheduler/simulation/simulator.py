@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.scheduler.cores import available_cores
-from kvserve.scheduler.routing.policy import FleetCostModelPolicy, RoutingPolicy
+from kvserve.scheduler.routing.policy import FleetSettingsPolicy, RoutingPolicy
 from kvserve.scheduler.routing.router import Router
 from kvserve.scheduler.simulation.admission import Admission
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord, SimulatedRequest
@@ -77,9 +77,9 @@ class FleetSimulator:
     ``run`` forks the others (so they inherit the workload) and stops them
     before it returns.  The results are the same as one process's.
 
-    A policy built without a cost model of its own (``FleetCostModelPolicy``:
-    ``make_policy("cost_ttft")``) prices with ``config.cost_model``, the model the
-    simulated steps take; one built with a model keeps it.
+    A policy built without a cost model or a step budget of its own (``FleetSettingsPolicy``:
+    ``make_policy("cost_ttft")``) prices with ``config.cost_model``, the model the simulated
+    steps take, and the replicas' ``max_num_batched_tokens``; what it was built with stays.
     """
 
     def __init__(self, config: FleetConfig, policy: RoutingPolicy, *, processes: int = 1) -> None:
@@ -87,8 +87,8 @@ class FleetSimulator:
             raise ValueError(f"processes must be a positive integer, got {processes!r}")
         if processes > 1 and "fork" not in multiprocessing.get_all_start_methods():
             raise ValueError("processes > 1 needs the fork start method, which this platform lacks")
-        if isinstance(policy, FleetCostModelPolicy):
-            policy.adopt_fleet_cost_model(config.cost_model)
+        if isinstance(policy, FleetSettingsPolicy):
+            policy.adopt_fleet(config.cost_model, config.scheduler_config.max_num_batched_tokens)
         self.config = config
         self.processes = min(processes, config.num_replicas)
         self.router = Router(

@@ -1,4 +1,5 @@
-"""The cost model a fleet simulation's policy prices with: its own if it was given one, else the fleet's."""
+"""The cost model and step budget a fleet simulation's policy prices with: its own if it was given them, else
+the fleet's."""
 
 from __future__ import annotations
 
@@ -26,6 +27,16 @@ def test_a_policy_built_without_a_cost_model_prices_with_the_fleets() -> None:
     FleetSimulator(fleet(), policy)
 
     assert isinstance(policy, CostTTFTPolicy) and policy.cost_model == FLEET_MODEL
+
+
+def test_a_policy_built_without_a_step_budget_prices_steps_of_the_fleets() -> None:
+    # It priced steps of 2048 tokens while the simulated replicas took 512.
+    policy = make_policy("cost_ttft")
+    FleetSimulator(fleet(), policy)
+    assert policy.max_num_batched_tokens == 512
+    given = make_policy("cost_ttft", max_num_batched_tokens=1024)
+    FleetSimulator(fleet(), given)
+    assert given.max_num_batched_tokens == 1024
 
 
 def test_a_policy_given_a_cost_model_keeps_it() -> None:
