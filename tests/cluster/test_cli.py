@@ -201,7 +201,7 @@ def test_serve_rejects_a_bad_setting_before_starting_anything(capsys, args, mess
         (
             ["--routing-arg", "foo=1"],
             "--routing-arg foo: the routing policy cost_ttft has no argument 'foo'; it takes cost_model=None, "
-            "max_num_batched_tokens=2048, tie_tolerance_steps=0.5, load_factor=2.0, load_slack=8",
+            "max_num_batched_tokens=None, tie_tolerance_steps=0.5, load_factor=2.0, load_slack=8",
         ),
         (
             ["--routing", "round_robin", "--routing-arg", "seed=1"],
