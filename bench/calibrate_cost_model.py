@@ -14,7 +14,9 @@ model would give).
 with random weights, written to a temporary directory first (no model hub is
 needed; on a GPU the 16 GB of weights are drawn in seconds).  Without ``--model``
 or ``--shape`` a fresh tiny random Llama is used (useful to test the pipeline;
-its coefficients say nothing about a real GPU).
+its coefficients say nothing about a real GPU).  The JSON also says, under
+``"calibration"``, what was timed: the model, the device, dtype and torch threads,
+the block size, the number of step shapes, the fit's mean relative error, the date.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import dataclasses
 import sys
 import tempfile
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +43,13 @@ QUICK_GRID = CalibrationGrid(
 )
 
 
+def mean_relative_error(model: StepCostModel, samples: list[StepSample]) -> float:
+    """The fit's mean of |modelled - measured| / measured over the timed step shapes."""
+    measured = np.array([s.seconds for s in samples])
+    modelled = np.array([model.shape_time(s.shape) for s in samples])
+    return float(np.mean(np.abs(modelled - measured) / measured))
+
+
 def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
     rows = []
     measured = np.array([s.seconds for s in samples])
@@ -51,7 +61,7 @@ def describe_fit(model: StepCostModel, samples: list[StepSample]) -> str:
             f"{sample.seconds * 1e3:.2f}", f"{predicted * 1e3:.2f}",
             f"{(predicted - sample.seconds) / sample.seconds * 100:+.0f}%",
         ])
-    fit_error = float(np.mean(np.abs(modelled - measured) / measured))
+    fit_error = mean_relative_error(model, samples)
     constant_error = float(np.mean(np.abs(measured.mean() - measured) / measured))
     table = format_table(
         ["prefill tok", "decodes", "context tok", "measured ms", "model ms", "error"], rows
@@ -111,16 +121,26 @@ def main(argv: list[str] | None = None) -> int:
             model, samples = calibrate(
                 llm.engine.executor, block_size=args.block_size, vocab_size=vocab_size, grid=grid, seed=args.seed
             )
+            worker = llm.engine.executor.worker
+            device = torch.cuda.get_device_name(worker.device) if worker.device.type == "cuda" else "cpu"
+            dtype = str(worker.dtype).removeprefix("torch.")
         finally:
             llm.shutdown()
     timed = args.model or (f"a {args.shape}-shaped model" if args.shape else "a tiny Llama")
+    # Saved with the coefficients: what a reader needs to know whether they fit another setup.
+    about = {
+        "timed": str(timed), "device": device, "dtype": dtype, "torch_threads": torch.get_num_threads(),
+        "block_size": args.block_size, "step_shapes": len(samples),
+        "mean_relative_error": round(mean_relative_error(model, samples), 4),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
     print(f"calibrated on {timed} ({len(samples)} step shapes)")
     print(describe_fit(model, samples))
     print(f"a={model.a:.4g} s  b={model.b:.4g} s/prefill token  c={model.c:.4g} s/decode  "
           f"d={model.d:.4g} s/context token", flush=True)
     # Printed first: a save that fails now (the file changed since the check) loses no measurement.
     try:
-        model.save(args.out)
+        model.save(args.out, about)
     except OSError as exc:
         print(f"could not write --out {args.out}: {exc.strerror or exc}; the fit is printed above", file=sys.stderr)
         return 1

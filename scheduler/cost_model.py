@@ -19,10 +19,11 @@ kvserve.bench.calibrate_cost_model`` runs it on a model) and are saved as JSON.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -133,12 +134,18 @@ class StepCostModel:
             active.pop(int(np.argmin(solution)))
         return cls(*(float(x) for x in coefficients))
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
+    def to_json(self, about: Mapping[str, Any] | None = None) -> str:
+        """The coefficients as JSON, with ``about`` (what was calibrated, where, how well) under
+        ``"calibration"`` when given: for the reader, ``from_json`` ignores it."""
+        data: dict[str, Any] = asdict(self)
+        if about is not None:
+            data["calibration"] = dict(about)
+        return json.dumps(data, indent=2)
 
     @classmethod
     def from_json(cls, text: str) -> StepCostModel:
-        """The model ``to_json`` wrote; ``ValueError`` for anything else."""
+        """The model ``to_json`` wrote (other keys, such as ``"calibration"``, are ignored); ``ValueError``
+        for anything else."""
         try:
             data = json.loads(text)
         except ValueError as exc:
@@ -153,8 +160,8 @@ class StepCostModel:
                 raise ValueError(f"cost model coefficient {key} must be a number, got {data[key]!r}")
         return cls(**{key: float(data[key]) for key in ("a", "b", "c", "d")})
 
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(self.to_json() + "\n")
+    def save(self, path: str | Path, about: Mapping[str, Any] | None = None) -> None:
+        Path(path).write_text(self.to_json(about) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> StepCostModel:

@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from kvserve.bench import calibrate_cost_model
 from kvserve.bench.arg_types import unwritable_reason
@@ -31,6 +34,12 @@ def test_grid_flags_choose_the_shapes_timed(tmp_path: Path, capsys: pytest.Captu
     assert "calibrated on a tiny Llama (6 step shapes)" in printed
     model = StepCostModel.load(out)
     assert model.a + model.b + model.c + model.d > 0
+    # What was timed travels with the coefficients.
+    about = json.loads(out.read_text())["calibration"]
+    assert (about["timed"], about["device"], about["dtype"], about["torch_threads"], about["step_shapes"]) == (
+        "a tiny Llama", "cpu", "float32", 1, 6
+    )
+    assert about["block_size"] == 16 and 0 <= about["mean_relative_error"] and about["date"].endswith("+00:00")
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -108,7 +117,8 @@ class FakeLLM:
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         self.model_config = type("ModelConfig", (), {"vocab_size": 100, "max_model_len": 2048})()
-        self.engine = type("Engine", (), {"executor": None})()
+        worker = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32)
+        self.engine = SimpleNamespace(executor=SimpleNamespace(worker=worker))
 
     def shutdown(self) -> None:
         pass
@@ -124,7 +134,7 @@ def test_a_failed_save_still_prints_the_fit_and_exits_1(
     fitted = StepCostModel(1e-3, 1e-5, 1e-4, 1e-7)
     monkeypatch.setattr(calibrate_cost_model, "calibrate", lambda *args, **kwargs: (fitted, samples))
 
-    def failing_save(self: StepCostModel, path: Path) -> None:
+    def failing_save(self: StepCostModel, path: Path, about: object = None) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(StepCostModel, "save", failing_save)

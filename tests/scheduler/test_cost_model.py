@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
@@ -63,6 +65,14 @@ def test_cost_model_round_trips_through_json(tmp_path) -> None:  # noqa: ANN001
     path = tmp_path / "cost.json"
     MODEL.save(path)
 
+    assert StepCostModel.load(path) == MODEL
+
+
+def test_a_calibrations_description_is_saved_with_the_coefficients_and_ignored_on_load(tmp_path) -> None:  # noqa: ANN001
+    path = tmp_path / "cost.json"
+    MODEL.save(path, {"device": "NVIDIA H100", "mean_relative_error": 0.05})
+
+    assert json.loads(path.read_text())["calibration"] == {"device": "NVIDIA H100", "mean_relative_error": 0.05}
     assert StepCostModel.load(path) == MODEL
 
 
