@@ -22,7 +22,6 @@ from kvserve.cluster.stop_strings import check_stop_strings
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.sampling_params import (
-    MAX_LOGIT_BIAS_TOKENS,
     SamplingParams,
     check_token_ids_in_vocabulary,
     first_outside_vocabulary,
@@ -152,16 +151,10 @@ class RequestConversion:
                 check_stop_strings(params.stop)
             except ValueError as exc:
                 raise InvalidRequestError(f"sampling_params.{exc}") from None
-        # NOTE: counted before the map is copied; SamplingParams checks the same bound on what it is given.
-        if len(params.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
-            raise InvalidRequestError(
-                f"sampling_params.logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, "
-                f"got {len(params.logit_bias)}"
-            )
         kwargs: dict[str, Any] = {
             "stop_token_ids": tuple(params.stop_token_ids),
             "ignore_eos": params.ignore_eos,
-            "logit_bias": dict(params.logit_bias),
+            "logit_bias": params.logit_bias,  # a Mapping: SamplingParams counts it before copying
         }
         for name in _OPTIONAL_SAMPLING_FIELDS:
             if params.HasField(name):

@@ -166,20 +166,20 @@ def _penalty(name: str, value: object) -> float:
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
     """``logit_bias`` as pairs ``(token id, bias)`` sorted by token id, from a mapping or from pairs."""
-    not_pairs = ValueError(f"logit_bias must map token ids to biases, got {value!r}")
     if isinstance(value, Mapping):
+        # NOTE: counted before anything is copied: a request may send a map of 100,000 entries.
+        _check_num_biased(len(value))
         items = list(value.items())
-    elif isinstance(value, (str, bytes)):
-        raise not_pairs
     else:
         try:
+            if isinstance(value, (str, bytes)):
+                raise TypeError
             items = [tuple(item) for item in value]  # type: ignore[union-attr]
+            if any(len(item) != 2 for item in items):
+                raise TypeError
         except TypeError:
-            raise not_pairs from None
-        if any(len(item) != 2 for item in items):
-            raise not_pairs
-    if len(items) > MAX_LOGIT_BIAS_TOKENS:
-        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(items)}")
+            raise ValueError(f"logit_bias must map token ids to biases, got {value!r}") from None
+        _check_num_biased(len(items))
     biases: dict[int, float] = {}
     for token_id, bias in items:
         token_id = _integer("logit_bias token id", token_id)
@@ -192,6 +192,11 @@ def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
             raise ValueError(f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
         biases[token_id] = bias
     return tuple(sorted(biases.items()))
+
+
+def _check_num_biased(num: int) -> None:
+    if num > MAX_LOGIT_BIAS_TOKENS:
+        raise ValueError(f"logit_bias may name at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {num}")
 
 
 def _integer(name: str, value: object) -> int:

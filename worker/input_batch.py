@@ -47,6 +47,8 @@ class ModelInputs:
     sampling_params: list[SamplingParams]
     # Index of the sampled token within its request's output (0 = first).
     output_indices: list[int]
+    # Each scheduled request's state, in plan order.
+    states: list[CachedRequestState]
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +205,7 @@ class InputBatch:
             logits_indices=to_device(logits_indices, device),
             sampling_params=sampling_params,
             output_indices=output_indices,
+            states=states,
         )
 
     def _states_and_rows(self, plan: StepPlan) -> tuple[list[CachedRequestState], np.ndarray]:

@@ -289,9 +289,9 @@ class Worker:
             hidden_states = self._forward(inputs.input_ids, inputs.positions, inputs.attn_metadata)
             prompt = None
             if plan.prompt_logprobs_rows:
-                states = [batch.requests[req_id] for req_id in plan.req_ids]
                 prompt = compute_prompt_logprobs(
-                    self.model.compute_logits, hidden_states, plan, states, inputs.attn_metadata.query_start_loc_cpu,
+                    self.model.compute_logits, hidden_states, plan, inputs.states,
+                    inputs.attn_metadata.query_start_loc_cpu,
                     vocab_size=self.hf_config.vocab_size, keep=self.is_driver,
                 )
             sampling_params, output_indices = inputs.sampling_params, inputs.output_indices
