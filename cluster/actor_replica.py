@@ -45,7 +45,7 @@ class ActorReplica:
 
     def __init__(
         self, replica_id: int, scheduler: Scheduler, handle: ReplicaHandle, device_kind: str,
-        previous: ActorReplica | None = None, *, async_scheduling: bool = False,
+        previous: ActorReplica | None = None, *, async_scheduling: bool | None = None,
     ) -> None:
         self.replica_id = replica_id
         self.scheduler = scheduler

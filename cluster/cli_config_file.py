@@ -8,6 +8,7 @@ dashes in front (``max-num-seqs``; ``max_num_seqs`` works too)::
     http-port: 8080
     routing-arg: [cache_threshold=0.5]   # a repeatable flag takes a list
     simulated: true                       # a switch: true to set it
+    async-scheduling: false               # one with a --no- form: true or false say which
 
 Each value is parsed and checked exactly as the flag's own.  A setting that the
 command line sets is taken from the command line: ``--no-http`` there turns off
@@ -117,9 +118,13 @@ def config_file_args(subparser: argparse.ArgumentParser, path: Path) -> list[str
 
 
 def _flag_args(flag: str, action: argparse.Action, value: object, path: Path) -> list[str]:
-    if action.nargs == 0:  # a switch (store_true, store_const)
+    if action.nargs == 0:  # a switch (store_true, store_const, --FLAG / --no-FLAG)
         if not isinstance(value, bool):
             raise ValueError(f"{CONFIG_FLAG} {path}: {flag[2:]} is a switch: true or false, got {value!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            # NOTE: its default may be neither (None: decided later), so false must say which.
+            on, off = action.option_strings
+            return [on if value == (flag == on) else off]
         return [flag] if value else []
     if isinstance(value, list):
         if not isinstance(action, argparse._AppendAction):  # noqa: SLF001

@@ -134,9 +134,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "for decode steps",
     )
     parser.add_argument(
-        "--async-scheduling", action="store_true",
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
         help="plan each step while the workers run the one before (overlapped scheduling): the scheduler's "
-        "round trip hides behind their work; outputs stay the same",
+        "round trip hides behind their work; outputs stay the same (default: on, but off for --simulated "
+        "replicas, whose steps are modelled)",
     )
     add_engine_arguments(parser)
     add_security_arguments(parser)

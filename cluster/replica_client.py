@@ -141,6 +141,11 @@ class GrpcReplicaExecutor:
         """Run ``plan`` on every rank; rank 0's samples. ``ReplicaFailedError`` if any rank fails."""
         return await self._receive(await self._send(plan))
 
+    @property
+    def launches_ahead(self) -> bool:
+        """The ranks are other processes (worker actors): the next plan is made while they run this one."""
+        return True
+
     async def launch(self, plan: StepPlan) -> PendingGrpcStep:
         """Send ``plan`` to every rank and return before it ran (overlapped scheduling).
 

@@ -59,7 +59,8 @@ class LLM:
     ``cpu_kv_cache_bytes``; ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
     ``enable_chunked_prefill``, ``long_prefill_token_threshold``; ``device``, ``dtype``,
     ``seed``, ``enforce_eager``, ``async_scheduling`` (plan each step while the device, or
-    the tensor-parallel ranks, run the one before), ``attention_backend``, ``cpu_threads``;
+    the tensor-parallel ranks, run the one before; by default on CUDA or with tensor
+    parallelism, off for one CPU rank), ``attention_backend``, ``cpu_threads``;
     ``tensor_parallel_size``.
 
     ``generate`` may be called from several threads: the calls run one after another.

@@ -5,7 +5,7 @@ import warnings
 
 from kvserve.proto import generate_pb2 as kvserve_dot_proto_dot_generate__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

@@ -93,7 +93,8 @@ class RuntimeSettings:
     ``dtype`` ``"auto"`` is bfloat16 on CUDA and float32 on CPU; ``seed`` seeds the
     sampler of requests without their own (``None``: a random seed); ``enforce_eager``
     runs CUDA decode steps without graphs; ``async_scheduling`` plans each step while
-    the workers run the one before (overlapped scheduling, ``EngineCore``);
+    the workers run the one before (overlapped scheduling, ``EngineCore``; ``None``: on
+    where the step runs on a GPU or in other processes, off for one CPU rank in process);
     ``attention_backend`` ``None`` picks the
     device's kernels; ``cpu_threads`` are each CPU rank's torch threads (``None``: the
     cores divided among a replica's ranks)."""
@@ -102,7 +103,7 @@ class RuntimeSettings:
     dtype: str = "auto"
     seed: int | None = 0
     enforce_eager: bool = False
-    async_scheduling: bool = False
+    async_scheduling: bool | None = None
     attention_backend: str | None = None
     cpu_threads: int | None = None
 
@@ -113,9 +114,10 @@ class RuntimeSettings:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        for name in ("enforce_eager", "async_scheduling"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend must be None or one of {list(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"

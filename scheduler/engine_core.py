@@ -13,7 +13,10 @@ executor or let virtual time pass between them.
 
 Overlapped (asynchronous) scheduling, ``async_scheduling=True`` with an executor that can
 ``launch`` a step without waiting for it: each ``step()`` plans and launches step N+1, then
-waits for step N and applies it, so the host's planning hides behind the device's work::
+waits for step N and applies it, so the host's planning hides behind the device's work.
+``None`` (the default) turns it on where the executor ``launches_ahead`` (a GPU, ranks in other
+processes, the cluster's workers), and off where the step would run in the caller's thread
+anyway (one CPU rank in process) and planning ahead would only add work::
 
     step():  begin_step(N+1), launch(N+1)  |  N.result(), finish_step(N)  ->  N's outputs
 
@@ -43,9 +46,12 @@ class EngineCore:
         scheduler: Scheduler,
         executor: Executor | AsyncExecutor | None = None,
         *,
-        async_scheduling: bool = False,
+        async_scheduling: bool | None = None,
     ) -> None:
-        if async_scheduling and not callable(getattr(executor, "launch", None)):
+        can_launch = callable(getattr(executor, "launch", None))
+        if async_scheduling is None:
+            async_scheduling = can_launch and bool(getattr(executor, "launches_ahead", False))
+        elif async_scheduling and not can_launch:
             raise ValueError(f"async_scheduling needs an executor that can launch steps, got {executor!r}")
         self.scheduler = scheduler
         self.executor = executor

@@ -41,6 +41,12 @@ class PendingStep(Protocol):
 class OverlappingExecutor(Executor, Protocol):
     """An executor that can start a step and return before it ends (overlapped scheduling)."""
 
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether the step runs elsewhere (a GPU, other processes) while ``launch`` returns, so
+        that planning the next step hides behind it: async scheduling's default (``EngineCore``)."""
+        ...
+
     def launch(self, plan: StepPlan) -> PendingStep:
         """Start ``plan``; the next plan's placeholder rows take this one's samples."""
         ...
@@ -75,6 +81,11 @@ class PendingAsyncStep(Protocol):
 
 class OverlappingAsyncExecutor(AsyncExecutor, Protocol):
     """An ``AsyncExecutor`` that can send a step before the previous one returned (overlapped scheduling)."""
+
+    @property
+    def launches_ahead(self) -> bool:
+        """As ``OverlappingExecutor.launches_ahead``."""
+        ...
 
     async def launch(self, plan: StepPlan) -> PendingAsyncStep:
         """Send ``plan``; the next plan's placeholder rows take this one's samples."""

@@ -31,6 +31,11 @@ if ! "$PYTHON" -c "import kvserve.kernels" 2>/dev/null; then
     "$PYTHON" -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.txt" 2>&1 \
         || { tail -20 "$OUT/install.txt"; exit 1; }
 fi
+# The image's packages are not upgraded (--no-deps, and the machine is offline): say at once if
+# they are older than the generated gRPC code needs, instead of losing the tests and part (e).
+if ! preflight=$("$PYTHON" -c "import kvserve.proto.step_pb2_grpc, kvserve.proto.generate_pb2_grpc" 2>&1); then
+    echo "$preflight" | tail -1; echo "the generated gRPC code does not import with this image's packages"; exit 1
+fi
 
 if [[ " $steps " == *" build "* ]]; then
     echo "== build"

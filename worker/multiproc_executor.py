@@ -137,6 +137,11 @@ class MultiprocExecutor:
         self._send(plan)
         return self._receive(plan.step_id)
 
+    @property
+    def launches_ahead(self) -> bool:
+        """The ranks run in their own processes: the next plan is made while they run this one."""
+        return True
+
     def launch(self, plan: StepPlan) -> PendingRankReplies:
         """Send ``plan`` to every rank; its result comes from ``result()`` (an ``OverlappingExecutor``).
 

@@ -39,6 +39,11 @@ class UniprocExecutor:
             raise RuntimeError("the single rank did not return samples")
         return result
 
+    @property
+    def launches_ahead(self) -> bool:
+        """On CUDA ``launch`` returns while the device runs the step; on CPU it runs it first."""
+        return self.worker.launches_ahead
+
     def launch(self, plan: StepPlan) -> LaunchedStep:
         return self.worker.launch(plan)
 

@@ -778,6 +778,24 @@ def test_a_switch_the_config_file_sets_stays_set_when_the_command_line_says_noth
     assert args.async_scheduling is False
 
 
+@pytest.mark.parametrize(
+    "text, argv, expected",
+    [
+        ("", (), None),  # the default: decided by the replicas' executor
+        ("async-scheduling: true\n", (), True),
+        ("async-scheduling: false\n", (), False),
+        ("no-async-scheduling: true\n", (), False),
+        ("no-async-scheduling: false\n", (), True),
+        ("async-scheduling: false\n", ("--async-scheduling",), True),
+        ("async-scheduling: true\n", ("--no-async-scheduling",), False),
+    ],
+)
+def test_async_scheduling_is_on_off_or_left_to_the_replicas_from_the_file_and_the_command_line(
+    tmp_path, text, argv, expected
+):
+    assert parsed(tmp_path, text, "--port", "1", *argv).async_scheduling is expected
+
+
 def test_a_config_file_value_that_starts_with_a_dash_is_a_value(tmp_path):
     # It was passed as two arguments, "--host -x": argparse took "-x" for a flag.
     assert parsed(tmp_path, "host: -x\n").host == "-x"

@@ -22,10 +22,12 @@ from kvserve.cluster.replica_client import GrpcReplicaExecutor
 from kvserve.cluster.step_codec import decode_result, encode_plan
 from kvserve.cluster.step_servicer import start_step_server
 from kvserve.proto import step_pb2, step_pb2_grpc
+from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.step_plan import NewRequestData, StepPlan
 from kvserve.scheduler.step_result import StepResult
+from tests.scheduler.simulation.test_simulated_executor import make_scheduler
 
 NUM_BLOCKS = 32
 WORKER_THREAD = "rank-worker"
@@ -291,6 +293,15 @@ def test_a_rank_serves_one_call_at_a_time_so_a_second_stream_waits_for_the_first
             await second.done_writing()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_of_ranks_in_other_processes_is_scheduled_overlapped_by_default() -> None:
+    async def scenario() -> tuple[bool, bool]:
+        async with replica(Rank(sample=True)) as executor:
+            default = EngineCore(make_scheduler(), executor).async_scheduling
+            return default, EngineCore(make_scheduler(), executor, async_scheduling=False).async_scheduling
+
+    assert asyncio.run(scenario()) == (True, False)
 
 
 def test_a_launched_step_reaches_the_ranks_before_the_previous_one_is_answered() -> None:

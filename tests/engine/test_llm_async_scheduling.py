@@ -23,10 +23,12 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return create_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=3)
 
 
-def generate_both(model_dir, prompts, params, **llm_args):
+def generate_both(model_dir, prompts, params, overlapped_setting: bool | None = True, **llm_args):
+    """Outputs with ``async_scheduling=False`` and with ``overlapped_setting`` (``None``: the
+    default, which must overlap for these ``llm_args``)."""
     results = {}
     for overlapped in (False, True):
-        with LLM(model_dir, async_scheduling=overlapped, **llm_args) as llm:
+        with LLM(model_dir, async_scheduling=overlapped_setting if overlapped else False, **llm_args) as llm:
             executor = llm.engine.executor
             launch, placeholders = executor.launch, []
 
@@ -95,18 +97,25 @@ def test_an_engine_with_nothing_left_in_flight_after_generate(model_dir) -> None
         assert again[0].token_ids == first[0].token_ids
 
 
+def test_one_cpu_rank_in_process_is_scheduled_plainly_by_default(model_dir) -> None:
+    """Its launch runs the step in the caller's thread: planning ahead would only add work."""
+    with LLM(model_dir, num_blocks=16) as llm:
+        assert llm.engine.async_scheduling is False
+
+
 def test_tensor_parallel_ranks_get_the_samples_of_rank_0(model_dir) -> None:
     """With two ranks only rank 0 samples; it sends its samples to rank 1 for the
     placeholders, so both ranks compute the same tokens: outputs equal the plain engine's,
     seeded random sampling, preemption, penalties (counted on rank 0) and prompt logprobs
-    (their logits gathered from both ranks) included."""
+    (their logits gathered from both ranks) included.  Ranks in other processes are
+    scheduled overlapped by default."""
     prompts = random_prompts(6, seed=12, lo=3, hi=40)
     penalties = dict(logit_bias={42: 10.0}, frequency_penalty=2.0)
     params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i,
                              prompt_logprobs=2 if i % 3 == 1 else None, **(penalties if i % 3 == 0 else {}))
               for i in range(len(prompts))]
-    plain, overlapped = generate_both(model_dir, prompts, params, tensor_parallel_size=2, block_size=4,
-                                      num_blocks=48, max_num_batched_tokens=32)
+    plain, overlapped = generate_both(model_dir, prompts, params, overlapped_setting=None, tensor_parallel_size=2,
+                                      block_size=4, num_blocks=48, max_num_batched_tokens=32)
     assert_same(plain, overlapped)
 
 

@@ -40,6 +40,13 @@ def test_execute_sleeps_the_modelled_step_time_and_samples_synthetic_tokens() ->
     assert result.logprobs is None
 
 
+def test_simulated_replicas_are_scheduled_plainly_unless_asked() -> None:
+    """Their step times are modelled for plain scheduling: overlap is not the default."""
+    executor = AsyncSimulatedExecutor(MODEL, num_kv_blocks=64, vocab_size=500)
+    assert EngineCore(make_scheduler(), executor).async_scheduling is False
+    assert EngineCore(make_scheduler(), SimulatedExecutor(MODEL, 64, vocab_size=500)).async_scheduling is False
+
+
 def test_synthetic_tokens_are_deterministic_and_in_range() -> None:
     tokens = [synthetic_token_id("req-7", position, 50) for position in range(1000)]
 
