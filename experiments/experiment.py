@@ -1,7 +1,7 @@
 """``kvserve experiment``: compare routing policies on one request stream.
 
     kvserve experiment --workload shared_prefix --policies round_robin,cache_aware,cost_ttft \\
-        --replicas 8 --qps 20,40,80 --sim --out results/ [--seed 0] [--num-requests N] \\
+        --replicas 8 --qps 20,40,80 --sim --out results/ [--seed 0 | --seeds 0,1,2] [--num-requests N] \\
         [--kv-fraction 0.25 | --kv-blocks-per-replica N] [--workload-arg num_groups=32]
 
 ``--live`` replays the stream instead on a live cluster of ``--replicas``
@@ -35,6 +35,8 @@ per request and run), ``summary.csv`` (their columns and units: at the end of --
 the start and the table printed at the end, with the infinite-cache hit rate) last.  The result
 files of an earlier run in ``--out`` are removed at the start, and each file is written under a
 temporary name and renamed when complete: a folder without ``summary.md`` holds no finished run.
+With ``--seeds``, each seed's run writes these to ``--out``/seed-N/, then ``aggregate.csv`` and ``aggregate.md``
+(each figure's mean, min and max over the seeds: see the end of --help) go to ``--out``, and its table is printed.
 Progress goes to stderr: a stage's line once it has taken 2 s, a run's every 10% after its first 2 s.
 Ctrl-C or SIGTERM stops the experiment (exit status 130).
 """
@@ -69,12 +71,15 @@ from kvserve.experiments.experiment_fleet import (
     available_memory_bytes,
     cache_sized_by,
     check_fleet_memory,
+    fleet_at_rate,
     fleet_config,
-    fleet_for,
+    rate_phrase,
     sizing_stream,
+    stream_at_rate,
 )
 from kvserve.experiments import experiment_runs
 from kvserve.experiments.experiment_knee import KneeNotFound, find_knee_qps
+from kvserve.experiments.experiment_seeds import AGGREGATE_CSV_HELP, AGGREGATE_FILES, ExperimentOutcome, run_each_seed
 from kvserve.experiments.experiment_runs import Run, print_progress, stage
 from kvserve.experiments.experiment_setup import (
     DEFAULT_BASELINE,
@@ -111,11 +116,12 @@ from kvserve.experiments.workloads.cache_reference import infinite_cache_referen
 from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, WORKLOADS
 from kvserve.cluster.interrupts import closed_stdout_status, sigterm_as_interrupt
 from kvserve.scheduler.routing.policies import POLICIES, make_policy
-from kvserve.scheduler.simulation.simulator import FleetConfig
 
 # What a run writes besides config.json; an earlier run's are removed at the start.
 # summary.md first: a folder without it holds no finished run, even if removing a later one fails.
-RESULT_FILES = ("summary.md", "requests.csv", "summary.csv", *(filename for _, _, filename in PLOTS))
+RESULT_FILES = (
+    "summary.md", *AGGREGATE_FILES, "requests.csv", "summary.csv", *(filename for _, _, filename in PLOTS)
+)
 
 
 # -- command line -----------------------------------------------------------------
@@ -131,6 +137,7 @@ options that do not combine:
   --burstiness          not with a trace: its arrivals keep the trace's pattern
   --address, --model, --time-scale    only with --live
   --jobs, --sim-processes             only for simulations (not --live)
+  --seeds               not with --seed, nor with --qps knee (each seed would find a knee of its own)
   --sim / --live, --kv-blocks-per-replica / --kv-fraction: one of each pair
 """
 
@@ -141,7 +148,7 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "experiment",
         help="compare routing policies on one workload (simulated fleet, or --live on Ray)",
         description=__doc__,
-        epilog=f"{_DO_NOT_COMBINE}\n{CSV_COLUMNS_HELP}",
+        epilog=f"{_DO_NOT_COMBINE}\n{CSV_COLUMNS_HELP}{AGGREGATE_CSV_HELP}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     workloads = sorted([*WORKLOADS, TRACE_WORKLOAD])
@@ -203,7 +210,13 @@ def add_experiment_parser(subparsers: argparse._SubParsersAction) -> argparse.Ar
         "replicas per core)",
     )
     parser.add_argument("--out", type=_output_dir, required=True, help="output directory")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the policies (default 0)")
+    parser.add_argument("--seed", type=int, help="seed of the workload and the policies (default 0)")
+    parser.add_argument(
+        "--seeds", metavar="S1,S2,...",
+        help="instead of --seed: two or more seeds, e.g. 0,1,2; runs the whole experiment once per seed (each into "
+        "--out/seed-N/), then prints and writes each figure's mean (min-max) over the seeds per policy and rate, "
+        "the TTFT p99 ratio to the baseline taken per seed (aggregate.csv, aggregate.md)",
+    )
     low, high = DEFAULT_NUM_REQUESTS_RANGE
     parser.add_argument(
         "--num-requests", type=int,
@@ -257,7 +270,7 @@ def _output_dir(text: str) -> Path:
 
 def _run_reporting_errors(args: argparse.Namespace) -> int:
     try:
-        status = _run(args)
+        status = run_each_seed(args, _run, RESULT_FILES)
         sys.stdout.flush()
         return status
     except BrokenPipeError:
@@ -283,12 +296,12 @@ def _run_reporting_errors(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace) -> ExperimentOutcome:
     if args.num_requests is None and args.workload != TRACE_WORKLOAD:  # a trace: all of it
         args.num_requests = default_num_requests(args.replicas)
     check_live_options(args)
     check_options(args)
-    stream = stream_spec(args)
+    stream: StreamSpec = stream_spec(args)
     policies = parse_policies(args.policies)
     rates = parse_rates(args.qps, stream)
     knee = rates == ["knee"]
@@ -322,8 +335,8 @@ def _run(args: argparse.Namespace) -> int:
         stream = stream.with_vocab_size(model.vocab_size)
 
     reference_qps = None if stream.workload == TRACE_WORKLOAD else 1.0
-    with stage(f"generating the {stream.workload} stream {_rate(reference_qps)}"):
-        reference_stream = _stream_at(stream, reference_qps)
+    with stage(f"generating the {stream.workload} stream {rate_phrase(reference_qps)}"):
+        reference_stream = stream_at_rate(stream, reference_qps)
         if not reference_stream:
             raise ExperimentError("the workload has no requests")
         # A trace may hold fewer than --num-requests; session workloads add a warm-up.
@@ -334,9 +347,10 @@ def _run(args: argparse.Namespace) -> int:
     sizing_reference = reference
     if sizing is not None and (sizing.num_requests, sizing.params) != (stream.num_requests, stream.params):
         num_sizing = "all its" if sizing.num_requests is None else f"{sizing.num_requests:,}"
-        with stage(f"generating the stream {_rate(reference_qps)} with {num_sizing} requests, to size the caches"):
+        rate = rate_phrase(reference_qps)
+        with stage(f"generating the stream {rate} with {num_sizing} requests, to size the caches"):
             try:
-                sizing_requests = _stream_at(sizing, reference_qps)
+                sizing_requests = stream_at_rate(sizing, reference_qps)
             except ExperimentError as exc:
                 raise ExperimentError(
                     f"sizing the caches on the stream with {num_sizing} requests: {exc}; "
@@ -375,7 +389,7 @@ def _run(args: argparse.Namespace) -> int:
     if knee:
         def stream_at(qps: float, num_requests: int) -> list[WorkloadRequest]:
             try:
-                return _stream_at(dataclasses.replace(stream, num_requests=num_requests), qps)
+                return stream_at_rate(dataclasses.replace(stream, num_requests=num_requests), qps)
             except ExperimentError as exc:
                 # A session workload's steady state grows with the rate the search tries.
                 raise ExperimentError(f"--qps knee: {exc}") from None
@@ -397,7 +411,7 @@ def _run(args: argparse.Namespace) -> int:
     # Every rate's stream must fit the fleet before any run starts (a session workload's grows with the rate).
     sized_by = cache_sized_by(args, sizing_reference)
     for qps in rates:
-        _fleet_at(fleet, stream, qps, sized_by)
+        fleet_at_rate(fleet, stream, qps, sized_by)
     runs = [Run(qps, policy, policy_kwargs[policy]) for qps in rates for policy in policies]
     if model is not None:
         results = experiment_runs.run_live_all(runs, stream, fleet, model.model_dir, args)
@@ -413,9 +427,12 @@ def _run(args: argparse.Namespace) -> int:
         writer = csv.writer(out)
         writer.writerow(REQUEST_CSV_FIELDS)
         for run, result in results:
+            # NOTE: a row is named as --policies names its policy (module:Class for one's own), simulated or live
+            # alike; a simulation's result carries the policy's name attribute, which --baseline does not match.
+            result = dataclasses.replace(result, policy=run.policy)
             if run.qps not in infinite_hit_rates:
                 # Per rate: a session workload's stream depends on it.
-                with stage(f"computing the infinite-cache hit rate {_rate(run.qps)}"):
+                with stage(f"computing the infinite-cache hit rate {rate_phrase(run.qps)}"):
                     requests = stream.at(run.qps)
                     infinite_hit_rates[run.qps] = infinite_cache_reference(requests, args.block_size).hit_rate
                     measured[run.qps] = [r.measured for r in requests]
@@ -449,38 +466,16 @@ def _run(args: argparse.Namespace) -> int:
         setup_lines = "".join(f"{line}  \n" for line in setup)  # Markdown line breaks
         out.write(f"{setup_lines}\n{header}\n\n{table}\n")
     # Printed once every file is written: a reader of stdout that stops early loses nothing.
-    print()
-    print(header)
-    print(table)
-    for path in plots:
-        print(f"wrote {path}")
-    print(f"wrote {request_csv}, {args.out / 'summary.csv'}, {args.out / 'summary.md'}")
-    return status
-
-
-def _fleet_at(
-    fleet: FleetConfig, stream: StreamSpec, qps: float | None, sized_by: tuple[float, int] | None
-) -> FleetConfig:
-    """``fleet_for`` the stream at ``qps``; ``ExperimentError`` naming the rate when it does not fit."""
-    requests = _stream_at(stream, qps)
     try:
-        return fleet_for(fleet, requests, sized_by)
-    except ExperimentError as exc:
-        raise ExperimentError(f"{stream.workload} {_rate(qps)}: {exc}") from None
-    except ValueError as exc:
-        raise ExperimentError(f"--workload {stream.workload} {_rate(qps)}: {exc}") from None
-
-
-def _stream_at(stream: StreamSpec, qps: float | None) -> list[WorkloadRequest]:
-    """``stream.at(qps)``; ``ExperimentError`` naming the workload and rate when it cannot be generated."""
-    try:
-        return stream.at(qps)
-    except (ValueError, TypeError, OSError) as exc:  # OSError: a trace that cannot be read
-        raise ExperimentError(f"--workload {stream.workload} {_rate(qps)}: {exc}") from None
-
-
-def _rate(qps: float | None) -> str:
-    return "as recorded" if qps is None else f"at {qps:g} qps"
+        print()
+        print(header)
+        print(table)
+        for path in plots:
+            print(f"wrote {path}")
+        print(f"wrote {request_csv}, {args.out / 'summary.csv'}, {args.out / 'summary.md'}")
+    except BrokenPipeError:  # the reader has gone: with --seeds, the next seeds run and write their files
+        status = closed_stdout_status()
+    return ExperimentOutcome(status, summaries, baseline)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -199,3 +199,29 @@ def fleet_for(
         return fleet
     _check_room(fleet.cache_config.num_usable_blocks, fleet.cache_config.block_size, longest, sized_by)
     return dataclasses.replace(fleet, scheduler_config=dataclasses.replace(scheduler_config, max_model_len=longest))
+
+
+def fleet_at_rate(
+    fleet: FleetConfig, stream: StreamSpec, qps: float | None, sized_by: tuple[float, int] | None
+) -> FleetConfig:
+    """``fleet_for`` the stream at ``qps``; ``ExperimentError`` naming the rate when it does not fit."""
+    requests = stream_at_rate(stream, qps)
+    try:
+        return fleet_for(fleet, requests, sized_by)
+    except ExperimentError as exc:
+        raise ExperimentError(f"{stream.workload} {rate_phrase(qps)}: {exc}") from None
+    except ValueError as exc:
+        raise ExperimentError(f"--workload {stream.workload} {rate_phrase(qps)}: {exc}") from None
+
+
+def stream_at_rate(stream: StreamSpec, qps: float | None) -> list[WorkloadRequest]:
+    """``stream.at(qps)``; ``ExperimentError`` naming the workload and rate when it cannot be generated."""
+    try:
+        return stream.at(qps)
+    except (ValueError, TypeError, OSError) as exc:  # OSError: a trace that cannot be read
+        raise ExperimentError(f"--workload {stream.workload} {rate_phrase(qps)}: {exc}") from None
+
+
+def rate_phrase(qps: float | None) -> str:
+    """A rate as an error or a progress line says it: "at 20 qps", a trace's "as recorded"."""
+    return "as recorded" if qps is None else f"at {qps:g} qps"

@@ -30,7 +30,7 @@ def small_sample_note(num_measured: int) -> str | None:
     return (
         f"note: each run measures only {count(num_measured, 'request')}: TTFT p99 is near the largest TTFT of "
         "the sample and differs from seed to seed; compare policies over "
-        f"{FEW_MEASURED_REQUESTS:,} or more (--num-requests) or over several --seed values"
+        f"{FEW_MEASURED_REQUESTS:,} or more (--num-requests) or over several seeds (--seeds)"
     )
 
 
