@@ -6,11 +6,13 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from kvserve.cluster.cli_values import check_utf8
 from kvserve.cluster.host_port import check_grpc_target
-from kvserve.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_PENALTY
+from kvserve.scheduler.logprobs import TokenLogprobs
+from kvserve.scheduler.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS, MAX_LOGPROBS, MAX_PENALTY
 
 _PENALTY_RANGE = f"[-{MAX_PENALTY:g}, {MAX_PENALTY:g}]"
 
@@ -29,6 +31,7 @@ _ARGUMENT_OF_FIELD = {
     "frequency_penalty": "--frequency-penalty",
     "logit_bias": "--logit-bias",
     "min_tokens": "--min-tokens",
+    "prompt_logprobs": "--prompt-logprobs",
 }
 _SERVER_FLAG_OF_LIMIT = {
     "max_prompt_bytes": "the server's --max-prompt-bytes",
@@ -37,7 +40,7 @@ _SERVER_FLAG_OF_LIMIT = {
 }
 # Names that are only ever a field's or a limit's, wherever they stand in an error.
 _NAMES_IN_ERRORS = re.compile(
-    r"\b(max_tokens|top_p|top_k|cache_salt|presence_penalty|frequency_penalty|logit_bias|min_tokens|"
+    r"\b(max_tokens|top_p|top_k|cache_salt|presence_penalty|frequency_penalty|logit_bias|min_tokens|prompt_logprobs|"
     + "|".join(_SERVER_FLAG_OF_LIMIT) + r")\b"
 )
 
@@ -48,7 +51,8 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         help="stream one completion from a running server",
         description=(
             "Send PROMPT to a kvserve server and print the completion as it streams in; the "
-            "finish reason and the token usage follow on stderr."
+            "finish reason and the token usage follow on stderr (and the prompt's logprobs, asked for with "
+            "--prompt-logprobs, come before it on stderr)."
         ),
     )
     parser.add_argument("prompt", metavar="PROMPT", help="the prompt text")
@@ -92,6 +96,11 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "--min-tokens", type=_int32, default=None, metavar="N",
         help="generate at least N tokens (at most --max-tokens): until then no stop token, end-of-sequence "
         "token or --stop string ends the completion (server default: 0)",
+    )
+    parser.add_argument(
+        "--prompt-logprobs", type=_int32, default=None, metavar="K",
+        help=f"print on stderr, before the completion, each prompt token's log-probability given the tokens "
+        f"before it and the K (at most {MAX_LOGPROBS}) likeliest token ids at its position with theirs",
     )
     parser.add_argument(
         "--ignore-eos", action="store_true",
@@ -236,7 +245,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.cluster.client import Client, RequestError
 
     names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
-             "min_tokens")
+             "min_tokens", "prompt_logprobs")
     sampling = {name: getattr(args, name) for name in names}
     try:
         sampling["logit_bias"] = _logit_biases(args.logit_bias)
@@ -256,6 +265,8 @@ def _generate(args: argparse.Namespace) -> int:
             for delta in client.stream(
                 args.prompt, timeout=args.timeout, ignore_eos=args.ignore_eos, cache_salt=args.cache_salt, **sampling
             ):
+                if delta.prompt_logprobs is not None:
+                    print(prompt_logprobs_lines(delta.prompt_logprobs), file=sys.stderr)
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
                 printed = printed or bool(delta.text)
@@ -278,6 +289,24 @@ def _generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def prompt_logprobs_lines(prompt_logprobs: Sequence[TokenLogprobs | None]) -> str:
+    """The prompt's logprobs, a line per prompt token: its logprob, then the likeliest token ids at its position
+    with theirs.  Tokens are named by position and id: the server sends no texts, and the CLI has no tokenizer."""
+    lines = []
+    for position, logprobs in enumerate(prompt_logprobs):
+        if logprobs is None:
+            lines.append(f"prompt token {position}: no logprob (nothing comes before it)")
+            continue
+        line = f"prompt token {position}: {logprobs.logprob:.4f}"
+        if logprobs.top_token_ids:
+            likeliest = ", ".join(
+                f"{token_id} {logprob:.4f}" for token_id, logprob in zip(logprobs.top_token_ids, logprobs.top_logprobs)
+            )
+            line += f" (likeliest there, by token id: {likeliest})"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _tokens(count: int) -> str:

@@ -44,6 +44,7 @@ from kvserve.cluster.openai_chat import (
 )
 from kvserve.cluster.openai_echo import echoed_prompt
 from kvserve.cluster.openai_errors import FieldNames, error_response, frontend_error_response
+from kvserve.cluster.openai_prompt_logprobs import PromptLogprobsEncoder, check_num_prompt_logprobs, tokenized_prompt
 from kvserve.cluster.openai_protocol import (
     CompletionRequest,
     Model,
@@ -160,6 +161,7 @@ def create_app(
         fields = FieldNames("messages", body.max_tokens_field)
         try:
             output_limit = body.output_limit
+            num_prompt_logprobs = check_num_prompt_logprobs(body.prompt_logprobs)
             check_text_bytes(body.messages, frontend.limits.max_prompt_bytes)
             # NOTE: a thread: rendering and tokenizing a long conversation would stall every stream.
             prompt = await asyncio.to_thread(render_prompt, frontend.tokenizer, chat_template, body.messages)
@@ -167,13 +169,15 @@ def create_app(
                 output_limit = rest_of_context(len(prompt), frontend.model_info.max_model_len)
                 fields = FieldNames("messages", max_tokens_default="the context left after the prompt")
             generates = to_generate_requests(
-                body, prompt, output_limit, body.num_logprobs, request_id=request_id, max_choices=max_choices
+                body, prompt, output_limit, body.num_logprobs, request_id=request_id, max_choices=max_choices,
+                prompt_logprobs=num_prompt_logprobs,
             )
         except InvalidRequestError as exc:
             return frontend_error_response(exc, fields)
         return await respond(
             frontend, request_id, generates, chat_completions,
             stream=body.stream, include_usage=body.include_usage, request=request, fields=fields,
+            prompt_logprobs=prompt_logprobs_encoder(prompt, num_prompt_logprobs),
         )
 
     @app.post("/v1/completions", response_model=None)
@@ -182,19 +186,33 @@ def create_app(
             return refusal
         request_id = uuid.uuid4().hex
         try:
-            prompt, echo = await echoed_prompt(
-                body.prompt, body.echo, body.logprobs, frontend.tokenizer, frontend.limits.max_prompt_bytes
+            num_prompt_logprobs = check_num_prompt_logprobs(body.prompt_logprobs)
+            echoes_logprobs = body.echo and body.logprobs is not None
+            prompt, token_ids = await tokenized_prompt(
+                body.prompt, frontend.tokenizer, frontend.limits.max_prompt_bytes,
+                tokenize=echoes_logprobs or num_prompt_logprobs is not None,
             )
+            echo = echoed_prompt(body.prompt, token_ids, body.echo, body.logprobs, frontend.tokenizer)
+            # NOTE: one ask serves both: the echoed logprobs keep the first ``logprobs`` alternatives of it.
+            asked = [k for k in (body.logprobs if echoes_logprobs else None, num_prompt_logprobs) if k is not None]
             generates = to_generate_requests(
                 body, prompt, body.max_tokens, body.logprobs, request_id=request_id, max_choices=max_choices,
-                prompt_logprobs=body.logprobs if echo is not None else None,
+                prompt_logprobs=max(asked) if asked else None,
             )
         except InvalidRequestError as exc:
             return frontend_error_response(exc)
         return await respond(
             frontend, request_id, generates, text_completions,
             stream=body.stream, include_usage=body.include_usage, request=request, echo=echo,
+            prompt_logprobs=prompt_logprobs_encoder(token_ids, num_prompt_logprobs),
         )
+
+    def prompt_logprobs_encoder(token_ids: list[int] | None, num_top: int | None) -> PromptLogprobsEncoder | None:
+        """How the prompt's logprobs are given, when the request asks (``num_top``); a prompt without known
+        ids (one the pipeline refuses) has none."""
+        if num_top is None:
+            return None
+        return PromptLogprobsEncoder(token_ids or (), num_top, token_text)
 
     return app
 

@@ -15,7 +15,8 @@ OpenAI's and vLLM's do: it ends at EOS or at ``max_model_len``.
 
 ``logprobs: true`` (and ``top_logprobs: k``) gives each choice
 ``logprobs.content``: per token its text, log-probability, UTF-8 bytes and
-the ``k`` most likely tokens in the same shape.
+the ``k`` most likely tokens in the same shape.  vLLM's ``prompt_logprobs: k``
+comes once per answer, beside ``choices``, as vLLM gives it (``openai_prompt_logprobs``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvserve.cluster.openai_protocol import (
     TokenText,
     one_of,
 )
+from kvserve.cluster.openai_prompt_logprobs import PromptLogprobs
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
 
@@ -236,6 +238,8 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: CompletionUsage
+    # vLLM's: once, as every choice has the same prompt; left out unless the request asks.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatDelta(BaseModel):
@@ -258,6 +262,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: CompletionUsage | None = None
+    # On each choice's first chunk only, when the request asks for them.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ChatCompletionShape:
@@ -282,11 +288,13 @@ class ChatCompletionShape:
                 for index, c in enumerate(choices)
             ],
             usage=usage,
+            # NOTE: the first choice's that has them (one aborted before its first token has none).
+            prompt_logprobs=next((c.prompt_logprobs for c in choices if c.prompt_logprobs is not None), None),
         )
 
     def chunk(
         self, request_id: str, created: int, index: int, text: str, reason: str | None, first: bool,
-        logprobs: ChatLogprobs | None = None,
+        logprobs: ChatLogprobs | None = None, prompt_logprobs: PromptLogprobs | None = None,
     ) -> ChatCompletionChunk | None:
         if not text and reason is None and not first and logprobs is None:
             return None
@@ -296,6 +304,7 @@ class ChatCompletionShape:
             created=created,
             model=self.model,
             choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=reason)],
+            prompt_logprobs=prompt_logprobs,
         )
 
     def usage_chunk(self, request_id: str, created: int, usage: CompletionUsage) -> ChatCompletionChunk:

@@ -13,9 +13,10 @@ prompt tokens' logprobs)::
 
 The prompt's logprobs are the pipeline's (``GenerateResponse.prompt_logprobs``,
 asked for with ``sampling_params.prompt_logprobs``: the request's ``logprobs``
-alternatives), on each choice's first message.  They are named by the
-prompt's token ids, so a text prompt that asks for logprobs is tokenized here,
-once (as the pipeline would: ``tokenizer(text)``), and sent as ids.  The
+alternatives, or its ``prompt_logprobs`` ones when more: the first ``logprobs``
+are kept here), on each choice's first message.  They are named by the
+prompt's token ids, so a text prompt that asks for logprobs is tokenized
+before (``openai_prompt_logprobs.tokenized_prompt``) and sent as ids.  The
 echoed text is a text prompt itself, or a token-id prompt decoded as a
 completion's text is (special tokens skipped; ``""`` without a tokenizer, as
 a completion's text is then).  Streamed, the prompt comes in each choice's
@@ -29,7 +30,6 @@ after it are shifted by its length.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,17 +41,17 @@ Prompt = str | list[int] | list[str] | list[list[int]]
 
 class EchoedPrompt:
     """The prompt each choice of one completion begins with: its text (``text``, or ``token_ids`` decoded),
-    its token ids when known (a token-id prompt, or a text prompt tokenized for logprobs), and whether the
-    request asks for logprobs."""
+    its token ids when known (a token-id prompt, or a text prompt tokenized for logprobs), and how many
+    alternatives per token the request's ``logprobs`` ask for (``None``: no logprobs)."""
 
-    __slots__ = ("_text", "token_ids", "with_logprobs", "_tokenizer")
+    __slots__ = ("_text", "token_ids", "num_logprobs", "_tokenizer")
 
     def __init__(
-        self, text: str | None, token_ids: Sequence[int] | None, *, with_logprobs: bool, tokenizer: Any | None
+        self, text: str | None, token_ids: Sequence[int] | None, *, num_logprobs: int | None, tokenizer: Any | None
     ) -> None:
         self._text = text
         self.token_ids = tuple(token_ids) if token_ids is not None else None
-        self.with_logprobs = with_logprobs
+        self.num_logprobs = num_logprobs
         self._tokenizer = tokenizer
 
     @property
@@ -76,33 +76,31 @@ class EchoedPrompt:
         ``prompt_logprobs``: the choice's first message's, one per prompt token after the first.
         """
         text = self.text + text
-        ids = self.token_ids
+        ids, num_top = self.token_ids, self.num_logprobs
         # NOTE: a choice whose first message is an abort (no token yet) has none to put in front.
-        if not self.with_logprobs or ids is None or len(prompt_logprobs) != len(ids) - 1:
+        if num_top is None or ids is None or len(prompt_logprobs) != len(ids) - 1:
             return text, token_ids, logprobs
-        return text, [*ids, *token_ids], [None, *prompt_logprobs, *logprobs]
+        return text, [*ids, *token_ids], [None, *(_at_most(p, num_top) for p in prompt_logprobs), *logprobs]
 
 
-async def echoed_prompt(
-    prompt: Prompt, echo: bool, logprobs: int | None, tokenizer: Any | None, max_prompt_bytes: int
-) -> tuple[Prompt, EchoedPrompt | None]:
-    """The prompt to send the pipeline, and what each choice echoes (``None`` without ``echo``).
+def _at_most(logprobs: generate_pb2.TokenLogprobs, num_top: int) -> generate_pb2.TokenLogprobs:
+    """``logprobs`` with its ``num_top`` likeliest alternatives (the pipeline may have been asked for more,
+    for ``prompt_logprobs``)."""
+    if len(logprobs.top_logprobs) <= num_top:
+        return logprobs
+    return generate_pb2.TokenLogprobs(logprob=logprobs.logprob, top_logprobs=logprobs.top_logprobs[:num_top])
 
-    A text prompt that the pipeline would refuse untokenized (empty, over ``max_prompt_bytes``, no
-    tokenizer) is sent as it is, to be refused so; so is a batch of prompts.
-    """
+
+def echoed_prompt(
+    prompt: Prompt, token_ids: Sequence[int] | None, echo: bool, logprobs: int | None, tokenizer: Any | None
+) -> EchoedPrompt | None:
+    """What each choice echoes (``None`` without ``echo``, or for a batch of prompts, refused later):
+    ``prompt`` as the request gave it, ``token_ids`` its ids when known (``tokenized_prompt``)."""
     if not echo:
-        return prompt, None
+        return None
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            return prompt, None
+            return None
         prompt = prompt[0]
-    with_logprobs = logprobs is not None
-    if isinstance(prompt, list):
-        return prompt, EchoedPrompt(None, prompt, with_logprobs=with_logprobs, tokenizer=tokenizer)
-    if not with_logprobs or tokenizer is None or not prompt or len(prompt.encode()) > max_prompt_bytes:
-        return prompt, EchoedPrompt(prompt, None, with_logprobs=with_logprobs, tokenizer=tokenizer)
-    # NOTE: a thread, as the pipeline tokenizes long prompts: on the event loop it would stall every stream.
-    text = prompt
-    token_ids = await asyncio.to_thread(lambda: list(tokenizer(text)["input_ids"]))
-    return token_ids, EchoedPrompt(text, token_ids, with_logprobs=True, tokenizer=tokenizer)
+    text = prompt if isinstance(prompt, str) else None
+    return EchoedPrompt(text, token_ids, num_logprobs=logprobs, tokenizer=tokenizer)

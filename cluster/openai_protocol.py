@@ -21,7 +21,8 @@ Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
 stop token, EOS or stop string ends the completion before that many tokens).
 ``stop`` strings are matched on the detokenized text by the shared pipeline
 and never sent.  ``echo: true`` (completions) puts the prompt, and with
-``logprobs`` its tokens' logprobs, in front of each choice's (``openai_echo``).
+``logprobs`` its tokens' logprobs, in front of each choice's (``openai_echo``);
+vLLM's ``prompt_logprobs: k`` gives them in vLLM's shape (``openai_prompt_logprobs``).
 OpenAI fields that kvserve does not implement yet are refused
 with a 400 naming them unless they have their neutral value (``best_of`` 1,
 ``response_format`` text, no ``tools``, ...), so that a client never gets
@@ -57,6 +58,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from kvserve.cluster.frontend import InvalidRequestError
+from kvserve.cluster.openai_prompt_logprobs import PromptLogprobs
 from kvserve.proto import generate_pb2
 
 _FINISH_REASONS = {
@@ -143,6 +145,7 @@ class SamplingRequest(BaseModel):
     cache_salt: str | None = None
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
+    prompt_logprobs: int | None = None  # vLLM's
 
     @model_validator(mode="before")
     @classmethod
@@ -238,6 +241,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
+    # vLLM's; left out unless the request asks, so that OpenAI's shape is unchanged.
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class Completion(BaseModel):
@@ -388,6 +393,7 @@ class ChoiceOutput:
     text: str
     finish_reason: str | None
     logprobs: BaseModel | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 TokenText = Callable[[int], str]
@@ -453,7 +459,8 @@ class TextCompletionShape:
             id=f"cmpl-{request_id}",
             model=self.model,
             choices=[
-                CompletionChoice(index=index, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason)
+                CompletionChoice(index=index, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason,
+                                 prompt_logprobs=c.prompt_logprobs)
                 for index, c in enumerate(choices)
             ],
             usage=usage,
@@ -461,16 +468,14 @@ class TextCompletionShape:
 
     def chunk(
         self, request_id: str, created: int, index: int, text: str, reason: str | None, first: bool,
-        logprobs: CompletionLogprobs | None = None,
+        logprobs: CompletionLogprobs | None = None, prompt_logprobs: PromptLogprobs | None = None,
     ) -> Completion | None:
-        if not text and reason is None and logprobs is None:
+        if not text and reason is None and logprobs is None and prompt_logprobs is None:
             return None
-        return Completion(
-            id=f"cmpl-{request_id}",
-            created=created,
-            model=self.model,
-            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=reason)],
+        choice = CompletionChoice(
+            index=index, text=text, logprobs=logprobs, finish_reason=reason, prompt_logprobs=prompt_logprobs
         )
+        return Completion(id=f"cmpl-{request_id}", created=created, model=self.model, choices=[choice])
 
     def usage_chunk(self, request_id: str, created: int, usage: CompletionUsage) -> Completion:
         return Completion(id=f"cmpl-{request_id}", created=created, model=self.model, choices=[], usage=usage)

@@ -8,7 +8,8 @@ chunk comes once every choice has ended.  A client that disconnects aborts its
 requests, which frees their blocks, as a cancelled gRPC call does; so does an
 error in one of its choices.  How each endpoint's answers look is its
 ``ResponseShape``.  A completion with ``echo`` puts its prompt in front of each choice
-(``openai_echo``).
+(``openai_echo``); a request with ``prompt_logprobs`` gets its prompt's logprobs with each choice
+(``openai_prompt_logprobs``), streamed in each choice's first chunk.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from kvserve.cluster.openai_errors import (
     frontend_error_response,
 )
 from kvserve.cluster.openai_kept_tokens import KeptTokens, kept_tokens
+from kvserve.cluster.openai_prompt_logprobs import PromptLogprobs, PromptLogprobsEncoder
 from kvserve.cluster.openai_protocol import ChoiceOutput, CompletionUsage, finish_reason, to_usage
 from kvserve.proto import generate_pb2
 
@@ -56,8 +58,8 @@ class LogprobsEncoder(Protocol):
 
 class ResponseShape(Protocol):
     """How one endpoint's answers look: the whole completion of its choices, a choice's chunk (``None``: send
-    none), the usage chunk, and the logprobs (of the requests that ask), encoded by a new
-    ``logprobs_encoder()`` per choice."""
+    none; ``prompt_logprobs`` on its first only), the usage chunk, and the logprobs (of the requests that
+    ask), encoded by a new ``logprobs_encoder()`` per choice."""
 
     def logprobs_encoder(self) -> LogprobsEncoder: ...
 
@@ -65,7 +67,7 @@ class ResponseShape(Protocol):
 
     def chunk(
         self, request_id: str, created: int, index: int, text: str, reason: str | None, first: bool,
-        logprobs: BaseModel | None,
+        logprobs: BaseModel | None, prompt_logprobs: PromptLogprobs | None = None,
     ) -> BaseModel | None: ...
 
     def usage_chunk(self, request_id: str, created: int, usage: CompletionUsage) -> BaseModel: ...
@@ -82,17 +84,19 @@ async def respond(
     request: Request,
     fields: FieldNames = COMPLETION_FIELDS,
     echo: EchoedPrompt | None = None,
+    prompt_logprobs: PromptLogprobsEncoder | None = None,
 ) -> Response:
     """The completion of ``generates`` (one request per choice) through the front end's pipeline, whole or as
     server-sent events; ``request_id`` names the completion.  Measured as one request, whatever its ``n``.
-    Errors name the fields as the request did (``fields``); ``echo``: the prompt each choice begins with."""
+    Errors name the fields as the request did (``fields``); ``echo``: the prompt each choice begins with;
+    ``prompt_logprobs``: how the prompt's logprobs are given, when the request asks for them."""
     setattr(request.state, MEASURED, True)
     pipelines = [frontend.responses(generate, tenant=request.state.tenant, measured=False) for generate in generates]
     choices = frontend.metrics.track_choices(interleave(pipelines), len(generates))
     kept = [kept_tokens(generate, frontend.tokenizer) for generate in generates]
     if stream:
-        return await _stream(request_id, choices, kept, shape, include_usage, fields, echo)
-    return await _complete(request_id, choices, kept, shape, request, fields, echo)
+        return await _stream(request_id, choices, kept, shape, include_usage, fields, echo, prompt_logprobs)
+    return await _complete(request_id, choices, kept, shape, request, fields, echo, prompt_logprobs)
 
 
 def _tokens_to_send(
@@ -113,6 +117,7 @@ async def _complete(
     request: Request,
     fields: FieldNames,
     echo: EchoedPrompt | None,
+    prompt_logprobs: PromptLogprobsEncoder | None,
 ) -> Response:
     """The whole completion, or an error; the requests are aborted if the client leaves first."""
     collecting = asyncio.ensure_future(_collect(choices, kept))
@@ -138,7 +143,8 @@ async def _complete(
         # A choice that asks for logprobs gets them, empty when a stop string cut all its text.
         asks = logprobs or kept_of_choice is not None
         encoded = shape.logprobs_encoder().encode(token_ids, logprobs) if asks else None
-        outputs.append(ChoiceOutput(text, finish_reason(choice.last), encoded))
+        prompt = prompt_logprobs.encode(choice.prompt_logprobs) if prompt_logprobs is not None else None
+        outputs.append(ChoiceOutput(text, finish_reason(choice.last), encoded, prompt))
     whole = shape.whole(request_id, outputs, to_usage([choice.last for choice in collected]))
     return Response(whole.model_dump_json(), media_type="application/json")
 
@@ -189,6 +195,7 @@ async def _stream(
     include_usage: bool,
     fields: FieldNames,
     echo: EchoedPrompt | None,
+    prompt_logprobs: PromptLogprobsEncoder | None,
 ) -> Response:
     """Server-sent events; errors found before the first token are answered with their HTTP status.
 
@@ -203,7 +210,7 @@ async def _stream(
         await choices.aclose()
         raise
     return StreamingResponse(
-        _events(request_id, first, choices, kept, shape, include_usage, fields, echo),
+        _events(request_id, first, choices, kept, shape, include_usage, fields, echo, prompt_logprobs),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
@@ -218,6 +225,7 @@ async def _events(
     include_usage: bool,
     fields: FieldNames,
     echo: EchoedPrompt | None,
+    prompt_logprobs: PromptLogprobsEncoder | None,
 ) -> AsyncIterator[str]:
     created = int(time.time())
     num_choices = len(kept)
@@ -235,7 +243,10 @@ async def _events(
                         text, token_ids, token_logprobs, response.prompt_logprobs
                     )
                 logprobs = encoders[index].encode(token_ids, token_logprobs) if token_logprobs else None
-                chunk = shape.chunk(request_id, created, index, text, reason, not started[index], logprobs)
+                prompt = None
+                if prompt_logprobs is not None and not started[index]:  # each choice's first chunk
+                    prompt = prompt_logprobs.encode(response.prompt_logprobs)
+                chunk = shape.chunk(request_id, created, index, text, reason, not started[index], logprobs, prompt)
                 started[index] = True
                 if chunk is not None:
                     yield f"data: {chunk.model_dump_json()}\n\n"

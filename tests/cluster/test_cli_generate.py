@@ -22,8 +22,21 @@ REFUSED_AFTER_TEXT = "refused after text"
 REFUSAL = "sampling_params.max_tokens: 5 prompt tokens + max_tokens 16 (the default) exceed max_model_len 8"
 
 
+# The stand-in's prompt logprobs, whatever the prompt: two entries (a prompt of three tokens), up to two
+# alternatives each.
+PROMPT_LOGPROBS = [
+    generate_pb2.TokenLogprobs(logprob=-2.5, top_logprobs=[
+        generate_pb2.TopLogprob(token_id=17, logprob=-0.5), generate_pb2.TopLogprob(token_id=4, logprob=-1.25),
+    ]),
+    generate_pb2.TokenLogprobs(logprob=-0.125, top_logprobs=[
+        generate_pb2.TopLogprob(token_id=9, logprob=-0.125), generate_pb2.TopLogprob(token_id=3, logprob=-3.0),
+    ]),
+]
+
+
 class StandInGeneration(generate_pb2_grpc.GenerationServicer):
-    """A server that streams one token, or refuses as kvserve's front end does."""
+    """A server that streams one token (with ``PROMPT_LOGPROBS``, as many alternatives as asked, when asked),
+    or refuses as kvserve's front end does."""
 
     def Generate(self, request, context):  # noqa: N802 - the gRPC method's name
         if request.text == REFUSED_AFTER_TEXT:
@@ -31,10 +44,16 @@ class StandInGeneration(generate_pb2_grpc.GenerationServicer):
         if request.text in (REFUSED, REFUSED_AFTER_TEXT):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, REFUSAL)
         usage = generate_pb2.Usage(prompt_tokens=1, completion_tokens=1, cached_prompt_tokens=0)
-        yield generate_pb2.GenerateResponse(
+        response = generate_pb2.GenerateResponse(
             request_id="r", text="Hello", token_ids=[7], replica=0,
             finish_reason=generate_pb2.FINISH_REASON_LENGTH, usage=usage,
         )
+        params = request.sampling_params
+        if params.HasField("prompt_logprobs"):
+            for logprobs in PROMPT_LOGPROBS:
+                top = logprobs.top_logprobs[: params.prompt_logprobs]
+                response.prompt_logprobs.append(generate_pb2.TokenLogprobs(logprob=logprobs.logprob, top_logprobs=top))
+        yield response
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +75,25 @@ def test_the_usage_line_says_1_token_not_1_tokens(capsys, target):
     captured = capsys.readouterr()
     assert captured.out == "Hello\n"
     assert captured.err == "[length] prompt 1 token (0 cached), completion 1 token, replica 0\n"
+
+
+def test_prompt_logprobs_are_a_line_per_prompt_token_on_stderr_before_the_usage(capsys, target):
+    assert generate("--target", target, "--prompt-logprobs", "2", "hi") == 0
+    captured = capsys.readouterr()
+    assert captured.out == "Hello\n"
+    assert captured.err == (
+        "prompt token 0: no logprob (nothing comes before it)\n"
+        "prompt token 1: -2.5000 (likeliest there, by token id: 17 -0.5000, 4 -1.2500)\n"
+        "prompt token 2: -0.1250 (likeliest there, by token id: 9 -0.1250, 3 -3.0000)\n"
+        "[length] prompt 1 token (0 cached), completion 1 token, replica 0\n"
+    )
+
+
+def test_prompt_logprobs_0_print_each_prompt_tokens_own_only(capsys, target):
+    assert generate("--target", target, "--prompt-logprobs", "0", "hi") == 0
+    assert capsys.readouterr().err.splitlines()[:3] == [
+        "prompt token 0: no logprob (nothing comes before it)", "prompt token 1: -2.5000", "prompt token 2: -0.1250"
+    ]
 
 
 def test_an_error_before_any_text_is_one_line_without_a_blank_line_before_it(capsys, target):
@@ -91,6 +129,11 @@ def test_an_error_after_some_text_ends_the_texts_line_on_stdout(capsys, target):
         ("cache_salt: 300 bytes, over the limit of 256 (max_cache_salt_bytes)",
          "--cache-salt: 300 bytes, over the limit of 256 (the server's --max-cache-salt-bytes)"),
         ("request_id is longer than 64 characters", "request_id is longer than 64 characters"),
+        ("sampling_params.prompt_logprobs must be an integer in [0, 20] or None, got 21",
+         "--prompt-logprobs must be an integer in [0, 20] or None, got 21"),
+        ("sampling_params.prompt_logprobs: this server's replicas are simulated (no model), so it has no "
+         "log-probabilities",
+         "--prompt-logprobs: this server's replicas are simulated (no model), so it has no log-probabilities"),
     ],
 )
 def test_a_refusal_names_generates_arguments_not_the_grpc_fields(server_message, message):

@@ -450,6 +450,9 @@ def test_metrics_report_each_replicas_state(served: Served):
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
         ({"max_tokens": 5000}, "max_tokens"),
+        ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
+        ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
+        ({"extra_body": {"prompt_logprobs": "1"}}, "prompt_logprobs"),
     ],
 )
 def test_invalid_input_is_a_400_naming_the_field(served: Served, sdk: openai.OpenAI, fields, param):
@@ -724,6 +727,86 @@ def test_the_grpc_client_returns_one_logprob_per_token_up_to_a_stop_string(serve
     assert stopped.finish_reason == "stop"
     assert stopped.logprobs == whole.logprobs[: len(stopped.token_ids)]
     assert grpc_client.generate("stop here", max_tokens=2).logprobs is None
+
+
+# -- prompt logprobs (vLLM's extension) -------------------------------------------
+
+
+def assert_vllm_prompt_logprobs(got: list, token_ids: list[int], want: tuple, num_top: int, tokenizer) -> None:
+    """``got`` (an answer's ``prompt_logprobs``) is ``want`` (the gRPC client's, for the prompt ``token_ids``)
+    in vLLM's shape: null first, then the prompt token's entry and the ``num_top`` likeliest, ranked."""
+    assert len(got) == len(want) == len(token_ids)
+    assert got[0] is None and want[0] is None
+    for token_id, entry, expected in zip(token_ids[1:], got[1:], want[1:], strict=True):
+        top_ids = list(expected.top_token_ids)
+        assert len(top_ids) == num_top
+        assert list(entry) == [str(token_id), *(str(t) for t in top_ids if t != token_id)]
+        assert entry[str(token_id)]["logprob"] == pytest.approx(expected.logprob, abs=1e-5)
+        assert entry[str(token_id)]["rank"] == (top_ids.index(token_id) + 1 if token_id in top_ids else None)
+        assert [entry[str(t)]["logprob"] for t in top_ids] == pytest.approx(expected.top_logprobs, abs=1e-5)
+        assert [entry[str(t)]["rank"] for t in top_ids] == list(range(1, num_top + 1))
+        assert all(value["decoded_token"] == tokenizer.decode([int(key)]) for key, value in entry.items())
+
+
+def test_completion_prompt_logprobs_are_the_grpc_apis_in_vllms_shape(served: Served, grpc_client: Client):
+    prompt = "the quick brown fox jumps"
+    want = grpc_client.generate(prompt, max_tokens=1, prompt_logprobs=3).prompt_logprobs
+
+    response = httpx.post(
+        f"{served.base_url}/v1/completions", timeout=TIMEOUT_S,
+        json={"model": served.model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 3},
+    )
+
+    assert response.status_code == 200, response.text
+    token_ids = served.tokenizer(prompt)["input_ids"]
+    assert_vllm_prompt_logprobs(response.json()["choices"][0]["prompt_logprobs"], token_ids, want, 3, served.tokenizer)
+
+
+def test_chat_prompt_logprobs_come_once_for_the_rendered_conversation(
+    served: Served, sdk: openai.OpenAI, grpc_client: Client
+):
+    rendered = served.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    token_ids = served.tokenizer(rendered, add_special_tokens=False)["input_ids"]
+    want = grpc_client.generate(token_ids, max_tokens=1, prompt_logprobs=2).prompt_logprobs
+
+    chat = sdk.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": 2}
+    ).to_dict()
+
+    assert_vllm_prompt_logprobs(chat["prompt_logprobs"], token_ids, want, 2, served.tokenizer)
+    assert "prompt_logprobs" not in chat["choices"][0]
+
+
+def test_streamed_prompt_logprobs_come_in_the_first_chunk_as_whole(served: Served, sdk: openai.OpenAI):
+    body = {"model": served.model, "prompt": [5, 6, 7, 8], "max_tokens": 3, "extra_body": {"prompt_logprobs": 1}}
+    whole = sdk.completions.create(**body).to_dict()["choices"][0]["prompt_logprobs"]
+
+    chunks = [chunk.to_dict()["choices"][0] for chunk in sdk.completions.create(stream=True, **GREEDY | body)]
+
+    first = chunks[0]["prompt_logprobs"]
+    assert list(map(list, first[1:])) == list(map(list, whole[1:])) and first[0] is None
+    for streamed, entry in zip(first[1:], whole[1:], strict=True):
+        expected = [value["logprob"] for value in entry.values()]
+        assert [value["logprob"] for value in streamed.values()] == pytest.approx(expected, abs=1e-5)
+    assert all("prompt_logprobs" not in chunk for chunk in chunks[1:])
+
+
+def test_generate_prints_the_prompt_logprobs_the_grpc_api_gives(served: Served, grpc_client: Client, capsys):
+    from kvserve.cli import main
+
+    want = grpc_client.generate("hello there", max_tokens=1, prompt_logprobs=1).prompt_logprobs
+
+    assert main(["generate", "--target", served.grpc_target, "--max-tokens", "1", "--prompt-logprobs", "1",
+                 "hello there"]) == 0
+
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prompt token")]
+    assert lines[0] == "prompt token 0: no logprob (nothing comes before it)"
+    assert len(lines) == len(want)
+    for position, (line, expected) in enumerate(zip(lines[1:], want[1:], strict=True), 1):
+        [(token_id, logprob)] = zip(expected.top_token_ids, expected.top_logprobs, strict=True)
+        assert line == (
+            f"prompt token {position}: {expected.logprob:.4f} (likeliest there, by token id: {token_id} {logprob:.4f})"
+        )
 
 
 # -- n choices -------------------------------------------------------------------
