@@ -16,9 +16,16 @@ through a step::
     in flight = (step + b * prefill tokens of the step in flight) / 2   (0 on an idle replica)
     ttft      = in flight + ceil(work / (budget - running)) * step + b * work
 
-The request goes to the replica with the lowest estimate, with two terms that
+The request goes to the replica with the lowest estimate, with three terms that
 the estimate's own limits call for:
 
+* **Room in the KV cache first.**  The estimate prices compute, but a
+  replica admits a waiting request only when its free blocks hold the
+  request's new blocks, and admits in order: where the queue's uncached
+  prompt tokens and the request's need more blocks than are free, the
+  request waits until running requests finish, seconds of decode that the
+  router cannot see.  Such a replica is chosen only when no candidate has
+  room (then the estimate alone decides, as everywhere is short).
 * **Near-ties go to the least loaded** (``tie_tolerance_steps``).  The
   estimate cannot see how far the step in flight has gone, so estimates
   closer than that many steps of the best replica's are equal to it.  A tie
@@ -36,8 +43,9 @@ the estimate's own limits call for:
   counted) takes no more (consistent hashing with bounded loads; the least
   loaded replica is always under it); ``load_factor=None`` turns it off.
 
-``estimate_ttft`` gives the estimates alone.  The measurements behind the
-defaults are in ``README.md`` beside this file.
+``estimate_ttft`` gives the estimates alone, ``has_room`` which replicas have
+room.  The measurements behind the defaults are in ``README.md`` beside this
+file.
 """
 
 from __future__ import annotations
@@ -58,7 +66,8 @@ DEFAULT_STEP_BUDGET = 2048
 
 
 class CostTTFTPolicy:
-    """Lowest estimated TTFT under the step cost model; near-ties to the least loaded; loads bounded.
+    """Lowest estimated TTFT under the step cost model, where the KV cache has room; near-ties to the
+    least loaded; loads bounded.
 
     ``cost_model`` None: the fleet's, which ``FleetSimulator`` and a simulated cluster's
     ``ClusterConfig`` give it; ``StepCostModel.default()`` where nothing does.
@@ -124,6 +133,11 @@ class CostTTFTPolicy:
         if self.load_factor is not None:
             # NOTE: the least loaded available replica is always under the bound (it is at most the mean).
             score[outstanding + 1 > math.ceil(table.bounded_load(self.load_factor)) + self.load_slack] = np.inf
+        short = ~self._has_room(table, uncached, request.block_size)
+        if short.any() and np.isfinite(score[~short]).any():
+            # NOTE: a request that finds no room waits for running requests to finish (seconds of
+            # decode the estimate cannot see), so it goes where there is room while any candidate has it.
+            score[short] = np.inf
         best = int(score.argmin())
         ties = np.flatnonzero(score <= score[best] + self.tie_tolerance_steps * float(step_time[best]) + 1e-12)
         if len(ties) == 1:
@@ -134,6 +148,13 @@ class CostTTFTPolicy:
         if uncached.min() >= request.num_prompt_tokens:
             keys += (np.array([index.num_blocks(int(replica_id)) for replica_id in ties]),)
         return int(ties[np.lexsort(keys)[0]])
+
+    def has_room(
+        self, request: RoutingRequest, replicas: Sequence[ReplicaLoad], index: GlobalPrefixIndex
+    ) -> np.ndarray:
+        """Whether each replica's free KV blocks hold its queue's and ``request``'s uncached prompt tokens."""
+        table = LoadTable.of(replicas)
+        return self._has_room(table, self._uncached_tokens(request, table, index), request.block_size)
 
     def _uncached_tokens(self, request: RoutingRequest, table: LoadTable, index: GlobalPrefixIndex) -> np.ndarray:
         """Prompt tokens ``request`` would compute on each replica, given the prefix each caches."""
@@ -149,6 +170,17 @@ class CostTTFTPolicy:
         work = table.num_queued_prefill_tokens - table.num_queued_cached_tokens + uncached
         in_flight = np.where(table.num_running > 0, 0.5 * (step_time + b * table.num_inflight_prefill_tokens), 0.0)
         return in_flight + np.ceil(work / prefill_budget) * step_time + b * work
+
+    def _has_room(self, table: LoadTable, uncached: np.ndarray, block_size: int) -> np.ndarray:
+        """Whether each replica can allocate the blocks of its queue's uncached tokens and then of ``uncached``.
+
+        NOTE: the scheduler admits a waiting request only when the pool's free blocks (evictable
+        cached ones included) hold its new blocks, and admits in order.  A cached block of the
+        request's that is itself free is taken off the free list too; the index cannot tell
+        which are, so they count as held by running requests.
+        """
+        work = table.num_queued_prefill_tokens - table.num_queued_cached_tokens + uncached
+        return np.ceil(work / block_size) <= table.num_free_blocks
 
     def _step_time(self, table: LoadTable) -> np.ndarray:
         """Seconds of one step of each replica with its running decodes and no prefill."""

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import pytest
 
+from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.cost_model import StepCostModel
+from kvserve.scheduler.request import Request
 from kvserve.scheduler.routing.cost_ttft import CostTTFTPolicy
 from kvserve.scheduler.routing.load import ReplicaLoad
+from kvserve.scheduler.routing.policy import RoutingRequest
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
-from kvserve.scheduler.cost_model import StepCostModel
-from tests.scheduler.routing.test_policies import idle, index_with, request, with_outstanding
+from kvserve.scheduler.routing.router import Router
+from kvserve.scheduler.sampling_params import SamplingParams
+from kvserve.scheduler.scheduler import Scheduler
+from tests.scheduler.routing.test_policies import BLOCK_SIZE, idle, index_with, request, with_outstanding
 
 MODEL = StepCostModel(a=0.01, b=1e-4, c=1e-4, d=0.0)
 
@@ -155,3 +161,68 @@ def test_an_unavailable_replica_is_never_chosen_even_holding_the_prefix() -> Non
 def test_bad_arguments_are_refused(argument: str, value: object) -> None:
     with pytest.raises(ValueError, match=argument):
         CostTTFTPolicy(MODEL, **{argument: value})
+
+
+# -- room in the KV cache ------------------------------------------------------------------------
+
+
+def replica_running(router: Router, replica_id: int, prompt: list[int], num_blocks: int) -> Scheduler:
+    """A real scheduler of ``num_blocks`` usable blocks, decoding ``prompt`` (its blocks held), its load recorded."""
+    scheduler = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=2048, max_model_len=2048),
+        CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks + 1),
+        observer=router.observer_for(replica_id),
+        queue_observer=router.queue_observer_for(replica_id),
+    )
+    if prompt:
+        scheduler.add_request(Request(f"running-{replica_id}", prompt, SamplingParams(max_tokens=100)))
+        plan = scheduler.schedule()
+        scheduler.update(plan, [5] * plan.num_sampled)
+    router.update_load(replica_id, scheduler.get_load())
+    return scheduler
+
+
+def test_a_request_goes_where_the_kv_cache_has_room_for_it_not_to_a_cheaper_replica_without() -> None:
+    # Replica 0 decodes a request that shares the new prompt's first 20 blocks and holds 25 of
+    # its 32 blocks; replica 1 is idle.  Computing 160 tokens after half a step on replica 0 is
+    # cheaper than 480 on replica 1, but replica 0 has 7 free blocks for the 10 it would allocate.
+    policy = CostTTFTPolicy(MODEL)
+    router = Router(2, policy, BLOCK_SIZE)
+    shared = list(range(3, 323))
+    schedulers = [replica_running(router, 0, shared + [7] * 80, 32), replica_running(router, 1, [], 32)]
+    new = Request("new", shared + [9] * 160, SamplingParams(max_tokens=10))
+    router.hash_prompt(new)
+    routing_request = RoutingRequest("new", new.block_hashes, new.num_prompt_tokens, BLOCK_SIZE)
+
+    ttft = policy.estimate_ttft(routing_request, router.loads, router.index)
+    assert ttft[0] < ttft[1] - 0.5 * MODEL.a
+    assert router.route(new) == 1
+    assert policy.has_room(routing_request, router.loads, router.index).tolist() == [False, True]
+    # What the estimate alone would have cost: replica 0 does not admit the request while its
+    # running request decodes.
+    schedulers[0].add_request(new)
+    schedulers[0].schedule()
+    assert [r.req_id for r in schedulers[0].waiting] == ["new"]
+
+
+def test_room_counts_the_blocks_of_the_queue_ahead() -> None:
+    req = request(prompt_len=320)  # 20 blocks
+    loads = [
+        # 30 free blocks: 20 of its own fit, but not after the queue's 800 uncached tokens (50 blocks).
+        ReplicaLoad(0, num_waiting=1, num_queued_prefill_tokens=1600, num_queued_cached_tokens=800,
+                    num_free_blocks=30, num_total_blocks=100),
+        ReplicaLoad(1, num_waiting=1, num_queued_prefill_tokens=1600, num_queued_cached_tokens=1600,
+                    num_free_blocks=30, num_total_blocks=100),
+    ]
+
+    assert CostTTFTPolicy(MODEL).has_room(req, loads, GlobalPrefixIndex()).tolist() == [False, True]
+
+
+def test_where_no_replica_has_room_the_estimate_decides() -> None:
+    req = request(prompt_len=1600)  # 100 blocks, none held
+    loads = [
+        ReplicaLoad(0, num_running=1, num_waiting=2, num_queued_prefill_tokens=3000, num_free_blocks=50),
+        ReplicaLoad(1, num_running=1, num_free_blocks=50),
+    ]
+
+    assert CostTTFTPolicy(MODEL).select(req, loads, GlobalPrefixIndex()) == 1
