@@ -8,6 +8,8 @@ its last token (``decode_pool_blocks``): a preempted request would leave the bat
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import statistics
 import time
 import warnings
@@ -180,6 +182,33 @@ def host_breakdown(engine, worker, steps: int) -> list[str]:
             f"synchronising calls in launches: {len(syncs)} in {steps} steps" + (f" ({syncs[0]})" if syncs else "")]
 
 
+def launch_profile(engine, worker, steps: int, top: int = 14) -> str:
+    """Where the host's launch of a step goes: the ``top`` functions under ``Worker.launch`` by
+    cumulative time per step (cProfile, whose own overhead inflates every figure)."""
+    profiler = cProfile.Profile()
+    launch = worker.launch
+
+    def profiled(plan):
+        profiler.enable()
+        try:
+            return launch(plan)
+        finally:
+            profiler.disable()
+
+    worker.launch = profiled
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        del worker.launch
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, self s, cumulative s, callers)
+    entries = sorted(stats.items(), key=lambda item: item[1][3], reverse=True)
+    rows = [[f"{name} ({file.rsplit('/', 1)[-1]}:{line})"[:70], f"{calls / steps:.0f}", f"{cumulative / steps * 1e6:.0f}",
+             f"{own / steps * 1e6:.0f}"]
+            for (file, line, name), (_, calls, own, cumulative, _) in entries[:top]]
+    return format_table(["function (cProfile)", "calls / step", "cumulative us / step", "own us / step"], rows)
+
+
 def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, top: int = 12) -> str:
     """Where a decode step's time goes at ``batch``: the host's parts, and the ``top`` kernels
     by device time per step (eager and graphed, through torch's profiler)."""
@@ -196,6 +225,9 @@ def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, 
         engine.async_scheduling = mode == "overlapped"
         engine.step()
         lines.append(f"\n{mode}, batch {batch}: " + "; ".join(host_breakdown(engine, worker, steps)))
+        if mode == "graphed":
+            lines.append(f"the host's launch of a graphed step, batch {batch}, {steps} steps:\n")
+            lines.append(launch_profile(engine, worker, steps) + "\n")
         if mode == "overlapped":
             continue
         torch.cuda.synchronize()

@@ -138,3 +138,17 @@ def test_workloads_have_the_issue_shapes_and_floors_add_up() -> None:
     floor = workload_floor_s(long_decode, cost, matmul_flops_per_s=float("inf"), read_bytes_per_s=1e12)
     kv_tokens = sum(64 * (32 + step) for step in range(512))
     assert abs(floor - (512 * cost.weight_bytes + kv_tokens * cost.kv_bytes_per_token) / 1e12) < 1e-9
+
+
+def test_the_launch_profile_names_the_workers_launch_and_what_it_calls(tmp_path) -> None:
+    from kvserve import LLM
+    from kvserve.bench.decode_steps import _start_decoding, launch_profile
+    from kvserve.worker.tiny_model import create_tiny_model
+
+    with LLM(create_tiny_model(tmp_path, "llama", seed=0), num_blocks=64) as llm:
+        _start_decoding(llm.engine, 4, 8, 1000, 8, "p", seed=1)
+        table = launch_profile(llm.engine, llm.engine.executor.worker, steps=3, top=40)
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in table.splitlines()[2:]}
+    launch = next(cells for name, cells in rows.items() if name.startswith("launch (worker.py:"))
+    assert int(launch[0]) == 1 and int(launch[1]) >= int(launch[2]) >= 0
+    assert any(name.startswith("prepare (input_batch.py:") for name in rows)
