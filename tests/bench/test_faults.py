@@ -74,10 +74,27 @@ def test_every_field_of_a_generate_request_is_fuzzed() -> None:
     assert fields - fuzzed == set()
 
 
-@pytest.mark.slow
-def test_every_fuzzed_bad_request_is_refused_clearly_and_the_server_still_serves_good_ones(model_dir) -> None:
+@pytest.fixture(scope="module")
+def fuzzed_then_killed(model_dir: Path):
+    """One server (each start is a Ray instance's, some 10 s): fuzzed first, then its scheduler killed
+    under long streams."""
+    async def kill(port: int, serve: ServeProcess):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            # Long streams: every one still runs when the scheduler dies.
+            return await scenario_scheduler_kill(
+                serve, channel, generate_pb2_grpc.GenerationStub(channel), prompts(6), max_tokens=400
+            )
+
     with served(model_dir) as serve:
-        rows, outcome, requests = asyncio.run(fuzz(serve.wait_for_port(), serve, model_dir, num_requests=100))
+        port = serve.wait_for_port()
+        fuzzed = asyncio.run(fuzz(port, serve, model_dir, num_requests=100))
+        killed = asyncio.run(kill(port, serve))
+    return fuzzed, killed
+
+
+@pytest.mark.slow
+def test_every_fuzzed_bad_request_is_refused_clearly_and_the_server_still_serves_good_ones(fuzzed_then_killed) -> None:
+    (rows, outcome, requests), _ = fuzzed_then_killed
 
     assert outcome.server_alive
     # Every kind of bad and odd request was sent at least once (each kind comes once before the random draws).
@@ -97,17 +114,11 @@ def test_every_fuzzed_bad_request_is_refused_clearly_and_the_server_still_serves
 
 
 @pytest.mark.slow
-def test_a_killed_scheduler_ends_every_stream_and_serve_exits_non_zero_without_saying_serving(model_dir) -> None:
+def test_a_killed_scheduler_ends_every_stream_and_serve_exits_non_zero_without_saying_serving(
+    fuzzed_then_killed,
+) -> None:
     # The exit itself (code 1, the message, nothing left) with no stream running: tests/cluster/test_cli.py.
-    async def kill(port: int, serve: ServeProcess):
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            # Long streams: every one still runs when the scheduler dies.
-            return await scenario_scheduler_kill(
-                serve, channel, generate_pb2_grpc.GenerationStub(channel), prompts(6), max_tokens=400
-            )
-
-    with served(model_dir) as serve:
-        scenario, outcome = asyncio.run(kill(serve.wait_for_port(), serve))
+    _, (scenario, outcome) = fuzzed_then_killed
 
     assert outcome.exit_code == 1
     assert outcome.exit_s is not None and outcome.exit_s < 30.0
