@@ -246,6 +246,9 @@ class FuzzedRequests:
             "logit_bias over 300 tokens": lambda: with_params(
                 logit_bias={i: 1.0 for i in range(r.choice((301, 10**5)))}
             ),
+            "repetition_penalty not above 0, or not finite": lambda: with_params(
+                repetition_penalty=r.choice((0.0, -0.0, -1.0, -1e-300, math.nan, math.inf))
+            ),
             "min_tokens negative or over max_tokens": lambda: with_params(
                 min_tokens=r.choice((-1, ODD_MAX_TOKENS + 1, 2**31 - 1, -(2**31)))
             ),

@@ -7,7 +7,8 @@ for 64 new tokens, generated
 (b) with a presence and a frequency penalty and 8 logit biases on every request
     (counts of every request's tokens kept on the device, updated each step);
 (c) with ``min_tokens`` on every request, holding back 8 stop tokens;
-(d) with the adjustments of (b) on a quarter of the requests only.
+(d) with the adjustments of (b) on a quarter of the requests only;
+(e) with a repetition penalty on every request (its prompt's tokens marked on the device too).
 
 Each workload runs twice and the faster run counts.  Figures: generated tokens per
 second and the ratio to (a) (1.0: free; below, the share of the speed the adjustments
@@ -42,12 +43,14 @@ def workloads(vocab: int) -> dict[str, list[SamplingParams]]:
     biased = {rng.randrange(vocab): rng.uniform(-5.0, 5.0) for _ in range(8)}
     penalised = SamplingParams(**greedy, presence_penalty=0.5, frequency_penalty=0.5, logit_bias=biased)
     held_back = SamplingParams(**greedy, min_tokens=MAX_TOKENS, stop_token_ids=tuple(range(3, 11)))
+    repeated = SamplingParams(**greedy, repetition_penalty=1.2)
     plain = SamplingParams(**greedy)
     return {
         "(a) plain": [plain] * NUM_REQUESTS,
         "(b) penalties + 8 biases, all": [penalised] * NUM_REQUESTS,
         "(c) min_tokens, 8 stop ids, all": [held_back] * NUM_REQUESTS,
         "(d) penalties + 8 biases, 1 in 4": [penalised if i % 4 == 0 else plain for i in range(NUM_REQUESTS)],
+        "(e) repetition penalty, all": [repeated] * NUM_REQUESTS,
     }
 
 

@@ -31,6 +31,7 @@ _ARGUMENT_OF_FIELD = {
     "frequency_penalty": "--frequency-penalty",
     "logit_bias": "--logit-bias",
     "min_tokens": "--min-tokens",
+    "repetition_penalty": "--repetition-penalty",
     "prompt_logprobs": "--prompt-logprobs",
 }
 _SERVER_FLAG_OF_LIMIT = {
@@ -41,6 +42,7 @@ _SERVER_FLAG_OF_LIMIT = {
 # Names that are only ever a field's or a limit's, wherever they stand in an error.
 _NAMES_IN_ERRORS = re.compile(
     r"\b(max_tokens|top_p|top_k|cache_salt|presence_penalty|frequency_penalty|logit_bias|min_tokens|prompt_logprobs|"
+    r"repetition_penalty|"
     + "|".join(_SERVER_FLAG_OF_LIMIT) + r")\b"
 )
 
@@ -86,6 +88,12 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
         "--frequency-penalty", type=float, default=None, metavar="F",
         help=f"subtract F, in {_PENALTY_RANGE}, from a token's logit once for each time the completion "
         "generated it (server default: 0)",
+    )
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=None, metavar="R",
+        help="divide the positive logits, and multiply the negative ones, of every token in the prompt or the "
+        "completion so far by R > 0 (vLLM's; above 1 discourages repeats, below 1 encourages them; server "
+        "default: 1, none)",
     )
     parser.add_argument(
         "--logit-bias", type=_logit_bias, action="append", default=None, metavar="TOKEN_ID=BIAS",
@@ -245,7 +253,7 @@ def _generate(args: argparse.Namespace) -> int:
     from kvserve.cluster.client import Client, RequestError
 
     names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
-             "min_tokens", "prompt_logprobs")
+             "min_tokens", "prompt_logprobs", "repetition_penalty")
     sampling = {name: getattr(args, name) for name in names}
     try:
         sampling["logit_bias"] = _logit_biases(args.logit_bias)

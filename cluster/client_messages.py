@@ -43,6 +43,9 @@ class SamplingKwargs(TypedDict, total=False):
     ``(token_id, bias)`` pairs; the ids are ints, not OpenAI's strings);
     ``min_tokens`` (at most ``max_tokens``) keeps stop tokens, EOS and stop
     strings from ending the completion before that many tokens.
+    ``repetition_penalty`` (vLLM's, > 0; 1 for none) divides the positive
+    logits, and multiplies the negative ones, of the tokens in the prompt or
+    the completion so far.
     ``cache_salt`` isolates a tenant's cached prefixes; ``request_id`` must be
     unique among the requests in flight (the server assigns one when unset).
     """
@@ -61,6 +64,7 @@ class SamplingKwargs(TypedDict, total=False):
     frequency_penalty: float
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]]
     min_tokens: int
+    repetition_penalty: float
     cache_salt: str
     request_id: str
 

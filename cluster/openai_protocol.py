@@ -17,8 +17,10 @@ a token holding part of a UTF-8 character is a replacement character.
 that is not a token id is a 400 naming ``logit_bias``.
 
 Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
-``cache_salt`` and ``stop_token_ids``, and ``min_tokens`` (vLLM's name: no
-stop token, EOS or stop string ends the completion before that many tokens).
+``cache_salt`` and ``stop_token_ids``, and vLLM's ``min_tokens`` (no stop
+token, EOS or stop string ends the completion before that many tokens) and
+``repetition_penalty`` (> 0: the prompt's and the completion's tokens' positive
+logits divided by it, negative ones multiplied).
 ``stop`` strings are matched on the detokenized text by the shared pipeline
 and never sent.  ``echo: true`` (completions) puts the prompt, and with
 ``logprobs`` its tokens' logprobs, in front of each choice's (``openai_echo``);
@@ -146,6 +148,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     prompt_logprobs: int | None = None  # vLLM's
+    repetition_penalty: float | None = None  # vLLM's
 
     @model_validator(mode="before")
     @classmethod
@@ -344,7 +347,8 @@ def _to_generate_request(
     fields = {"max_tokens": max_tokens, "temperature": request.temperature, "top_p": request.top_p,
               "top_k": request.top_k, "seed": request.seed, "logprobs": logprobs,
               "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
-              "min_tokens": request.min_tokens, "prompt_logprobs": prompt_logprobs}
+              "min_tokens": request.min_tokens, "prompt_logprobs": prompt_logprobs,
+              "repetition_penalty": request.repetition_penalty}
     for name, value in fields.items():
         if value is not None:
             try:

@@ -13,7 +13,8 @@ naming the field, so a worker never indexes past the end of a column.
 
 ``SamplingParams.stop_token_ids`` and ``ignore_eos`` are not sent: stopping is
 decided by the scheduler, workers only sample (a request with ``min_tokens``
-brings its stop tokens in ``NewRequestData.stop_token_ids``, to be held back).
+brings its stop tokens in ``NewRequestData.stop_token_ids``, to be held back;
+one with a repetition penalty its whole prompt in ``prompt_token_ids``).
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def encode_sampling_params(params: SamplingParams) -> step_pb2.WireSamplingParam
     wire.presence_penalty = params.presence_penalty
     wire.frequency_penalty = params.frequency_penalty
     wire.min_tokens = params.min_tokens
+    if params.repetition_penalty != 1.0:
+        wire.repetition_penalty = params.repetition_penalty
     if params.logit_bias:
         token_ids, biases = zip(*params.logit_bias)
         wire.logit_bias_token_ids = _pack_int32(token_ids)
@@ -82,6 +85,7 @@ def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
         frequency_penalty=wire.frequency_penalty,
         logit_bias=tuple(zip(bias_token_ids.tolist(), biases.tolist())),
         min_tokens=wire.min_tokens,
+        repetition_penalty=wire.repetition_penalty if wire.HasField("repetition_penalty") else 1.0,
     )
 
 
@@ -185,7 +189,7 @@ def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.N
         params = new.sampling_params
         key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.logprobs,
                params.presence_penalty, params.frequency_penalty, params.logit_bias, params.min_tokens,
-               params.prompt_logprobs)
+               params.prompt_logprobs, params.repetition_penalty)
         index = index_of.get(key)
         if index is None:
             index = index_of[key] = len(index_of)
@@ -201,6 +205,9 @@ def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.N
     if any(new.stop_token_ids for new in new_requests):
         message.num_stop_token_ids = _pack_int32([len(new.stop_token_ids) for new in new_requests])
         message.stop_token_ids = _pack_int32([t for new in new_requests for t in new.stop_token_ids])
+    if any(new.prompt_token_ids for new in new_requests):
+        message.num_prompt_token_ids = _pack_int32([len(new.prompt_token_ids) for new in new_requests])
+        message.prompt_token_ids = _pack_int32([t for new in new_requests for t in new.prompt_token_ids])
 
 
 def _decode_new_requests(message: step_pb2.NewRequests) -> list[NewRequestData]:
@@ -221,10 +228,17 @@ def _decode_new_requests(message: step_pb2.NewRequests) -> list[NewRequestData]:
         )
     output_token_ids = _flat_column_per_request(message, "output_token_ids", len(req_ids))
     stop_token_ids = _flat_column_per_request(message, "stop_token_ids", len(req_ids))
+    prompt_token_ids = _flat_column_per_request(message, "prompt_token_ids", len(req_ids))
+    num_prompt_tokens_list = num_prompt_tokens.tolist()
+    if message.num_prompt_token_ids:
+        for i, (prompt, num_prompt) in enumerate(zip(prompt_token_ids, num_prompt_tokens_list)):
+            if prompt and len(prompt) != num_prompt:
+                raise ValueError(f"new_requests.num_prompt_token_ids[{i}] is {len(prompt)}: a request sends its "
+                                 f"whole prompt (num_prompt_tokens {num_prompt}) or none")
     return [
-        NewRequestData(req_id, params[index], num_prompt, outputs, stops)
-        for req_id, index, num_prompt, outputs, stops in zip(
-            req_ids, indices.tolist(), num_prompt_tokens.tolist(), output_token_ids, stop_token_ids
+        NewRequestData(req_id, params[index], num_prompt, outputs, stops, prompt)
+        for req_id, index, num_prompt, outputs, stops, prompt in zip(
+            req_ids, indices.tolist(), num_prompt_tokens_list, output_token_ids, stop_token_ids, prompt_token_ids
         )
     ]
 

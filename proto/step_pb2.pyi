@@ -17,7 +17,7 @@ class NumBlocks(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class WireSamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias_token_ids", "logit_bias_values", "min_tokens", "prompt_logprobs")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias_token_ids", "logit_bias_values", "min_tokens", "prompt_logprobs", "repetition_penalty")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class WireSamplingParams(_message.Message):
     LOGIT_BIAS_VALUES_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -42,10 +43,11 @@ class WireSamplingParams(_message.Message):
     logit_bias_values: bytes
     min_tokens: int
     prompt_logprobs: int
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_token_ids: _Optional[bytes] = ..., logit_bias_values: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ...) -> None: ...
+    repetition_penalty: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_token_ids: _Optional[bytes] = ..., logit_bias_values: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
 
 class NewRequests(_message.Message):
-    __slots__ = ("req_ids", "num_prompt_tokens", "sampling_params_index", "sampling_params", "num_output_token_ids", "output_token_ids", "num_stop_token_ids", "stop_token_ids")
+    __slots__ = ("req_ids", "num_prompt_tokens", "sampling_params_index", "sampling_params", "num_output_token_ids", "output_token_ids", "num_stop_token_ids", "stop_token_ids", "num_prompt_token_ids", "prompt_token_ids")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,8 @@ class NewRequests(_message.Message):
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     num_prompt_tokens: bytes
     sampling_params_index: bytes
@@ -62,7 +66,9 @@ class NewRequests(_message.Message):
     output_token_ids: bytes
     num_stop_token_ids: bytes
     stop_token_ids: bytes
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[bytes] = ..., sampling_params_index: _Optional[bytes] = ..., sampling_params: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ..., num_output_token_ids: _Optional[bytes] = ..., output_token_ids: _Optional[bytes] = ..., num_stop_token_ids: _Optional[bytes] = ..., stop_token_ids: _Optional[bytes] = ...) -> None: ...
+    num_prompt_token_ids: bytes
+    prompt_token_ids: bytes
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_prompt_tokens: _Optional[bytes] = ..., sampling_params_index: _Optional[bytes] = ..., sampling_params: _Optional[_Iterable[_Union[WireSamplingParams, _Mapping]]] = ..., num_output_token_ids: _Optional[bytes] = ..., output_token_ids: _Optional[bytes] = ..., num_stop_token_ids: _Optional[bytes] = ..., stop_token_ids: _Optional[bytes] = ..., num_prompt_token_ids: _Optional[bytes] = ..., prompt_token_ids: _Optional[bytes] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "req_ids", "num_scheduled_tokens", "num_computed_tokens", "token_ids", "num_new_block_ids", "new_block_ids", "sample", "new_requests", "finished_req_ids", "preempted_req_ids", "placeholder_rows", "prompt_logprobs_rows", "next_prompt_token_ids")

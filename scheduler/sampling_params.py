@@ -57,6 +57,11 @@ class SamplingParams:
     times the number of times it generated it (its prompt does not count);
     ``logit_bias`` adds to the logits of the tokens it names (given as a
     mapping or pairs of token id and bias; kept as pairs sorted by token id).
+    ``repetition_penalty`` (vLLM's and transformers', > 0; 1 for none) divides
+    the positive logits, and multiplies the negative ones, of every token in
+    the prompt or generated so far: above 1 it discourages repeats, below 1 it
+    encourages them.  The order is vLLM's: biases, repetition penalty, then
+    presence and frequency penalties.
     ``min_tokens``: the stop tokens (``stop_token_ids`` and, unless
     ``ignore_eos``, the model's end-of-sequence tokens) cannot be sampled, and
     stop strings do not stop, before that many tokens were generated.
@@ -75,6 +80,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
@@ -117,6 +123,9 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {min(stop_token_ids)}")
         presence_penalty = _penalty("presence_penalty", self.presence_penalty)
         frequency_penalty = _penalty("frequency_penalty", self.frequency_penalty)
+        repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
+        if not 0.0 < repetition_penalty < math.inf:  # NaN fails too
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
         logit_bias = _logit_bias(self.logit_bias)
         min_tokens = _integer("min_tokens", self.min_tokens)
         if not 0 <= min_tokens <= max_tokens:
@@ -131,6 +140,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop_token_ids)
         object.__setattr__(self, "presence_penalty", presence_penalty)
         object.__setattr__(self, "frequency_penalty", frequency_penalty)
+        object.__setattr__(self, "repetition_penalty", repetition_penalty)
         object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "min_tokens", min_tokens)
         object.__setattr__(self, "prompt_logprobs", prompt_logprobs)
@@ -141,8 +151,13 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        """Whether sampling depends on the tokens generated so far (presence or frequency penalty)."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Whether sampling depends on the tokens generated so far (presence, frequency or repetition penalty)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def penalizes_prompt(self) -> bool:
+        """Whether sampling depends on the prompt's tokens too (a repetition penalty)."""
+        return self.repetition_penalty != 1.0
 
     @property
     def adjusts_logits(self) -> bool:

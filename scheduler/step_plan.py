@@ -35,7 +35,9 @@ class NewRequestData:
     otherwise: ``output_token_ids``, the tokens the request generated before it
     (re)started, for its penalties (the worker counts its samples from there);
     ``stop_token_ids``, every token that would stop it (the model's EOS
-    included), which the worker holds back until ``min_tokens`` were generated.
+    included), which the worker holds back until ``min_tokens`` were generated;
+    ``prompt_token_ids``, the whole prompt, for a repetition penalty (which
+    counts the prompt: the worker never sees the prompt tokens it finds cached).
     """
 
     req_id: str
@@ -43,6 +45,7 @@ class NewRequestData:
     num_prompt_tokens: int
     output_token_ids: tuple[int, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def for_request(cls, request: Request) -> NewRequestData:
@@ -54,6 +57,7 @@ class NewRequestData:
             request.req_id, params, request.num_prompt_tokens,
             output_token_ids=tuple(request.output_token_ids) if params.has_penalties else (),
             stop_token_ids=tuple(sorted(request.stop_token_ids)) if params.min_tokens else (),
+            prompt_token_ids=tuple(request.prompt_token_ids) if params.penalizes_prompt else (),
         )
 
 

@@ -187,7 +187,8 @@ def test_get_stats_reports_every_replica_idle(served: Served):
 
 def _parity_workload() -> list[tuple[str | list[int], SamplingParams]]:
     """32 requests: greedy and seeded sampling, text and token ids, shared prefixes, EOS allowed,
-    penalties, logit biases and min_tokens (counted and held back on the workers), prompt logprobs."""
+    penalties (the repetition penalty's on the prompt too), logit biases and min_tokens (counted and held back
+    on the workers), prompt logprobs."""
     topics = ["the cat", "a river", "numbers 12345", "héllo wörld 日本語", "once upon a time"]
     workload: list[tuple[str | list[int], SamplingParams]] = []
     for i in range(NUM_STREAMS):
@@ -196,14 +197,14 @@ def _parity_workload() -> list[tuple[str | list[int], SamplingParams]]:
             prompt = [(17 * i + 31 * j) % 1000 for j in range(5 + i)]
         if i % 8 == 5:
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.8, seed=1000 + i, frequency_penalty=1.0,
-                                    logit_bias={42: 3.0})
+                                    logit_bias={42: 3.0}, repetition_penalty=0.8)
         elif i % 4 == 1:
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.8, top_p=0.9, top_k=50, seed=1000 + i)
         elif i % 8 == 3:
             # A fifth of the vocabulary stops the request, but not before 4 tokens.
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, logit_bias={42: 10.0, 7: -100.0},
                                     frequency_penalty=2.0, presence_penalty=0.5, min_tokens=4,
-                                    stop_token_ids=tuple(range(i % 5, 1000, 5)))
+                                    stop_token_ids=tuple(range(i % 5, 1000, 5)), repetition_penalty=1.3)
         elif i % 4 == 2:
             # A fifth of the vocabulary stops the request: some stop early.
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, stop_token_ids=tuple(range(i % 5, 1000, 5)))
@@ -233,6 +234,8 @@ def _to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.frequency_penalty = params.frequency_penalty
         proto.min_tokens = params.min_tokens
         proto.logit_bias.update(dict(params.logit_bias))
+        if params.penalizes_prompt:
+            proto.repetition_penalty = params.repetition_penalty
     return proto
 
 
@@ -371,6 +374,10 @@ BAD_REQUESTS = {
     "top_p zero": (request("hi", generate_pb2.SamplingParams(top_p=0.0)), "top_p"),
     "top_p above one": (request("hi", generate_pb2.SamplingParams(top_p=1.5)), "top_p"),
     "top_k below -1": (request("hi", generate_pb2.SamplingParams(top_k=-2)), "top_k"),
+    "repetition_penalty zero": (
+        request("hi", generate_pb2.SamplingParams(repetition_penalty=0.0)),
+        "sampling_params.repetition_penalty must be finite and > 0, got 0.0",
+    ),
     "stop token past the vocabulary": (
         request("hi", generate_pb2.SamplingParams(stop_token_ids=[1000])),
         "stop_token_ids",

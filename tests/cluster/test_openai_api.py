@@ -16,6 +16,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve import LLM, SamplingParams
 from kvserve.client import Client
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.http_server import bind_socket, start_http_server
@@ -226,6 +227,31 @@ def test_a_chat_completion_answers_the_rendered_conversation(served: Served, sdk
     assert chat.choices[0].finish_reason == "length"
     # One BOS: the template's, not another from the tokenizer.
     assert chat.usage.prompt_tokens == expected.usage.prompt_tokens == len(rendered(served, MESSAGES))
+
+
+def test_vllms_repetition_penalty_is_served_over_http_and_grpc_as_in_process(
+    served: Served, sdk: openai.OpenAI, grpc_client: Client
+):
+    prompt = [5, 6, 7, 8, 5, 6, 9, 10, 11, 5]
+    penalised = {"max_tokens": 16, "temperature": 0.0, "ignore_eos": True, "repetition_penalty": 1.6}
+    conversation = rendered(served, MESSAGES)
+    with LLM(served.model_dir, block_size=BLOCK_SIZE, num_blocks=64) as llm:
+        expected, expected_chat = llm.generate([prompt, conversation], SamplingParams(**penalised), progress=False)
+
+    completion = sdk.completions.create(
+        model=served.model, prompt=prompt, max_tokens=16, temperature=0.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.6},
+    )
+    chat = sdk.chat.completions.create(
+        model=served.model, messages=MESSAGES, max_completion_tokens=16, temperature=0.0,
+        extra_body={"ignore_eos": True, "repetition_penalty": 1.6},
+    )
+    streamed = grpc_client.generate(prompt, **penalised)
+    plain = grpc_client.generate(prompt, **{**penalised, "repetition_penalty": 1.0})
+
+    assert list(streamed.token_ids) == expected.token_ids != list(plain.token_ids)
+    assert completion.choices[0].text == streamed.text == expected.text
+    assert chat.choices[0].message.content == expected_chat.text
 
 
 def test_a_streamed_chat_says_the_role_first_and_adds_up_to_the_whole_answer(served: Served, sdk: openai.OpenAI):
@@ -453,6 +479,7 @@ def test_metrics_report_each_replicas_state(served: Served):
         ({"extra_body": {"prompt_logprobs": 21}}, "prompt_logprobs"),
         ({"extra_body": {"prompt_logprobs": -1}}, "prompt_logprobs"),
         ({"extra_body": {"prompt_logprobs": "1"}}, "prompt_logprobs"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
     ],
 )
 def test_invalid_input_is_a_400_naming_the_field(served: Served, sdk: openai.OpenAI, fields, param):

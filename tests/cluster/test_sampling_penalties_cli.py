@@ -1,5 +1,5 @@
-"""``kvserve generate``'s ``--presence-penalty``, ``--frequency-penalty``, ``--logit-bias TOKEN_ID=BIAS`` and
-``--min-tokens``: what they send, how a bad one is refused, and the server's refusals in their terms.
+"""``kvserve generate``'s ``--presence-penalty``, ``--frequency-penalty``, ``--logit-bias TOKEN_ID=BIAS``,
+``--min-tokens`` and ``--repetition-penalty``: what they send, how a bad one is refused, and the server's refusals in their terms.
 
 A stand-in gRPC server records the request it is sent and streams one token back.
 """
@@ -54,17 +54,19 @@ def sent(servicer: RecordingGeneration, *args: str) -> generate_pb2.SamplingPara
 def test_each_flag_is_sent_in_its_field(servicer):
     params = sent(
         servicer, "--presence-penalty", "0.5", "--frequency-penalty", "-1.25", "--min-tokens", "3",
-        "--logit-bias", "50256=-100", "--logit-bias", "7=2.5",
+        "--logit-bias", "50256=-100", "--logit-bias", "7=2.5", "--repetition-penalty", "1.3",
     )
 
     assert (params.presence_penalty, params.frequency_penalty, params.min_tokens) == (0.5, -1.25, 3)
+    assert params.repetition_penalty == 1.3
     assert dict(params.logit_bias) == {50256: -100.0, 7: 2.5}
 
 
 def test_without_the_flags_the_fields_stay_unset_for_the_servers_defaults(servicer):
     params = sent(servicer)
 
-    assert not any(params.HasField(name) for name in ("presence_penalty", "frequency_penalty", "min_tokens"))
+    assert not any(params.HasField(name) for name in ("presence_penalty", "frequency_penalty", "min_tokens",
+                                                      "repetition_penalty"))
     assert not params.logit_bias
 
 
@@ -84,6 +86,7 @@ def test_a_logit_bias_that_is_not_token_id_equals_bias_is_refused_naming_the_fla
         ("--min-tokens", str(2**31), "must be an integer from -2,147,483,648 to 2,147,483,647"),
         ("--presence-penalty", "high", "invalid float value: 'high'"),
         ("--frequency-penalty", "", "invalid float value: ''"),
+        ("--repetition-penalty", "strong", "invalid float value: 'strong'"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_naming_the_flag(capsys, flag, value, message):
@@ -117,6 +120,8 @@ def test_a_token_biased_twice_is_one_line_naming_the_flag(capsys, servicer):
          "--logit-bias may name at most 300 tokens, got 301"),
         ("sampling_params.min_tokens must be in [0, max_tokens=16], got 20",
          "--min-tokens must be in [0, --max-tokens=16], got 20"),
+        ("sampling_params.repetition_penalty must be finite and > 0, got 0.0",
+         "--repetition-penalty must be finite and > 0, got 0.0"),
     ],
 )
 def test_a_refusal_of_the_new_fields_names_the_flags(server_message, message):
@@ -133,3 +138,5 @@ def test_the_help_gives_each_flags_range(capsys):
     assert "--logit-bias TOKEN_ID=BIAS add BIAS, in [-100, 100], to the logit of token TOKEN_ID" in help_text
     assert "repeatable, up to 300 tokens" in help_text
     assert "--min-tokens N generate at least N tokens (at most --max-tokens)" in help_text
+    assert "--repetition-penalty R divide the positive logits, and multiply the negative ones, of every token in the " \
+        "prompt or the completion so far by R > 0" in help_text

@@ -1,4 +1,4 @@
-"""Penalties, ``logit_bias`` and ``min_tokens`` through the gRPC front door and the Python client: what a
+"""Penalties (OpenAI's and vLLM's ``repetition_penalty``), ``logit_bias`` and ``min_tokens`` through the gRPC front door and the Python client: what a
 ``SamplingParams`` message becomes, what is refused (naming the field), and what the client's keywords send.
 
 No server runs: the front end's conversion (``RequestConversion``) and the client's (``to_generate_request``)
@@ -37,11 +37,12 @@ def sampling_params(conversion: RequestConversion, **fields) -> SamplingParams:
 def test_the_new_fields_arrive_exactly(conversion):
     params = sampling_params(
         conversion, max_tokens=8, presence_penalty=0.5, frequency_penalty=-1.25, logit_bias={7: -100.0, 3: 2.5},
-        min_tokens=4,
+        min_tokens=4, repetition_penalty=1.15,
     )
 
     assert params == SamplingParams(
-        max_tokens=8, presence_penalty=0.5, frequency_penalty=-1.25, logit_bias=((3, 2.5), (7, -100.0)), min_tokens=4
+        max_tokens=8, presence_penalty=0.5, frequency_penalty=-1.25, logit_bias=((3, 2.5), (7, -100.0)), min_tokens=4,
+        repetition_penalty=1.15,
     )
 
 
@@ -49,7 +50,13 @@ def test_unset_new_fields_change_no_logit(conversion):
     params = sampling_params(conversion)
 
     assert (params.presence_penalty, params.frequency_penalty, params.logit_bias, params.min_tokens) == (0, 0, (), 0)
+    assert params.repetition_penalty == 1.0
     assert not params.adjusts_logits
+
+
+@pytest.mark.parametrize("penalty", [1e-6, 0.5, 1.0, 2.5, 1e6])
+def test_any_finite_repetition_penalty_above_0_is_taken_as_vllm_takes_it(conversion, penalty):
+    assert sampling_params(conversion, repetition_penalty=penalty).repetition_penalty == penalty
 
 
 def test_a_whole_request_carries_them_to_its_spec(conversion):
@@ -80,6 +87,10 @@ def test_a_whole_request_carries_them_to_its_spec(conversion):
         ({"max_tokens": 8, "min_tokens": 9}, "sampling_params.min_tokens must be in [0, max_tokens=8], got 9"),
         ({"min_tokens": 17}, "sampling_params.min_tokens must be in [0, max_tokens=16], got 17"),
         ({"min_tokens": -1}, "sampling_params.min_tokens must be in [0, max_tokens=16], got -1"),
+        ({"repetition_penalty": 0}, "sampling_params.repetition_penalty must be finite and > 0, got 0.0"),
+        ({"repetition_penalty": -1.5}, "sampling_params.repetition_penalty must be finite and > 0, got -1.5"),
+        ({"repetition_penalty": float("inf")}, "sampling_params.repetition_penalty must be finite and > 0, got inf"),
+        ({"repetition_penalty": float("nan")}, "sampling_params.repetition_penalty must be finite and > 0, got nan"),
     ],
 )
 def test_a_value_out_of_its_range_is_refused_naming_the_field(conversion, fields, message):
@@ -104,11 +115,13 @@ def test_the_bounds_themselves_are_accepted(conversion):
 
 def test_the_client_sends_each_keyword_in_its_field():
     request = to_generate_request(
-        "hi", {"presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {5: -100, 2: 1.5}, "min_tokens": 3}
+        "hi", {"presence_penalty": 0.5, "frequency_penalty": -1.0, "logit_bias": {5: -100, 2: 1.5}, "min_tokens": 3,
+               "repetition_penalty": 1.25}
     )
 
     params = request.sampling_params
     assert (params.presence_penalty, params.frequency_penalty, params.min_tokens) == (0.5, -1.0, 3)
+    assert params.repetition_penalty == 1.25
     assert dict(params.logit_bias) == {5: -100.0, 2: 1.5}
 
 
@@ -124,23 +137,25 @@ def test_the_client_takes_logit_bias_as_a_mapping_or_as_pairs(logit_bias):
 def test_without_the_keywords_the_fields_stay_unset():
     params = to_generate_request("hi", {"max_tokens": 4}).sampling_params
 
-    assert not any(params.HasField(name) for name in ("presence_penalty", "frequency_penalty", "min_tokens"))
+    assert not any(params.HasField(name) for name in ("presence_penalty", "frequency_penalty", "min_tokens",
+                                                      "repetition_penalty"))
     assert not params.logit_bias
 
 
 def test_what_the_client_sends_is_what_the_server_samples_with(conversion):
     kwargs = {"max_tokens": 8, "presence_penalty": 1.5, "frequency_penalty": 0.25, "logit_bias": [(9, -3.5)],
-              "min_tokens": 8}
+              "min_tokens": 8, "repetition_penalty": 0.8}
 
     request = to_generate_request([5, 6], kwargs)
 
     assert conversion.to_request_spec(request).sampling_params == SamplingParams(
-        max_tokens=8, presence_penalty=1.5, frequency_penalty=0.25, logit_bias=((9, -3.5),), min_tokens=8
+        max_tokens=8, presence_penalty=1.5, frequency_penalty=0.25, logit_bias=((9, -3.5),), min_tokens=8,
+        repetition_penalty=0.8,
     )
 
 
 def test_the_new_keywords_are_known_and_a_typo_is_told_the_likeliest():
-    assert {"presence_penalty", "frequency_penalty", "logit_bias", "min_tokens"} <= KEYWORDS
+    assert {"presence_penalty", "frequency_penalty", "logit_bias", "min_tokens", "repetition_penalty"} <= KEYWORDS
     with pytest.raises(TypeError, match="'min_token' \\(did you mean 'min_tokens'\\?\\)"):
         to_generate_request("hi", {"min_token": 3})
 
@@ -159,6 +174,8 @@ def test_the_new_keywords_are_known_and_a_typo_is_told_the_likeliest():
         ({"logit_bias": {2**70: 1}}, ValueError, "logit_bias: "),
         ({"presence_penalty": True}, TypeError, "presence_penalty must be a number, got True"),
         ({"frequency_penalty": "high"}, TypeError, "frequency_penalty: "),
+        ({"repetition_penalty": True}, TypeError, "repetition_penalty must be a number, got True"),
+        ({"repetition_penalty": "1.2"}, TypeError, "repetition_penalty: "),
         ({"min_tokens": 2.5}, TypeError, "min_tokens: "),
         ({"min_tokens": 2**40}, ValueError, "min_tokens: "),
     ],

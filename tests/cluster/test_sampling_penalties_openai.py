@@ -1,4 +1,5 @@
-"""Penalties, ``logit_bias`` and ``min_tokens`` through the OpenAI-compatible API: what a JSON body becomes
+"""Penalties (OpenAI's and vLLM's ``repetition_penalty``), ``logit_bias`` and ``min_tokens`` through the
+OpenAI-compatible API: what a JSON body becomes
 (the ``SamplingParams`` its request is scheduled with) and what is a 400 naming the field.
 
 The app runs in process over a real ``Frontend`` whose scheduler is the fake of test_frontend_streaming,
@@ -74,8 +75,10 @@ def refusal(response: httpx.Response) -> dict:
 # -- what a body becomes -------------------------------------------------------------------------
 
 
-FIELDS = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "logit_bias": {"7": -100, "3": 2.5}, "min_tokens": 4}
-EXPECTED = dict(presence_penalty=0.5, frequency_penalty=-1.25, logit_bias=((3, 2.5), (7, -100.0)), min_tokens=4)
+FIELDS = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "logit_bias": {"7": -100, "3": 2.5}, "min_tokens": 4,
+          "repetition_penalty": 1.2}
+EXPECTED = dict(presence_penalty=0.5, frequency_penalty=-1.25, logit_bias=((3, 2.5), (7, -100.0)), min_tokens=4,
+                repetition_penalty=1.2)
 
 
 def test_a_completion_samples_with_the_bodys_penalties_biases_and_min_tokens():
@@ -100,7 +103,8 @@ def test_each_of_n_choices_samples_with_them():
 
 
 def test_nulls_and_absent_fields_leave_the_logits_alone():
-    nulls = {"presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "min_tokens": None}
+    nulls = {"presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "min_tokens": None,
+             "repetition_penalty": None}
 
     for response, [spec] in (complete(), complete(**nulls), complete(logit_bias={})):
         assert response.status_code == 200, response.text
@@ -136,6 +140,11 @@ def test_nulls_and_absent_fields_leave_the_logits_alone():
         ({"min_tokens": -1}, "min_tokens", "min_tokens must be in [0, max_tokens=8], got -1"),
         ({"min_tokens": 2.0}, "min_tokens", "min_tokens: Input should be a valid integer"),
         ({"min_tokens": 2**40}, "min_tokens", "min_tokens: Value out of range: 1099511627776"),
+        ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be finite and > 0, got 0.0"),
+        ({"repetition_penalty": -1.1}, "repetition_penalty", "repetition_penalty must be finite and > 0, got -1.1"),
+        ({"repetition_penalty": 1e400}, "repetition_penalty", "repetition_penalty must be finite and > 0, got inf"),
+        ({"repetition_penalty": "1.2"}, "repetition_penalty", "repetition_penalty: Input should be a valid number"),
+        ({"repetition_penalty": True}, "repetition_penalty", "repetition_penalty: Input should be a valid number"),
     ],
 )
 def test_a_bad_value_is_a_400_naming_its_field(fields, param, message):
@@ -144,6 +153,13 @@ def test_a_bad_value_is_a_400_naming_its_field(fields, param, message):
     error = refusal(response)
     assert (error["param"], error["message"]) == (param, message)
     assert not specs
+
+
+def test_a_bad_repetition_penalty_is_a_400_on_chat_too():
+    error = refusal(chat(repetition_penalty=-2)[0])
+
+    assert (error["param"], error["message"]) == ("repetition_penalty", "repetition_penalty must be finite and > 0, "
+                                                  "got -2.0")
 
 
 def test_min_tokens_over_max_completion_tokens_is_refused_in_the_requests_own_words():

@@ -60,7 +60,7 @@ def scheduled_plans(overlapped: bool = False) -> list[StepPlan]:
         SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=20, seed=1234, stop_token_ids=(3, 4)),
         SamplingParams(max_tokens=15, temperature=1.3, seed=2**40, logprobs=3),
         SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=0.5, frequency_penalty=-0.25,
-                       logit_bias={3: 1.5, 7: -2.0}, min_tokens=3, stop_token_ids=(5,)),
+                       logit_bias={3: 1.5, 7: -2.0}, min_tokens=3, stop_token_ids=(5,), repetition_penalty=1.3),
         SamplingParams(max_tokens=6, temperature=0.0, prompt_logprobs=2),
     ]
     for i in range(10):
@@ -109,6 +109,12 @@ def test_every_scheduled_plan_round_trips_exactly(overlapped: bool) -> None:
     )
     # A request with min_tokens brings every token that would stop it (its EOS too).
     assert {new.stop_token_ids for p in plans for new in p.new_requests if new.sampling_params.min_tokens} == {(2, 5)}
+    # A request with a repetition penalty brings its whole prompt, every time it (re)starts; the others none.
+    assert all(
+        len(new.prompt_token_ids) == (new.num_prompt_tokens if new.sampling_params.penalizes_prompt else 0)
+        for p in plans for new in p.new_requests
+    )
+    assert any(new.prompt_token_ids for p in plans for new in p.new_requests)
 
 
 def test_empty_plan_round_trips() -> None:
@@ -229,11 +235,23 @@ def test_new_requests_column_with_a_missing_request_is_rejected(message: step_pb
 
 def test_sampling_params_carry_the_logits_adjustments() -> None:
     params = SamplingParams(presence_penalty=-2.0, frequency_penalty=1.5, logit_bias={9: 0.1, 2: -100.0},
-                            min_tokens=4)
+                            min_tokens=4, repetition_penalty=0.75)
     decoded = decode_sampling_params(encode_sampling_params(params))
-    assert (decoded.presence_penalty, decoded.frequency_penalty, decoded.logit_bias, decoded.min_tokens) == (
-        -2.0, 1.5, ((2, -100.0), (9, 0.1)), 4,
-    )
+    assert (decoded.presence_penalty, decoded.frequency_penalty, decoded.logit_bias, decoded.min_tokens,
+            decoded.repetition_penalty) == (-2.0, 1.5, ((2, -100.0), (9, 0.1)), 4, 0.75)
+
+
+def test_no_repetition_penalty_is_left_unset_and_decodes_to_1() -> None:
+    wire = encode_sampling_params(SamplingParams())
+    assert not wire.HasField("repetition_penalty")
+    assert decode_sampling_params(wire).repetition_penalty == 1.0
+
+
+def test_a_repetition_penalty_out_of_range_is_rejected_by_field() -> None:
+    wire = encode_sampling_params(SamplingParams(repetition_penalty=2.0))
+    wire.repetition_penalty = 0.0
+    with pytest.raises(ValueError, match="^repetition_penalty must be finite and > 0, got 0.0"):
+        decode_sampling_params(wire)
 
 
 def test_logit_biases_without_their_token_ids_are_rejected() -> None:
@@ -248,6 +266,32 @@ def penalised_plan() -> StepPlan:
     new_requests = [NewRequestData("a", params, 3, (4, 4), (0,)), NewRequestData("b", SamplingParams(), 3),
                     NewRequestData("c", params, 3, (), (0, 1))]
     return StepPlan(1, ["a", "b", "c"], [1] * 3, [5, 3, 3], [9] * 3, [0] * 3, [], [True] * 3, new_requests, [], [])
+
+
+def repeated_plan() -> StepPlan:
+    repeated = SamplingParams(repetition_penalty=1.2)
+    new_requests = [NewRequestData("a", repeated, 3, (7,), (), (8, 1, 8)), NewRequestData("b", SamplingParams(), 2),
+                    NewRequestData("c", repeated, 2, (), (), (4, 4))]
+    return StepPlan(1, ["a", "b", "c"], [1] * 3, [4, 2, 2], [9] * 3, [0] * 3, [], [True] * 3, new_requests, [], [])
+
+
+def test_new_requests_with_a_repetition_penalty_carry_their_prompts() -> None:
+    plan = repeated_plan()
+    assert over_the_wire(plan) == plan
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("prompt_token_ids", int32([8, 1, 8, 4]), r"^new_requests\.prompt_token_ids has 4 entries but .* adds up to 5"),
+    ("num_prompt_token_ids", int32([3, 0]), r"^new_requests\.num_prompt_token_ids has 2 entries for 3"),
+    ("num_prompt_token_ids", int32([2, 0, 3]),
+     r"^new_requests\.num_prompt_token_ids\[0\] is 2: a request sends its whole prompt \(num_prompt_tokens 3\)"),
+    ("prompt_token_ids", int32([8, 1, 8, -4, 4]), r"^new_requests\.prompt_token_ids holds a negative value"),
+])
+def test_inconsistent_prompt_token_columns_are_rejected(field: str, value: bytes, error: str) -> None:
+    message = encode_plan(repeated_plan())
+    setattr(message.new_requests, field, value)
+    with pytest.raises(ValueError, match=error):
+        decode_plan(message)
 
 
 def test_new_requests_carry_their_outputs_and_stop_tokens_for_adjustments() -> None:

@@ -106,11 +106,12 @@ def test_one_cpu_rank_in_process_is_scheduled_plainly_by_default(model_dir) -> N
 def test_tensor_parallel_ranks_get_the_samples_of_rank_0(model_dir) -> None:
     """With two ranks only rank 0 samples; it sends its samples to rank 1 for the
     placeholders, so both ranks compute the same tokens: outputs equal the plain engine's,
-    seeded random sampling, preemption, penalties (counted on rank 0) and prompt logprobs
+    seeded random sampling, preemption, penalties (counted on rank 0, the repetition penalty's prompt
+    tokens kept there too) and prompt logprobs
     (their logits gathered from both ranks) included.  Ranks in other processes are
     scheduled overlapped by default."""
     prompts = random_prompts(6, seed=12, lo=3, hi=40)
-    penalties = dict(logit_bias={42: 10.0}, frequency_penalty=2.0)
+    penalties = dict(logit_bias={42: 10.0}, frequency_penalty=2.0, repetition_penalty=1.3)
     params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i,
                              prompt_logprobs=2 if i % 3 == 1 else None, **(penalties if i % 3 == 0 else {}))
               for i in range(len(prompts))]
@@ -125,7 +126,7 @@ def test_graphed_steps_with_placeholders_equal_the_plain_engine_on_cuda(tmp_path
     on the device: greedy outputs equal the plain engine's (float32, the CUDA kernels)."""
     path = create_tiny_model(tmp_path, "llama", seed=3, head_dim=64)
     prompts = random_prompts(10, seed=11, lo=3, hi=60)
-    penalties = dict(logit_bias={42: 10.0}, frequency_penalty=2.0, presence_penalty=0.5)
+    penalties = dict(logit_bias={42: 10.0}, frequency_penalty=2.0, presence_penalty=0.5, repetition_penalty=1.3)
     params = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=3 if i % 2 else None,
                              prompt_logprobs=2 if i % 4 == 1 else None, **(penalties if i % 3 == 0 else {}))
               for i in range(len(prompts))]
@@ -157,12 +158,14 @@ def test_overlapped_launches_do_not_synchronise_with_the_device(tmp_path) -> Non
 
         worker.launch = strict_launch
         prompts = random_prompts(12, seed=2, lo=3, hi=40)
-        # greedy, random, top-k and top-p, seeded, penalties with biases and min_tokens, prompt logprobs
+        # greedy, random, top-k and top-p, seeded, penalties with biases and min_tokens, prompt logprobs,
+        # a repetition penalty (its prompt's tokens marked on the device) on random sampling
         kinds = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.7, top_k=20, top_p=0.9),
                  dict(temperature=1.0, seed=5),
                  dict(temperature=0.0, logit_bias={42: 10.0, 3: -100.0}, frequency_penalty=2.0,
                       presence_penalty=0.5, min_tokens=4, stop_token_ids=(3,)),  # 3 never comes: 16 tokens
-                 dict(temperature=0.0, prompt_logprobs=3)]
+                 dict(temperature=0.0, prompt_logprobs=3),
+                 dict(temperature=0.9, repetition_penalty=1.2, seed=7)]
         params = [SamplingParams(max_tokens=16, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(len(prompts))]
         outputs = llm.generate(prompts, params)
     assert [len(o.token_ids) for o in outputs] == [16] * len(prompts)

@@ -1,8 +1,9 @@
-"""Presence and frequency penalties, logit biases and ``min_tokens`` give transformers' greedy tokens.
+"""Presence, frequency and repetition penalties, logit biases and ``min_tokens`` give transformers' greedy tokens.
 
 The reference is transformers' own ``generate()`` in float32: ``sequence_bias`` for
-the biases, ``min_new_tokens`` for ``min_tokens``, and for the penalties a logits
-processor that applies OpenAI's definition to the tokens generated so far.  The
+the biases, ``repetition_penalty`` for vLLM's (the same, prompt included),
+``min_new_tokens`` for ``min_tokens``, and for OpenAI's penalties a logits
+processor that applies their definition to the tokens generated so far.  The
 tiny model's logits spread over about +-6, so a bias of 10 makes a token win until
 the penalties push it back: the penalties then decide every other token.
 """
@@ -51,7 +52,7 @@ def hf_adjusted_greedy(model, prompt: list[int], params: SamplingParams, eos_tok
     """transformers' greedy continuation of ``prompt`` under ``params``' adjustments (ending at and
     including one of ``eos_token_ids`` when given, else ``params.max_tokens`` long)."""
     processors = LogitsProcessorList()
-    if params.has_penalties:
+    if params.presence_penalty or params.frequency_penalty:
         processors.append(OpenAIPenalties(len(prompt), params.presence_penalty, params.frequency_penalty))
     config = model.generation_config
     saved = config.eos_token_id
@@ -63,6 +64,7 @@ def hf_adjusted_greedy(model, prompt: list[int], params: SamplingParams, eos_tok
                 max_new_tokens=params.max_tokens, do_sample=False, pad_token_id=0,
                 sequence_bias={(token_id,): bias for token_id, bias in params.logit_bias} or None,
                 min_new_tokens=params.min_tokens or None, logits_processor=processors,
+                repetition_penalty=params.repetition_penalty if params.penalizes_prompt else None,
             )
     finally:
         config.eos_token_id = saved
@@ -76,6 +78,13 @@ PENALISED = [
                    frequency_penalty=1.5, presence_penalty=0.5),
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logit_bias={FAVOURED: 10.0, 7: -100.0}),
     SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),  # no adjustment, in the same steps
+]
+# vLLM's repetition penalty, alone and after a bias, before OpenAI's penalties (vLLM's order, and transformers').
+REPEATED = [
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.8),
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=0.6),  # rewards repeats
+    SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, repetition_penalty=1.4,
+                   logit_bias={FAVOURED: 10.0}, frequency_penalty=0.5, presence_penalty=0.5),
 ]
 
 
@@ -93,6 +102,22 @@ def test_penalties_and_biases_give_transformers_tokens(model_dir, hf_model) -> N
         assert 0 < output.token_ids.count(FAVOURED) < biased.token_ids.count(FAVOURED) - 4
 
 
+def test_repetition_penalty_counts_the_prompt_cached_prefix_included_like_transformers(model_dir, hf_model) -> None:
+    """The repetition penalty counts the prompt's tokens too: the worker learns them from the plan, those it
+    finds in the prefix cache (and never computes) included."""
+    shared = random_prompts(1, seed=14, lo=24, hi=25)[0]
+    prompts = random_prompts(2 * len(REPEATED), seed=15, lo=3, hi=12, shared=shared)
+    params = [REPEATED[i % len(REPEATED)] for i in range(len(prompts))]
+    with LLM(model_dir, block_size=8, num_blocks=128) as llm:
+        outputs = llm.generate(prompts, params, progress=False)
+        plain = llm.generate(prompts, [dataclasses.replace(p, repetition_penalty=1.0) for p in params],
+                             progress=False)
+    assert all(output.num_cached_tokens >= 16 for output in outputs[1:])
+    for prompt, request_params, output in zip(prompts, params, outputs):
+        assert output.token_ids == hf_adjusted_greedy(hf_model, prompt, request_params)
+    assert all(output.token_ids != unpenalised.token_ids for output, unpenalised in zip(outputs, plain))
+
+
 def test_min_tokens_holds_back_stop_tokens_like_transformers(model_dir, hf_model) -> None:
     prompt = random_prompts(1, seed=12, lo=8, hi=9)[0]
     with LLM(model_dir, num_blocks=128) as llm:
@@ -107,11 +132,18 @@ def test_min_tokens_holds_back_stop_tokens_like_transformers(model_dir, hf_model
     assert held.token_ids == hf_adjusted_greedy(hf_model, prompt, params[1], eos_token_ids=[stop, *eos_token_ids])
 
 
+def preempted_params(num_prompts: int) -> list[SamplingParams]:
+    """OpenAI's penalties and vLLM's repetition penalty, in turn."""
+    mix = [*PENALISED[:3], *REPEATED]
+    return [mix[i % len(mix)] for i in range(num_prompts)]
+
+
 def test_penalties_survive_preemption_and_overlapped_steps(model_dir) -> None:
-    """A preempted request restarts with the tokens it had generated (prefix-cache hits skip them on the
-    worker), and overlapped steps count samples the host has not seen yet: the tokens do not change."""
+    """A preempted request restarts with the tokens it had generated, and its prompt for a repetition penalty
+    (prefix-cache hits skip them on the worker), and overlapped steps count samples the host has not seen yet:
+    the tokens do not change."""
     prompts = random_prompts(8, seed=13, lo=10, hi=30)
-    params = [PENALISED[i % 3] for i in range(len(prompts))]
+    params = preempted_params(len(prompts))
     plain, overlapped = generate_both(model_dir, prompts, params, block_size=4, num_blocks=40,
                                       max_num_batched_tokens=64)
     assert_same(plain, overlapped)
@@ -123,15 +155,16 @@ def test_penalties_survive_preemption_and_overlapped_steps(model_dir) -> None:
 def test_tight_cache_preempts_requests_that_have_generated_tokens(model_dir) -> None:
     """The premise of the test above: its cache is tight enough to preempt requests mid-output."""
     prompts = random_prompts(8, seed=13, lo=10, hi=30)
-    params = [PENALISED[i % 3] for i in range(len(prompts))]
+    params = preempted_params(len(prompts))
     with LLM(model_dir, block_size=4, num_blocks=40, max_num_batched_tokens=64) as llm:
         scheduler = llm.engine.scheduler
         preempt, outputs_at_preemption = scheduler._preempt, []
 
         def recording_preempt(request):
-            outputs_at_preemption.append(request.num_output_tokens)
+            outputs_at_preemption.append((request.sampling_params.penalizes_prompt, request.num_output_tokens))
             return preempt(request)
 
         scheduler._preempt = recording_preempt
         llm.generate(prompts, params, progress=False)
-    assert max(outputs_at_preemption, default=0) > 0
+    # Requests with OpenAI's penalties only, and with a repetition penalty, both.
+    assert {repeated for repeated, num_outputs in outputs_at_preemption if num_outputs > 0} == {False, True}

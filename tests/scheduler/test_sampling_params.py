@@ -58,6 +58,12 @@ def test_logprobs_from_0_to_20_are_accepted(logprobs: int) -> None:
         ({"logit_bias": "ab"}, "logit_bias must map token ids to biases"),
         ({"logit_bias": {i: 1.0 for i in range(301)}}, "logit_bias may name at most 300 tokens, got 301"),
         ({"min_tokens": -1}, r"min_tokens must be in \[0, max_tokens=16\], got -1"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be finite and > 0, got 0.0"),
+        ({"repetition_penalty": -1.2}, r"repetition_penalty must be finite and > 0, got -1.2"),
+        ({"repetition_penalty": math.inf}, r"repetition_penalty must be finite and > 0, got inf"),
+        ({"repetition_penalty": math.nan}, r"repetition_penalty must be finite and > 0, got nan"),
+        ({"repetition_penalty": "1.2"}, "repetition_penalty must be a number, got '1.2'"),
+        ({"repetition_penalty": True}, "repetition_penalty must be a number, got True"),
         ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be in \[0, max_tokens=4\], got 5"),
     ],
 )
@@ -78,6 +84,17 @@ def test_which_params_adjust_the_logits() -> None:
     assert SamplingParams(frequency_penalty=0.1).has_penalties
     assert SamplingParams(logit_bias={1: 1.0}).adjusts_logits and not SamplingParams(logit_bias={1: 1.0}).has_penalties
     assert SamplingParams(min_tokens=1).adjusts_logits
+    assert not SamplingParams(frequency_penalty=0.1).penalizes_prompt
+    repeated = SamplingParams(repetition_penalty=1.1)
+    assert repeated.has_penalties and repeated.penalizes_prompt and repeated.adjusts_logits
+    assert not SamplingParams(repetition_penalty=1).adjusts_logits  # 1 is none
+
+
+def test_any_finite_positive_repetition_penalty_is_taken_as_a_float() -> None:
+    # vLLM's bounds: > 0, no upper one (below 1 rewards repeats).
+    for penalty in (1e-9, 0.5, 1, 2.5, 1e9):
+        params = SamplingParams(repetition_penalty=penalty)
+        assert params.repetition_penalty == penalty and type(params.repetition_penalty) is float
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])

@@ -1,4 +1,5 @@
-"""Logits adjustments: OpenAI's penalties and biases, ``min_tokens``, and the counts kept on the device."""
+"""Logits adjustments: OpenAI's penalties and biases, vLLM's repetition penalty, ``min_tokens``, and the counts
+and prompt tokens kept on the device."""
 
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ def plan(
 
 
 def start(
-    adjuster: LogitsAdjuster, req_id: str, params: SamplingParams, outputs: Sequence[int] = (), stops: Sequence[int] = ()
+    adjuster: LogitsAdjuster, req_id: str, params: SamplingParams, outputs: Sequence[int] = (), stops: Sequence[int] = (),
+    prompt: Sequence[int] = (),
 ) -> None:
-    adjuster.apply_plan(plan(0, [NewRequestData(req_id, params, 3, tuple(outputs), tuple(stops))]))
+    new = NewRequestData(req_id, params, len(prompt) or 3, tuple(outputs), tuple(stops), tuple(prompt))
+    adjuster.apply_plan(plan(0, [new]))
 
 
 def counts_of(adjuster: LogitsAdjuster, req_ids: list[str]) -> list[list[int]]:
@@ -53,6 +56,51 @@ def test_penalties_and_biases_follow_openais_definition() -> None:
     expected[11] -= 100.0
     torch.testing.assert_close(adjusted[1], expected)
     assert torch.equal(adjusted[[0, 2]], logits[[0, 2]])  # rows without adjustments are untouched
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_prompt_and_output_tokens() -> None:
+    """vLLM's order: the bias first, then the repetition penalty, then OpenAI's penalties."""
+    adjuster = LogitsAdjuster(VOCAB, CPU)
+    params = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, logit_bias={5: 1.0})
+    start(adjuster, "a", params, outputs=[4, 4], prompt=[1, 5, 1, 7])
+    logits = torch.tensor([[0.5, 3.0, -2.0, 1.0, -4.0, -0.5, 2.0, 0.0, 1.5, -1.5, 2.5, -3.5]])
+    adjusted = adjuster.prepare(["a"], [2]).apply(logits.clone())
+    expected = logits[0].clone()
+    expected[1] = 3.0 / 2  # in the prompt (twice: it counts once)
+    expected[4] = -4.0 * 2 - 2 * 0.5  # generated twice
+    expected[5] = (-0.5 + 1.0) / 2  # biased, then in the prompt
+    expected[7] = 0.0  # 0 stays 0
+    torch.testing.assert_close(adjusted[0], expected)
+    # Each step's samples are penalized from the next step on.
+    adjuster.record(adjuster.prepare(["a"], [2]), torch.tensor([9]))
+    assert adjuster.prepare(["a"], [3]).apply(logits.clone())[0, 9].item() == -1.5 * 2 - 0.5
+
+
+def test_a_reused_row_forgets_the_prompt_of_its_last_request() -> None:
+    adjuster = LogitsAdjuster(VOCAB, CPU)
+    repeated = SamplingParams(repetition_penalty=2.0)
+    start(adjuster, "a", repeated, prompt=[3, 6])
+    adjuster.apply_plan(plan(1, finished=["a"]))
+    start(adjuster, "b", repeated, prompt=[8])
+    logits = torch.ones(1, VOCAB)
+    adjusted = adjuster.prepare(["b"], [0]).apply(logits.clone())
+    assert adjusted[0].tolist() == [0.5 if token_id == 8 else 1.0 for token_id in range(VOCAB)]
+
+
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40, 1e300])
+def test_extreme_repetition_penalties_keep_the_logits_finite(penalty: float) -> None:
+    """A penalty near 0 divides logits past float32's range (or to 0 / 0), a huge one multiplies them past it:
+    clamped, the sampler still draws a token (inf - inf would make its probabilities NaN)."""
+    adjuster = LogitsAdjuster(VOCAB, CPU)
+    params = SamplingParams(repetition_penalty=penalty, temperature=1.0, seed=3)
+    start(adjuster, "a", params, prompt=list(range(VOCAB)))
+    logits = torch.tensor([[30.0, 20.0, 0.0, -0.0, -20.0, -30.0, 5.0, 1.0, -1.0, 2.0, -2.0, 0.5]])
+    adjustments = adjuster.prepare(["a"], [0])
+    adjusted = adjustments.apply(logits.clone())
+    assert torch.isfinite(adjusted).all()
+    assert adjusted[0].argmax().item() == 0  # the largest logit (a huge penalty takes every positive one to 0)
+    token_ids, _ = (sampled := Sampler(seed=0)(logits, [params], [0], adjustments)).unpack(sampled.pack())
+    assert 0 <= token_ids[0] < VOCAB
 
 
 def test_counts_follow_each_steps_samples_and_restart_from_the_tokens_sent() -> None:
