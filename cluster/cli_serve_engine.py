@@ -39,6 +39,13 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help="never reuse cached blocks of earlier prompts (every prompt is computed in full)",
     )
     engine.add_argument(
+        "--tenant-cache-share", type=float, default=None, metavar="F",
+        help="with --auth-token-file: while a tenant's cached blocks hold more than F of a replica's KV "
+        "cache (F in (0, 1]), the others' cached blocks are evicted last: new blocks come from free uncached "
+        "ones, then from that tenant's own cache, so that one tenant's flood of unique prompts cannot wipe "
+        "the others' prefix cache (default: off: one LRU order for all tenants)",
+    )
+    engine.add_argument(
         "--no-chunked-prefill", action="store_const", const=False, default=None, dest="enable_chunked_prefill",
         help="compute each prompt in one step (then --max-num-batched-tokens must be at least --max-model-len)",
     )

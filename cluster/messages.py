@@ -7,6 +7,7 @@ call per batch of steps (never one remote call per token).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -16,12 +17,22 @@ from kvserve.scheduler.sampling_params import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class RequestSpec:
-    """A validated, tokenized request, ready to be routed."""
+    """A validated, tokenized request, ready to be routed.
+
+    ``tenant``: the name of the authenticated caller's tenant (``None`` without an auth
+    token file); its requests' cached blocks count against its share of the cache
+    (``tenant_cache_share``).
+    """
 
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     cache_salt: str | None = None
+    tenant: str | None = None
+
+    def with_tenant(self, tenant: str | None) -> RequestSpec:
+        """This spec sent by ``tenant`` (itself when ``tenant`` is ``None``)."""
+        return self if tenant is None else dataclasses.replace(self, tenant=tenant)
 
 
 @dataclass(frozen=True, slots=True)

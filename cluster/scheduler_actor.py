@@ -220,7 +220,7 @@ class SchedulerActor:
         req_id = spec.req_id
         if req_id in self._requests or req_id in self._outputs.pending or req_id in self._waiting:
             raise ValueError(f"request_id {req_id!r} is already in flight")
-        request = self._new_request(req_id, spec.prompt_token_ids, spec.sampling_params, spec.cache_salt)
+        request = self._new_request(req_id, spec.prompt_token_ids, spec.sampling_params, spec.cache_salt, tenant=spec.tenant)
         return self._queue_or_wait(request)
 
     def _new_request(
@@ -461,7 +461,7 @@ class SchedulerActor:
         """``request`` as it arrived (its hashes and arrival time kept), plus what it produced."""
         resumed = self._new_request(
             request.req_id, request.prompt_token_ids, request.sampling_params, request.cache_salt,
-            arrival_time=request.arrival_time, block_hashes=request.block_hashes,
+            arrival_time=request.arrival_time, block_hashes=request.block_hashes, tenant=request.tenant,
         )
         for token_id in request.output_token_ids:
             resumed.append_output_token(token_id)

@@ -56,7 +56,8 @@ class LLM:
 
     ``settings`` are the engine's, by name (``kvserve.scheduler.engine_config``):
     ``block_size``, ``num_blocks``, ``enable_prefix_caching``, ``gpu_memory_utilization``,
-    ``cpu_kv_cache_bytes``; ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
+    ``cpu_kv_cache_bytes``, ``tenant_cache_share`` (requests here have no tenant: no effect);
+    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
     ``enable_chunked_prefill``, ``long_prefill_token_threshold``; ``device``, ``dtype``,
     ``seed``, ``enforce_eager``, ``async_scheduling`` (plan each step while the device, or
     the tensor-parallel ranks, run the one before; by default on CUDA or with tensor

@@ -109,7 +109,15 @@ class BlockHashToBlockMap:
 
 
 class BlockPool:
-    """Ref-counted KV-cache blocks with an LRU free queue and a prefix cache."""
+    """Ref-counted KV-cache blocks with an LRU free queue and a prefix cache.
+
+    ``tenant`` arguments name who asks (``Request.tenant``); this pool ignores them: every
+    block is evicted in one LRU order.  ``TenantBlockPool`` keeps tenants within their share.
+    """
+
+    # What a subclass's blocks and free queue are (TenantBlockPool's carry their tenant).
+    block_type: type[KVCacheBlock] = KVCacheBlock
+    free_queue_type: type[FreeKVCacheBlockQueue] = FreeKVCacheBlockQueue
 
     def __init__(
         self,
@@ -121,8 +129,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.observer = observer
-        self.blocks: list[KVCacheBlock] = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        block_type = self.block_type
+        self.blocks: list[KVCacheBlock] = [block_type(i) for i in range(num_blocks)]
+        self.free_block_queue = self.free_queue_type(self.blocks)
         self.cached_block_hash_to_block = BlockHashToBlockMap()
         # The null block pads block tables; it is never allocated, freed or cached.
         self.null_block = self.free_block_queue.popleft()
@@ -149,7 +158,7 @@ class BlockPool:
 
     # -- allocation ------------------------------------------------------------
 
-    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+    def get_new_blocks(self, num_blocks: int, tenant: str | None = None) -> list[KVCacheBlock]:
         """Take ``num_blocks`` blocks from the head of the free queue.
 
         Cached blocks among them are evicted (their hashes cleared, a removed
@@ -208,6 +217,7 @@ class BlockPool:
         block_hashes: Sequence[BlockHash],
         num_cached_blocks: int,
         num_full_blocks: int,
+        tenant: str | None = None,
     ) -> None:
         """Cache ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes.
 

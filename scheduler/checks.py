@@ -43,6 +43,12 @@ def check_num_blocks(num_blocks: object) -> None:
         raise ValueError(f"num_blocks must be an integer >= 2 (block 0 is the null block), got {num_blocks!r}")
 
 
+def check_tenant_cache_share(share: object) -> None:
+    """``ValueError`` unless ``share`` (``tenant_cache_share``) is ``None`` or a number in (0, 1]."""
+    if share is not None:
+        check_numbers(0.0, above=True, maximum=1.0, tenant_cache_share=share)
+
+
 def check_numbers(
     minimum: float, *, above: bool = False, maximum: float = math.inf, **values: object
 ) -> None:

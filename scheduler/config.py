@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvserve.scheduler.checks import check_block_size, check_num_blocks, check_positive_ints
+from kvserve.scheduler.checks import check_block_size, check_num_blocks, check_positive_ints, check_tenant_cache_share
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,17 +18,21 @@ class CacheConfig:
     ``num_blocks`` counts every block including the null block (id 0), so a
     pool of ``num_blocks`` hands out at most ``num_blocks - 1`` blocks.
     ``model_id`` is mixed into every block hash so that caches of different
-    models or adapters never match.
+    models or adapters never match.  ``tenant_cache_share``: the share of the usable
+    blocks a tenant's cached blocks may hold before its cache is evicted ahead of the
+    others' (``kvserve.scheduler.tenant_block_pool``); ``None``: one LRU order for everyone.
     """
 
     block_size: int = 16
     num_blocks: int = 1024
     enable_prefix_caching: bool = True
     model_id: str = ""
+    tenant_cache_share: float | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
         check_num_blocks(self.num_blocks)
+        check_tenant_cache_share(self.tenant_cache_share)
 
     @property
     def num_usable_blocks(self) -> int:

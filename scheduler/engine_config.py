@@ -23,7 +23,12 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.scheduler.checks import check_block_size, check_num_blocks, check_positive_ints
+from kvserve.scheduler.checks import (
+    check_block_size,
+    check_num_blocks,
+    check_positive_ints,
+    check_tenant_cache_share,
+)
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
@@ -38,6 +43,10 @@ class CacheSettings:
     ``num_blocks`` counts the null block; ``None`` sizes the cache to the device: the
     share ``gpu_memory_utilization`` of a GPU's memory less what is in use, or
     ``cpu_kv_cache_bytes`` on a CPU (``None``: the worker's default, 512 MiB).
+    ``tenant_cache_share`` F: while a tenant's (an authenticated caller's) cached blocks hold
+    more than F of the usable blocks, the other tenants' cached blocks are evicted last, so
+    that it cannot evict the others' prefixes (``kvserve.scheduler.tenant_block_pool``;
+    ``None``: one LRU order for all).
     """
 
     block_size: int = 16
@@ -45,9 +54,11 @@ class CacheSettings:
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int | None = None
+    tenant_cache_share: float | None = None
 
     def __post_init__(self) -> None:
         check_block_size(self.block_size)
+        check_tenant_cache_share(self.tenant_cache_share)
         if self.num_blocks is not None:
             check_num_blocks(self.num_blocks)
         if not isinstance(self.enable_prefix_caching, bool):
@@ -207,6 +218,7 @@ class EngineConfig:
             num_blocks=num_blocks,
             enable_prefix_caching=self.cache.enable_prefix_caching,
             model_id=model_id,
+            tenant_cache_share=self.cache.tenant_cache_share,
         )
 
 

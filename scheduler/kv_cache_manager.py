@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 
 from kvserve.scheduler.block_hash import BlockHasher, num_cacheable_blocks, token_ids_to_bytes
 from kvserve.scheduler.block_pool import BlockPool, KVCacheEventObserver
+from kvserve.scheduler.config import CacheConfig
 from kvserve.scheduler.kv_cache_block import KVCacheBlock
 from kvserve.scheduler.prompt_logprobs import max_cached_tokens
 from kvserve.scheduler.request import Request
+from kvserve.scheduler.tenant_block_pool import TenantBlockPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,12 @@ _NO_HIT = ComputedBlocks()
 
 
 class KVCacheManager:
-    """Allocates and frees the KV-cache blocks of one replica's requests."""
+    """Allocates and frees the KV-cache blocks of one replica's requests.
+
+    The blocks a request caches are its tenant's (``Request.tenant``); with a
+    ``tenant_cache_share`` the pool is a ``TenantBlockPool``: while a tenant's cached blocks
+    are over that share of the pool, the others' cached blocks are evicted last.
+    """
 
     def __init__(
         self,
@@ -54,15 +61,31 @@ class KVCacheManager:
         enable_caching: bool = True,
         model_id: str = "",
         observer: KVCacheEventObserver | None = None,
+        tenant_cache_share: float | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.hasher = BlockHasher(block_size, model_id)
-        self.block_pool = BlockPool(num_blocks, enable_caching, observer)
+        if tenant_cache_share is not None and enable_caching:
+            self.block_pool: BlockPool = TenantBlockPool(num_blocks, tenant_cache_share, enable_caching, observer)
+        else:
+            self.block_pool = BlockPool(num_blocks, enable_caching, observer)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Leading blocks of each request that are already in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
+
+    @classmethod
+    def from_config(cls, config: CacheConfig, observer: KVCacheEventObserver | None = None) -> KVCacheManager:
+        """The manager of one replica's pool as ``config`` describes it."""
+        return cls(
+            config.num_blocks,
+            config.block_size,
+            enable_caching=config.enable_prefix_caching,
+            model_id=config.model_id,
+            observer=observer,
+            tenant_cache_share=config.tenant_cache_share,
+        )
 
     # -- hashing ---------------------------------------------------------------
 
@@ -171,7 +194,7 @@ class KVCacheManager:
             req_blocks.extend(computed)
             self.num_cached_blocks[req_id] += len(computed)
         if num_new_blocks > 0:
-            new_blocks = pool.get_new_blocks(num_new_blocks)
+            new_blocks = pool.get_new_blocks(num_new_blocks, request.tenant)
             req_blocks.extend(new_blocks)
         else:
             new_blocks = []
@@ -181,7 +204,7 @@ class KVCacheManager:
             num_cached = self.num_cached_blocks[req_id]
             if num_full_blocks > num_cached:
                 self.update_block_hashes(request)
-                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks)
+                pool.cache_full_blocks(req_blocks, request.block_hashes, num_cached, num_full_blocks, request.tenant)
                 self.num_cached_blocks[req_id] = num_cached = num_full_blocks
             # Past this length the next uncached block would be full: it must be cached.
             room = min(room, (num_cached + 1) * block_size - 1)

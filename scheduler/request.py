@@ -64,6 +64,7 @@ class Request:
         "sampling_params",
         "stop_token_ids",
         "cache_salt",
+        "tenant",
         "arrival_time",
         "status",
         "finish_reason",
@@ -84,6 +85,7 @@ class Request:
         *,
         eos_token_ids: Iterable[int] = (),
         cache_salt: str | None = None,
+        tenant: str | None = None,
         arrival_time: float | None = None,
         block_hashes: Sequence[BlockHash] = (),
     ) -> None:
@@ -93,6 +95,8 @@ class Request:
             raise ValueError("prompt_token_ids must not be empty")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {cache_salt!r}")
+        if tenant is not None and not isinstance(tenant, str):
+            raise ValueError(f"tenant must be a string or None, got {tenant!r}")
         params = sampling_params if sampling_params is not None else SamplingParams()
         self.req_id = req_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
@@ -106,6 +110,9 @@ class Request:
         # stop check reads memory that is already in cache.
         self.stop_token_ids: frozenset[int] = frozenset(stop) if stop else _NO_STOP_TOKENS
         self.cache_salt = cache_salt
+        # Who sent it (an authenticated caller's tenant; None without authentication): the
+        # owner of the blocks it caches, whose share of the cache it draws on (TenantBlockPool).
+        self.tenant = tenant
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None

@@ -62,13 +62,7 @@ class Scheduler:
     ) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
-        self.kv_cache_manager = KVCacheManager(
-            cache_config.num_blocks,
-            cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching,
-            model_id=cache_config.model_id,
-            observer=observer,
-        )
+        self.kv_cache_manager = KVCacheManager.from_config(cache_config, observer)
         self.queue_observer = queue_observer
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from kvserve.cluster.auth import Tenant, tenant_cache_salt
 from kvserve.cluster.frontend import Frontend, InvalidRequestError
 from kvserve.cluster.messages import ModelInfo, RequestDelta
 from kvserve.cluster.request_limits import RequestLimits
@@ -50,6 +51,16 @@ def test_unset_sampling_fields_take_the_documented_defaults(frontend):
     assert spec.sampling_params == SamplingParams()
     assert spec.sampling_params.max_tokens == 16
     assert spec.cache_salt is None
+
+
+def test_the_caller_s_tenant_travels_with_the_request_to_the_scheduler(frontend):
+    request = generate_pb2.GenerateRequest(token_ids=generate_pb2.TokenIds(ids=[5, 6]), request_id="r1")
+
+    spec = frontend.to_request_spec(request, Tenant("alice"))
+
+    assert (spec.tenant, spec.req_id) == ("alice", "alice r1")
+    assert spec.cache_salt == tenant_cache_salt(Tenant("alice"), None)
+    assert frontend.to_request_spec(request).tenant is None  # no auth token file: no tenant
 
 
 def test_every_sampling_field_is_carried_over(frontend):

@@ -242,6 +242,28 @@ def test_the_actor_sends_a_shared_prefix_to_its_cache_and_forgets_a_failed_repli
     asyncio.run(scenario())
 
 
+def test_a_request_s_tenant_owns_the_blocks_it_caches_on_its_replica_also_after_moving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("kvserve.cluster.replica_restart.RESTART_BACKOFF_S", 0.01)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    async def scenario() -> list[dict[str, int]]:
+        actor, executors = fake_actor(monkeypatch, "round_robin", tenant_cache_share=0.5)
+        for replica_id in range(2):
+            await actor.start_replica(replica_id, "cpu")
+        executors[0].failed = True  # round robin: replica 0, whose step fails; the request moves
+        await actor.add_request(RequestSpec("a", list(range(1, 1 + 3 * BLOCK_SIZE + 1)), params, tenant="alice"))
+        last = (await last_deltas(actor, {"a"}))["a"]
+        assert (last.replica, last.error) == (1, None)
+        pools = [actor._replicas[r].scheduler.kv_cache_manager.block_pool for r in range(2)]
+        cached = [pool.cached_blocks_by_tenant() for pool in pools]
+        await actor.shutdown()
+        return cached
+
+    assert asyncio.run(scenario()) == [{}, {"alice": 3}]
+
+
 async def last_deltas(actor: SchedulerActor, req_ids: set[str]) -> dict[str, RequestDelta]:
     """Every request's last delta, with every token the request got."""
     last: dict[str, RequestDelta] = {}

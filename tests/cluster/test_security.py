@@ -2,7 +2,8 @@
 
 One cluster of a simulated replica (no model runs: steps take the cost model's time)
 behind a server with an auth token file of two tenants and a TLS certificate signed
-by a test CA, on both front doors.
+by a test CA, on both front doors.  Each tenant's share of the prefix cache is half of it
+(``tenant_cache_share``).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import logging
+import random
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,7 +83,7 @@ def secured(ray_cluster, tmp_path_factory: pytest.TempPathFactory, tls_files) ->
     tokens = directory / "tokens"
     tokens.write_text(f"{ALICE} alice\n{ALICE_AGAIN} alice\n{BOB} bob\n")
     handle = start_cluster(ClusterConfig.from_kwargs(
-        str(model_dir), parallel=ParallelConfig(num_replicas=1), block_size=16, num_blocks=256,
+        str(model_dir), parallel=ParallelConfig(num_replicas=1), block_size=16, num_blocks=256, tenant_cache_share=0.5,
         simulation=SimulationConfig(cost_model=StepCostModel(a=0.002, b=1e-5, c=1e-4, d=0.0), time_scale=1.0),
     ))
     tls, ca = tls_files
@@ -161,6 +163,18 @@ def test_two_tenants_never_share_cached_blocks_and_a_tenant_hits_its_own(secured
         assert alice_again.generate(PROMPT, max_tokens=2).usage.cached_prompt_tokens == 48
         # A salt of the client's own splits a tenant's cache further.
         assert alice.generate(PROMPT, max_tokens=2, cache_salt="mine").usage.cached_prompt_tokens == 0
+
+
+def test_one_tenant_s_flood_of_unique_prompts_leaves_another_tenant_s_prefix_cached(secured) -> None:
+    # 20 unique prompts of 15 full blocks: 300 blocks through the 255 of the pool.  Past his
+    # share, bob's requests take his own cached blocks: alice's survive (without the share, or
+    # without the tenant reaching the scheduler, they would be evicted).
+    flood = [[100 + i, *random.Random(i).choices(range(100, 1000), k=15 * 16 - 1)] for i in range(20)]
+    with client(secured, ALICE) as alice, client(secured, BOB) as bob:
+        alice.generate(PROMPT, max_tokens=2, cache_salt="flooded")
+        for prompt in flood:
+            bob.generate(prompt, max_tokens=1)
+        assert alice.generate(PROMPT, max_tokens=2, cache_salt="flooded").usage.cached_prompt_tokens == 48
 
 
 # Long enough to be still in flight while a test makes its other calls; each test closes it early.

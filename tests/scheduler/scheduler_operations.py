@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hypothesis import strategies as st
 
@@ -43,14 +43,23 @@ def scheduler_config(budget: int, max_num_seqs: int, chunk: int | None) -> Sched
 
 
 def run_operations(
-    scheduler: Scheduler, operations: list[tuple], check: Callable[[StepPlan | None], None]
+    scheduler: Scheduler,
+    operations: list[tuple],
+    check: Callable[[StepPlan | None], None],
+    tenants: Sequence[str | None] = (None,),
 ) -> None:
-    """Apply ``operations``; ``check(plan)`` while a step is in flight, ``check(None)`` after each operation."""
+    """Apply ``operations``; ``check(plan)`` while a step is in flight, ``check(None)`` after each operation.
+
+    The requests added are of ``tenants`` in turn.
+    """
     num_added = 0
     for operation in operations:
         kind = operation[0]
         if kind == "add":
-            request = Request(f"r{num_added}", operation[1], SamplingParams(max_tokens=operation[2], ignore_eos=True))
+            request = Request(
+                f"r{num_added}", operation[1], SamplingParams(max_tokens=operation[2], ignore_eos=True),
+                tenant=tenants[num_added % len(tenants)],
+            )
             if num_added % 2:  # as a router would: hashes filled before queueing
                 request.block_hashes.extend(scheduler.kv_cache_manager.hasher.hash_token_ids(operation[1]))
             num_added += 1
