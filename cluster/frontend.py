@@ -375,7 +375,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
 
     def to_request_spec(self, request: generate_pb2.GenerateRequest, tenant: Tenant | None = None) -> RequestSpec:
         """Tokenize and validate ``request``; ``InvalidRequestError`` names the bad field or limit."""
-        return self._conversion.to_request_spec(request, tenant).with_tenant(None if tenant is None else tenant.name)
+        return self._conversion.to_request_spec(request, tenant)
 
     def to_response(
         self, req_id: str, delta: RequestDelta, detokenizer: IncrementalDetokenizer | None

@@ -7,7 +7,6 @@ call per batch of steps (never one remote call per token).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -29,10 +28,6 @@ class RequestSpec:
     sampling_params: SamplingParams
     cache_salt: str | None = None
     tenant: str | None = None
-
-    def with_tenant(self, tenant: str | None) -> RequestSpec:
-        """This spec sent by ``tenant`` (itself when ``tenant`` is ``None``)."""
-        return self if tenant is None else dataclasses.replace(self, tenant=tenant)
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,6 +140,7 @@ class RequestConversion:
             prompt_token_ids=prompt_token_ids,
             sampling_params=sampling_params,
             cache_salt=tenant_cache_salt(tenant, request.cache_salt or None),
+            tenant=None if tenant is None else tenant.name,
         )
 
     def to_sampling_params(self, params: generate_pb2.SamplingParams) -> SamplingParams:

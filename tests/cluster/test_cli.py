@@ -170,6 +170,8 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must be in (0, 1], got 1.5"),
         (["--cpu-threads", "0"], "--cpu-threads must be a positive integer, got 0"),
         (["--max-concurrent-requests-per-tenant", "2"], "--max-concurrent-requests-per-tenant needs an auth token file"),
+        (["--tenant-cache-share", "0.5"], "--tenant-cache-share needs --auth-token-file: without it no caller has a"),
+        (["--monitoring-tenant", "ops"], "--monitoring-tenant needs --auth-token-file: without it no caller has a"),
         (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be a positive integer, got 0"),
         (["--stream-interval", "-1"], "--stream-interval must be in [0, 1] seconds"),
         (["--placement-timeout", "-1"], "--placement-timeout must be a positive number of seconds, got -1.0"),
