@@ -25,7 +25,13 @@ the estimate's own limits call for:
   prompt tokens and the request's need more blocks than are free, the
   request waits until running requests finish, seconds of decode that the
   router cannot see.  Such a replica is chosen only when no candidate has
-  room (then the estimate alone decides, as everywhere is short).
+  room.  The request then waits for memory wherever it goes, a wait the
+  estimate cannot rank, and it goes to the candidates caching the longest
+  prefix of its prompt (the estimate decides among them; a holder at the
+  load bound is no candidate): elsewhere it would compute that prefix
+  again and store a second copy, evicting prefixes that later requests
+  compute again, and the extra prefills lengthen the queues that are
+  already short of memory.
 * **Near-ties go to the least loaded** (``tie_tolerance_steps``).  The
   estimate cannot see how far the step in flight has gone, so estimates
   closer than that many steps of the best replica's are equal to it.  A tie
@@ -138,6 +144,11 @@ class CostTTFTPolicy:
             # NOTE: a request that finds no room waits for running requests to finish (seconds of
             # decode the estimate cannot see), so it goes where there is room while any candidate has it.
             score[short] = np.inf
+        elif short.any():
+            # NOTE: no candidate has room: the request waits for memory wherever it goes, which the
+            # estimate cannot rank.  Elsewhere than its longest cached prefix it would compute that
+            # prefix again and store a second copy, evicting prefixes later requests compute again.
+            score[uncached > uncached[np.isfinite(score)].min()] = np.inf
         best = int(score.argmin())
         ties = np.flatnonzero(score <= score[best] + self.tie_tolerance_steps * float(step_time[best]) + 1e-12)
         if len(ties) == 1:

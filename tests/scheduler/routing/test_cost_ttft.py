@@ -85,8 +85,11 @@ def test_a_request_goes_to_the_longest_prefix_among_holders() -> None:
 def test_a_request_leaves_its_prefix_when_that_replicas_queue_costs_more_than_the_miss() -> None:
     req = request(prompt_len=1600)
     index = index_with({0: 99}, req)
-    light = [ReplicaLoad(0, num_running=1, num_waiting=1, num_queued_prefill_tokens=1000), ReplicaLoad(1)]
-    heavy = [ReplicaLoad(0, num_running=1, num_waiting=4, num_queued_prefill_tokens=8000), ReplicaLoad(1)]
+    # Room on both (where neither had room, the request would stay with its prefix).
+    light = [ReplicaLoad(0, num_running=1, num_waiting=1, num_queued_prefill_tokens=1000, num_free_blocks=1000),
+             ReplicaLoad(1, num_free_blocks=1000)]
+    heavy = [ReplicaLoad(0, num_running=1, num_waiting=4, num_queued_prefill_tokens=8000, num_free_blocks=1000),
+             ReplicaLoad(1, num_free_blocks=1000)]
 
     # 1000 queued tokens (0.1 s) cost less than computing 1600 elsewhere (0.16 s); 8000 cost more.
     assert CostTTFTPolicy(MODEL).select(req, light, index) == 0
@@ -98,10 +101,11 @@ def test_a_request_waits_for_the_step_in_flight_on_a_replica_computing_a_long_pr
     # half of that step costs more than the 400 tokens its cache saves (0.04 s).
     req = request(prompt_len=1600)
     index = index_with({0: 25}, req)
-    loads = [ReplicaLoad(0, num_running=1, num_inflight_prefill_tokens=2000), ReplicaLoad(1)]
+    loads = [ReplicaLoad(0, num_running=1, num_inflight_prefill_tokens=2000, num_free_blocks=1000),
+             ReplicaLoad(1, num_free_blocks=1000)]
 
     assert CostTTFTPolicy(MODEL).select(req, loads, index) == 1
-    idle_holder = [ReplicaLoad(0, num_running=1), ReplicaLoad(1)]
+    idle_holder = [ReplicaLoad(0, num_running=1, num_free_blocks=1000), ReplicaLoad(1, num_free_blocks=1000)]
     assert CostTTFTPolicy(MODEL).select(req, idle_holder, index) == 0
 
 
@@ -109,7 +113,7 @@ def test_a_near_tie_goes_to_the_replica_with_the_fewest_outstanding_requests() -
     # Replica 0 saves a block (1.6 ms), under half a step (5 ms): a tie, and replica 1 has fewer requests.
     req = request(prompt_len=1600)
     index = index_with({0: 1, 1: 0}, req)
-    loads = [ReplicaLoad(0, num_waiting=3), ReplicaLoad(1, num_waiting=1), ReplicaLoad(2, num_waiting=2)]
+    loads = [ReplicaLoad(r, num_waiting=w, num_free_blocks=1000) for r, w in enumerate([3, 1, 2])]
 
     assert CostTTFTPolicy(MODEL).select(req, loads, index) == 1
     # Without a tolerance the block decides.
@@ -226,3 +230,54 @@ def test_where_no_replica_has_room_the_estimate_decides() -> None:
     ]
 
     assert CostTTFTPolicy(MODEL).select(req, loads, GlobalPrefixIndex()) == 1
+
+
+def test_where_no_replica_has_room_a_request_goes_to_its_longest_cached_prefix() -> None:
+    # Each replica decodes a request holding 25 of its 32 blocks; replica 0's shares the new
+    # prompt's first 20 blocks and has a 480-token prompt queued.  Neither has room (replica 0
+    # needs 40 blocks for its queue and the request, replica 1 30), and the estimate is lower on
+    # replica 1 (480 tokens to compute against 640), where the request would compute the 320
+    # tokens replica 0 holds and keep a second copy of them.
+    policy = CostTTFTPolicy(MODEL)
+    router = Router(2, policy, BLOCK_SIZE)
+    shared = list(range(3, 323))
+    schedulers = [replica_running(router, 0, shared + [7] * 80, 32),
+                  replica_running(router, 1, list(range(1003, 1403)), 32)]
+    queued = Request("queued", list(range(2003, 2483)), SamplingParams(max_tokens=10))
+    router.hash_prompt(queued)
+    schedulers[0].add_request(queued)
+    router.update_load(0, schedulers[0].get_load())
+    new = Request("new", shared + [9] * 160, SamplingParams(max_tokens=10))
+    router.hash_prompt(new)
+    routing_request = RoutingRequest("new", new.block_hashes, new.num_prompt_tokens, BLOCK_SIZE)
+
+    assert policy.has_room(routing_request, router.loads, router.index).tolist() == [False, False]
+    ttft = policy.estimate_ttft(routing_request, router.loads, router.index)
+    assert ttft[1] < ttft[0] - 0.5 * MODEL.a
+    assert router.route(new) == 0
+
+
+def test_where_no_replica_has_room_the_estimate_decides_among_the_longest_prefix_holders() -> None:
+    # None has room (5 free blocks each).  Replica 2 (30 blocks cached, nothing
+    # queued) has the lowest estimate, 1120 tokens to compute against replica 1's 1000 queued and 160
+    # of its own; of the two caching 90 blocks, replica 1 has the shorter queue.
+    req = request(prompt_len=1600)  # 100 blocks
+    index = index_with({0: 90, 1: 90, 2: 30}, req)
+    loads = [
+        ReplicaLoad(0, num_running=1, num_waiting=2, num_queued_prefill_tokens=3000, num_free_blocks=5),
+        ReplicaLoad(1, num_running=1, num_waiting=1, num_queued_prefill_tokens=1000, num_free_blocks=5),
+        ReplicaLoad(2, num_running=1, num_free_blocks=5),
+        ReplicaLoad(3, num_running=1, num_free_blocks=5),
+    ]
+
+    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 1
+
+
+def test_where_no_replica_has_room_a_holder_at_the_load_bound_takes_no_more() -> None:
+    req = request(prompt_len=1600)
+    index = index_with({0: 90}, req)
+    # 5 free blocks each; mean 9 / 4 outstanding, bound ceil(2 * 10 / 4) + slack.
+    loads = [ReplicaLoad(r, num_running=n, num_free_blocks=5) for r, n in enumerate([6, 1, 1, 1])]
+
+    assert CostTTFTPolicy(MODEL).select(req, loads, index) == 0  # 6 < 5 + 8
+    assert CostTTFTPolicy(MODEL, load_slack=0).select(req, loads, index) in (1, 2, 3)  # 6 >= 5
