@@ -56,6 +56,14 @@ class SchedulerKill:
         ]
 
 
+def _error_line(output: list[str]) -> str | None:
+    """What serve said about the scheduler: its own error line (``kvserve serve: error: ...``) if any,
+    else the first logged line that names the scheduler and an error (the front end's own log lines
+    come first, and Ray's may share a line with them)."""
+    about = [line for line in output if "scheduler" in line and "error" in line]
+    return next((line for line in about if line.startswith("kvserve serve: error")), about[0] if about else None)
+
+
 def scheduler_pid(serve: ServeProcess) -> int:
     """The process of the scheduler actor (``kvserve-scheduler``, class ``SchedulerActor``) in serve's session."""
     for pid, args in serve.session_processes():
@@ -130,7 +138,7 @@ async def scenario_scheduler_kill(serve: ServeProcess, channel, stub, prompts: l
         first_not_serving=not_serving[0][1] if not_serving else None,
         serving_again=bool(serving and not_serving and max(serving) > not_serving[0][0]),
         processes_left=[args for _, args in serve.processes_left()] if exit_code is not None else ["kvserve serve"],
-        error_line=next((line for line in serve.output if "scheduler" in line and "error" in line), None),
+        error_line=_error_line(serve.output),
     )
     scenario = Scenario(
         name, len(prompts), sum(r.code == "OK" and r.token_ids == b.token_ids for r, b in zip(results, baseline)),

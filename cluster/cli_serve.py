@@ -297,10 +297,9 @@ def run_serve(args: argparse.Namespace) -> int:
                 raise ValueError(f"--address: {exc}") from None
         if args.max_messages_per_s < 0:
             raise ValueError(f"--max-messages-per-s must be >= 0 (0: no budget), got {args.max_messages_per_s}")
-        for flag, given in (("--tenant-cache-share", args.tenant_cache_share is not None),
-                            ("--monitoring-tenant", bool(args.monitoring_tenants))):
-            if given and args.auth_token_file is None:
-                raise ValueError(f"{flag} needs --auth-token-file: without it no caller has a tenant")
+        if args.tenant_cache_share is not None and args.auth_token_file is None:
+            raise ValueError("--tenant-cache-share needs an auth token file (--auth-token-file): without it no "
+                             "caller has a tenant")
         server_config = ServerConfig(
             host=args.host,
             port=args.port,
