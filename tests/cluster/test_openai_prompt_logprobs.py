@@ -9,19 +9,17 @@ tokens ``t, t + 1, ...`` (mod 5) with logprobs ``-0.125, -0.25, ...``.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 
 import httpx
 import pytest
 
-from kvserve.cluster.messages import RequestDelta, RequestSpec
+from kvserve.cluster.messages import RequestSpec
 from kvserve.scheduler.logprobs import TokenLogprobs
 from tests.cluster import in_process_openai
 from tests.cluster.in_process_openai import post_to_app
-from tests.cluster.test_frontend_streaming import FakeScheduler
-from tests.cluster.test_prompt_logprobs_openai import ALPHABET, LetterTokenizer
+from tests.cluster.test_prompt_logprobs_openai import ALPHABET, EchoScheduler, LetterTokenizer
 
 
 class ChatLetterTokenizer(LetterTokenizer):
@@ -41,30 +39,12 @@ def fake_prompt_logprobs(num_prompt_tokens: int, num_top: int) -> list[TokenLogp
     )]
 
 
-class PromptLogprobsScheduler(FakeScheduler):
-    """Records the specs it is given; each request gets "a" (with its prompt logprobs, if it asked) at once,
-    then "b" and its end a little later (two messages, two chunks)."""
+class PromptLogprobsScheduler(EchoScheduler):
+    """The echo tests' fake ("a" with the prompt logprobs, then "b"), with ``k`` alternatives per prompt token."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.specs: list[RequestSpec] = []
-
-    async def _add_requests(self, specs: list[RequestSpec]) -> list[int | Exception]:
-        self.specs.extend(specs)
-        results = await super()._add_requests(specs)
-        loop = asyncio.get_running_loop()
-        for spec in specs:
-            params = spec.sampling_params
-            logprobs = [TokenLogprobs(-0.5, (0,), (-0.5,))] if params.logprobs is not None else None
-            num_top = params.prompt_logprobs
-            prompt = fake_prompt_logprobs(len(spec.prompt_token_ids), num_top) if num_top is not None else None
-            self.emit(RequestDelta(spec.req_id, [0], replica=0, logprobs=logprobs, prompt_logprobs=prompt))
-            last = RequestDelta(
-                spec.req_id, [1], finish_reason="length", num_prompt_tokens=len(spec.prompt_token_ids),
-                num_output_tokens=2, replica=0, logprobs=logprobs and [TokenLogprobs(-0.25, (1,), (-0.25,))],
-            )
-            loop.call_later(0.05, self.emit, last)
-        return results
+    def prompt_logprobs(self, spec: RequestSpec) -> list[TokenLogprobs | None] | None:
+        num_top = spec.sampling_params.prompt_logprobs
+        return None if num_top is None else fake_prompt_logprobs(len(spec.prompt_token_ids), num_top)
 
 
 def post(path: str, body: dict) -> tuple[httpx.Response, list[RequestSpec]]:

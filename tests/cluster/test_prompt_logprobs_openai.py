@@ -56,7 +56,7 @@ class EchoScheduler(FakeScheduler):
         for spec in specs:
             params = spec.sampling_params
             logprobs = OUTPUT_LOGPROBS if params.logprobs is not None else None
-            prompt = prompt_logprobs(len(spec.prompt_token_ids)) if params.prompt_logprobs is not None else None
+            prompt = self.prompt_logprobs(spec)
             self.emit(RequestDelta(
                 spec.req_id, OUTPUT[:1], replica=0, logprobs=logprobs and logprobs[:1], prompt_logprobs=prompt
             ))
@@ -66,6 +66,12 @@ class EchoScheduler(FakeScheduler):
             )
             loop.call_later(0.05, self.emit, last)
         return results
+
+    def prompt_logprobs(self, spec: RequestSpec) -> list[TokenLogprobs | None] | None:
+        """What the fake answers ``spec`` with for its prompt tokens' logprobs, if it asked."""
+        if spec.sampling_params.prompt_logprobs is None:
+            return None
+        return prompt_logprobs(len(spec.prompt_token_ids))
 
 
 def post(path: str, body: dict) -> tuple[httpx.Response, list[RequestSpec]]:
