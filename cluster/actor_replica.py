@@ -164,4 +164,5 @@ class ActorReplica:
             num_failures=self.num_failures,
             num_restart_failures=self.num_restart_failures,
             step_age_s=self.step_age_s(),
+            cached_blocks_by_tenant=self.scheduler.kv_cache_manager.block_pool.cached_blocks_by_tenant(),
         )

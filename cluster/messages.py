@@ -178,3 +178,5 @@ class ReplicaStatsInfo:
     # How long its oldest step in flight has been running (0.0 when none is): a hung worker's grows
     # until the step timeout fails the replica.
     step_age_s: float = 0.0
+    # With a tenant_cache_share: each tenant's cached blocks on it (those that have any); else empty.
+    cached_blocks_by_tenant: dict[str, int] = field(default_factory=dict)

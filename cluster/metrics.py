@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from kvserve.cluster.frontend_errors import FrontendError
@@ -233,6 +233,15 @@ class _SchedulerCounters:
             for s in self.replica_stats:
                 family.add_metric([str(s.replica)], getattr(s, field))
             yield family
+        tenants = GaugeMetricFamily(
+            "kvserve_tenant_cached_blocks", "KV blocks a tenant's requests cached on a replica, in use or free "
+            "(with --tenant-cache-share; a tenant over that share of the replica's blocks is evicted first)",
+            labels=["replica", "tenant"],
+        )
+        for s in self.replica_stats:
+            for tenant, num_blocks in sorted(s.cached_blocks_by_tenant.items()):
+                tenants.add_metric([str(s.replica), tenant], num_blocks)
+        yield tenants
         routing = CounterMetricFamily(
             "kvserve_routing_decisions", "Requests routed, by policy and by how much of the prompt the chosen "
             "replica held (hit: all a cache can serve, partial, miss); a request moved off a failed replica "

@@ -152,6 +152,10 @@ class BlockPool:
         """Every block but the null block."""
         return self.num_blocks - 1
 
+    def cached_blocks_by_tenant(self) -> dict[str, int]:
+        """Each tenant's cached blocks: none here, where blocks are not counted by tenant (``TenantBlockPool``)."""
+        return {}
+
     def get_usage(self) -> float:
         """Fraction of the usable blocks referenced by requests, in [0, 1]."""
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks

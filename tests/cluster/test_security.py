@@ -12,6 +12,7 @@ import datetime
 import ipaddress
 import logging
 import random
+import re
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,6 +176,13 @@ def test_one_tenant_s_flood_of_unique_prompts_leaves_another_tenant_s_prefix_cac
         for prompt in flood:
             bob.generate(prompt, max_tokens=1)
         assert alice.generate(PROMPT, max_tokens=2, cache_salt="flooded").usage.cached_prompt_tokens == 48
+    # What each tenant holds is on /metrics (bob, past his share of 127 blocks, recycles his own).
+    _, ca, http_port = secured
+    with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=30) as http:
+        metrics = http.get(f"https://127.0.0.1:{http_port}/metrics", headers={"Authorization": f"Bearer {ALICE}"})
+    cached = dict(re.findall(r'kvserve_tenant_cached_blocks\{replica="0",tenant="(\w+)"\} (\S+)', metrics.text))
+    assert set(cached) == {"alice", "bob"}, metrics.text
+    assert float(cached["alice"]) >= 3 and 127 <= float(cached["bob"]) <= 255 - 3
 
 
 # Long enough to be still in flight while a test makes its other calls; each test closes it early.
