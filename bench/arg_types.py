@@ -49,6 +49,24 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def number_list(minimum: float, maximum: float, *, above: bool, what: str) -> Callable[[str], list[float]]:
+    """An argparse ``type``: comma-separated finite numbers in the range ``what`` says, else a usage error."""
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(item) for item in text.split(",")]
+        except ValueError:
+            values = []
+        ok = values and all(
+            math.isfinite(v) and (v > minimum if above else v >= minimum) and v <= maximum for v in values
+        )
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected comma-separated numbers {what}, got {text!r}")
+        return values
+
+    return parse
+
+
 def model_directory(text: str) -> Path:
     """An argparse ``type``: a directory with a ``config.json`` (a model to load), else a usage error."""
     path = Path(text)

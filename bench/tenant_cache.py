@@ -23,10 +23,9 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.bench.arg_types import float_above, int_at_least
+from kvserve.bench.arg_types import float_above, int_at_least, number_list
 from kvserve.experiments.report import format_table
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.cost_model import StepCostModel
@@ -129,24 +128,6 @@ def simulate(arrivals: list[Arrival], share: float | None, cost_model: StepCostM
         us_per_step=control_s / num_steps * 1e6,
         num_steps=num_steps,
     )
-
-
-def number_list(minimum: float, maximum: float, *, above: bool, what: str) -> Callable[[str], list[float]]:
-    """An argparse ``type``: comma-separated finite numbers in the range ``what`` says, else a usage error."""
-
-    def parse(text: str) -> list[float]:
-        try:
-            values = [float(item) for item in text.split(",")]
-        except ValueError:
-            values = []
-        ok = values and all(
-            math.isfinite(v) and (v > minimum if above else v >= minimum) and v <= maximum for v in values
-        )
-        if not ok:
-            raise argparse.ArgumentTypeError(f"expected comma-separated numbers {what}, got {text!r}")
-        return values
-
-    return parse
 
 
 def main(argv: list[str] | None = None) -> int:

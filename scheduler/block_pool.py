@@ -175,11 +175,16 @@ class BlockPool:
                 f"cannot allocate {num_blocks} blocks: only "
                 f"{self.free_block_queue.num_free_blocks} are free"
             )
-        blocks = self.free_block_queue.popleft_n(num_blocks)
+        blocks = self._take_free_blocks(num_blocks, tenant)
         self.uncache_blocks(blocks)
         for block in blocks:
             block.ref_cnt = 1
         return blocks
+
+    def _take_free_blocks(self, num_blocks: int, tenant: str | None) -> list[KVCacheBlock]:
+        """Which ``num_blocks`` free blocks an allocation takes out of the queue (as many are free):
+        the least recently used, from its head.  ``TenantBlockPool`` chooses otherwise."""
+        return self.free_block_queue.popleft_n(num_blocks)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to each block (a cache hit), taking free ones out of the queue."""

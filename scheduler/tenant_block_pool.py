@@ -141,21 +141,9 @@ class TenantFreeBlockQueue(FreeKVCacheBlockQueue):
         return blocks
 
     def remove(self, block: KVCacheBlock) -> None:
-        # NOTE: FreeKVCacheBlockQueue.remove inlined: a cache hit and each block a tenant over
-        # its share gives up come here.
-        prev, nxt = block.prev_free_block, block.next_free_block
-        if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next_free_block = nxt
-        nxt.prev_free_block = prev
-        block.prev_free_block = block.next_free_block = None
-        self.num_free_blocks -= 1
-        prev_owned = block.prev_owned_free  # type: ignore[attr-defined]
-        if prev_owned is not None:
-            next_owned = block.next_owned_free  # type: ignore[attr-defined]
-            prev_owned.next_owned_free = next_owned
-            next_owned.prev_owned_free = prev_owned
-            block.prev_owned_free = block.next_owned_free = None  # type: ignore[attr-defined]
+        super().remove(block)
+        if block.prev_owned_free is not None:  # type: ignore[attr-defined]
+            _unlink_owned(block)  # type: ignore[arg-type]
 
     def append(self, block: KVCacheBlock) -> None:
         super().append(block)
@@ -164,13 +152,8 @@ class TenantFreeBlockQueue(FreeKVCacheBlockQueue):
     def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
         blocks = blocks if isinstance(blocks, list) else list(blocks)
         super().append_n(blocks)
-        uncached = self.uncached
         for block in blocks:
-            owner = block.owner  # type: ignore[attr-defined]
-            if owner is not None:
-                owner.append(block)
-            elif block.block_hash is None:
-                uncached.append(block)  # type: ignore[arg-type]
+            self._link(block)
 
     def _link(self, block: KVCacheBlock) -> None:
         owner = block.owner  # type: ignore[attr-defined]
@@ -231,12 +214,12 @@ class TenantBlockPool(BlockPool):
 
     # -- allocation ------------------------------------------------------------
 
-    def get_new_blocks(self, num_blocks: int, tenant: str | None = None) -> list[KVCacheBlock]:
-        """``BlockPool.get_new_blocks``, but while a tenant is over its share, a block cached by
-        a tenant within its share is taken only when no other free block will do (module docstring)."""
+    def _take_free_blocks(self, num_blocks: int, tenant: str | None) -> list[KVCacheBlock]:
+        """The queue's head, but while a tenant is over its share, a block cached by a tenant within
+        its share is taken only when no other free block will do (module docstring)."""
         over = self._over_share
-        if not over or not 0 <= num_blocks <= self.free_block_queue.num_free_blocks:
-            return super().get_new_blocks(num_blocks)  # (a refused count is refused there)
+        if not over:
+            return super()._take_free_blocks(num_blocks, tenant)
         record = self._tenants.get(tenant) if tenant is not None else None
         donors = [record, *(r for r in over if r is not record)] if record in over else list(over)
         queue = self.free_block_queue
@@ -249,9 +232,6 @@ class TenantBlockPool(BlockPool):
                 block = uncached.lru_block() or _first_lru_block(donors) or block
             queue.remove(block)  # type: ignore[arg-type]
             blocks.append(block)  # type: ignore[arg-type]
-        self.uncache_blocks(blocks)
-        for block in blocks:
-            block.ref_cnt = 1
         return blocks
 
     # -- prefix cache ----------------------------------------------------------

@@ -50,6 +50,8 @@ class _AdjustedRequest:
     stop_token_ids: list[int]  # held back until min_tokens were generated
     bias_token_ids: list[int]
     biases: list[float]
+    # NOTE: at least float32's smallest normal number: one that rounds to 0 would make 0 / 0 NaN.
+    repetition_penalty: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +137,9 @@ class LogitsAdjuster:
             stop_token_ids = [t for t in new.stop_token_ids if 0 <= t < self.vocab_size]
             bias_token_ids = [token_id for token_id, _ in params.logit_bias]
             biases = [bias for _, bias in params.logit_bias]
-            requests[new.req_id] = _AdjustedRequest(params, count_row, stop_token_ids, bias_token_ids, biases)
+            requests[new.req_id] = _AdjustedRequest(
+                params, count_row, stop_token_ids, bias_token_ids, biases, max(params.repetition_penalty, _FLOAT32.tiny)
+            )
 
     def prepare(self, req_ids: Sequence[str], output_indices: Sequence[int]) -> StepAdjustments | None:
         """The adjustments of a step that samples ``req_ids`` (its rows, in order), ``output_indices[i]``
@@ -163,7 +167,7 @@ class LogitsAdjuster:
                 count_rows.append(request.count_row)
                 presence.append(params.presence_penalty)
                 frequency.append(params.frequency_penalty)
-                repetition.append(params.repetition_penalty)
+                repetition.append(request.repetition_penalty)
             if request.biases:
                 bias_rows.extend([row] * len(request.biases))
                 bias_token_ids.extend(request.bias_token_ids)
@@ -185,8 +189,6 @@ class LogitsAdjuster:
                 frequency_penalties=list_to_device(frequency, torch.float32, device),
             )
             if any(penalty != 1.0 for penalty in repetition):
-                # NOTE: at least float32's smallest normal number: one that rounds to 0 would make 0 / 0 NaN.
-                repetition = [max(penalty, _FLOAT32.tiny) for penalty in repetition]
                 fields.update(
                     repetition_penalties=list_to_device(repetition, torch.float32, device),
                     in_prompt=self._in_prompt[count_index],

@@ -140,15 +140,16 @@ class CostTTFTPolicy:
             # NOTE: the least loaded available replica is always under the bound (it is at most the mean).
             score[outstanding + 1 > math.ceil(table.bounded_load(self.load_factor)) + self.load_slack] = np.inf
         short = ~self._has_room(table, uncached, request.block_size)
-        if short.any() and np.isfinite(score[~short]).any():
-            # NOTE: a request that finds no room waits for running requests to finish (seconds of
-            # decode the estimate cannot see), so it goes where there is room while any candidate has it.
-            score[short] = np.inf
-        elif short.any():
-            # NOTE: no candidate has room: the request waits for memory wherever it goes, which the
-            # estimate cannot rank.  Elsewhere than its longest cached prefix it would compute that
-            # prefix again and store a second copy, evicting prefixes later requests compute again.
-            score[uncached > uncached[np.isfinite(score)].min()] = np.inf
+        if short.any():
+            if np.isfinite(score[~short]).any():
+                # NOTE: a request that finds no room waits for running requests to finish (seconds of
+                # decode the estimate cannot see), so it goes where there is room while any candidate has it.
+                score[short] = np.inf
+            else:
+                # NOTE: no candidate has room: the request waits for memory wherever it goes, which the
+                # estimate cannot rank.  Elsewhere than its longest cached prefix it would compute that
+                # prefix again and store a second copy, evicting prefixes later requests compute again.
+                score[uncached > uncached[np.isfinite(score)].min()] = np.inf
         best = int(score.argmin())
         ties = np.flatnonzero(score <= score[best] + self.tie_tolerance_steps * float(step_time[best]) + 1e-12)
         if len(ties) == 1:

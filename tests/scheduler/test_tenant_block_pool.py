@@ -98,14 +98,20 @@ def test_a_tenant_alone_fills_the_whole_pool_whatever_its_share() -> None:
     assert first.num_cached_tokens == BLOCK_SIZE
 
 
+def cached_by(pool: TenantBlockPool, tenant: str, num_blocks: int, *, free: bool = True) -> list:
+    """``num_blocks`` new blocks that ``tenant``'s request caches (hashes of its own), then frees unless ``free`` is
+    false (the request still runs)."""
+    blocks = pool.get_new_blocks(num_blocks, tenant)
+    pool.cache_full_blocks(blocks, [f"{tenant}{i}".encode().ljust(16) for i in range(num_blocks)], 0, num_blocks, tenant)
+    if free:
+        pool.free_blocks(blocks)
+    return blocks
+
+
 def test_over_its_share_a_tenant_takes_free_uncached_blocks_then_its_own_then_another_s() -> None:
     pool = TenantBlockPool(11, share=0.2)  # 10 usable blocks, at most 2 cached per tenant within the share
-    alice = pool.get_new_blocks(2, "alice")
-    pool.cache_full_blocks(alice, [b"a1" * 8, b"a2" * 8], 0, 2, "alice")
-    pool.free_blocks(alice)
-    bob = pool.get_new_blocks(3, "bob")
-    pool.cache_full_blocks(bob, [b"b1" * 8, b"b2" * 8, b"b3" * 8], 0, 3, "bob")
-    pool.free_blocks(bob)
+    cached_by(pool, "alice", 2)
+    cached_by(pool, "bob", 3)
     assert [b.block_id for b in pool.free_block_queue] == [6, 7, 8, 9, 10, 1, 2, 3, 4, 5]
 
     # Bob (3 cached, over 2): the uncached head first, then his own LRU block rather than alice's 1.
@@ -116,11 +122,8 @@ def test_over_its_share_a_tenant_takes_free_uncached_blocks_then_its_own_then_an
 
 def test_over_its_share_with_no_free_cached_block_of_its_own_a_tenant_takes_the_head() -> None:
     pool = TenantBlockPool(11, share=0.2)
-    alice = pool.get_new_blocks(2, "alice")
-    pool.cache_full_blocks(alice, [b"a1" * 8, b"a2" * 8], 0, 2, "alice")
-    pool.free_blocks(alice)
-    bob = pool.get_new_blocks(3, "bob")
-    pool.cache_full_blocks(bob, [b"b1" * 8, b"b2" * 8, b"b3" * 8], 0, 3, "bob")  # held: running
+    cached_by(pool, "alice", 2)
+    cached_by(pool, "bob", 3, free=False)  # held: running
 
     # Running requests are never refused a block that is free.
     assert [b.block_id for b in pool.get_new_blocks(6, "bob")] == [6, 7, 8, 9, 10, 1]
@@ -130,12 +133,8 @@ def test_over_its_share_with_no_free_cached_block_of_its_own_a_tenant_takes_the_
 
 def test_while_a_tenant_is_over_its_share_the_others_evict_a_free_uncached_block_or_its_cache() -> None:
     pool = TenantBlockPool(11, share=0.2)
-    alice = pool.get_new_blocks(2, "alice")
-    pool.cache_full_blocks(alice, [b"a1" * 8, b"a2" * 8], 0, 2, "alice")
-    pool.free_blocks(alice)
-    bob = pool.get_new_blocks(4, "bob")
-    pool.cache_full_blocks(bob, [b"b1" * 8, b"b2" * 8, b"b3" * 8, b"b4" * 8], 0, 4, "bob")
-    pool.free_blocks(bob)
+    cached_by(pool, "alice", 2)
+    cached_by(pool, "bob", 4)
     held = pool.get_new_blocks(4, "alice")  # the uncached head: 7, 8, 9, 10
     pool.free_blocks(held[1:2])
     assert [b.block_id for b in pool.free_block_queue] == [1, 2, 3, 4, 5, 6, 8]
@@ -152,9 +151,7 @@ def test_while_a_tenant_is_over_its_share_the_others_evict_a_free_uncached_block
 
 def test_a_tenant_within_its_share_takes_the_free_queue_head_as_a_plain_pool_does() -> None:
     pool = TenantBlockPool(11, share=0.5)
-    alice = pool.get_new_blocks(2, "alice")
-    pool.cache_full_blocks(alice, [b"a1" * 8, b"a2" * 8], 0, 2, "alice")
-    pool.free_blocks(alice)
+    cached_by(pool, "alice", 2)
 
     assert [b.block_id for b in pool.get_new_blocks(9, "bob")] == [3, 4, 5, 6, 7, 8, 9, 10, 1]
 
