@@ -182,9 +182,10 @@ def host_breakdown(engine, worker, steps: int) -> list[str]:
             f"synchronising calls in launches: {len(syncs)} in {steps} steps" + (f" ({syncs[0]})" if syncs else "")]
 
 
-def launch_profile(engine, worker, steps: int, top: int = 14) -> str:
+def launch_profile(engine, worker, steps: int, top: int = 14, *, by_own_time: bool = False) -> str:
     """Where the host's launch of a step goes: the ``top`` functions under ``Worker.launch`` by
-    cumulative time per step (cProfile, whose own overhead inflates every figure)."""
+    cumulative time per step, or by their own time (``by_own_time``: what an eager step's hundreds
+    of launches spend in each kind of call); cProfile's own overhead inflates every figure."""
     profiler = cProfile.Profile()
     launch = worker.launch
 
@@ -202,7 +203,7 @@ def launch_profile(engine, worker, steps: int, top: int = 14) -> str:
     finally:
         del worker.launch
     stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive calls, self s, cumulative s, callers)
-    entries = sorted(stats.items(), key=lambda item: item[1][3], reverse=True)
+    entries = sorted(stats.items(), key=lambda item: item[1][2 if by_own_time else 3], reverse=True)
     rows = [[f"{name} ({file.rsplit('/', 1)[-1]}:{line})"[:70], f"{calls / steps:.0f}", f"{cumulative / steps * 1e6:.0f}",
              f"{own / steps * 1e6:.0f}"]
             for (file, line, name), (_, calls, own, cumulative, _) in entries[:top]]
@@ -225,9 +226,11 @@ def kernel_breakdown(llm, batch: int, context: int, vocab: int, steps: int = 5, 
         engine.async_scheduling = mode == "overlapped"
         engine.step()
         lines.append(f"\n{mode}, batch {batch}: " + "; ".join(host_breakdown(engine, worker, steps)))
-        if mode == "graphed":
-            lines.append(f"the host's launch of a graphed step, batch {batch}, {steps} steps:\n")
-            lines.append(launch_profile(engine, worker, steps) + "\n")
+        if mode != "overlapped":
+            lines.append(f"the host's launch of {'an' if mode == 'eager' else 'a'} {mode} step, batch {batch}, "
+                         f"{steps} steps:\n")
+            lines.append(launch_profile(engine, worker, steps, top=20 if mode == "eager" else 14,
+                                        by_own_time=mode == "eager") + "\n")
         if mode == "overlapped":
             continue
         torch.cuda.synchronize()

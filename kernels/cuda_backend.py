@@ -115,9 +115,8 @@ class CudaAttentionBackend(AttentionBackend):
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if metadata.num_tokens == 0:
-            return output
+            return torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_kv_heads = key_cache.shape[2]
         prefill = self._flash_prefill_plan(query, key_cache, metadata)
         if prefill is not None:
@@ -128,6 +127,9 @@ class CudaAttentionBackend(AttentionBackend):
                 self._prefill_plan = None
                 self._warn_once(f"FlashAttention failed ({exc}); prefill rows stay on the CUDA-core kernel")
                 return self._attend(query, key_cache, value_cache, metadata, scale)
+            if prefill.covers_batch(metadata.num_tokens):
+                return flash_output  # every row is a prefill row: no copy into a second output
+            output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
             decode_metadata = prefill.decode_metadata
             if decode_metadata is not None:  # the decode rows, as a batch of their own
                 plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2],
@@ -138,6 +140,7 @@ class CudaAttentionBackend(AttentionBackend):
                 write_rows(output, prefill.decode_token_indices, decode_output)
             write_rows(output, prefill.token_indices, flash_output)
             return output
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         plan = self.split_plan(metadata, num_kv_heads, query.shape[1] // num_kv_heads, query.shape[2])
         self._launch(output, query, key_cache, value_cache, metadata, scale, plan)
         return output

@@ -52,6 +52,11 @@ class PrefillPlan:
     decode_metadata: AttentionMetadata | None
     decode_token_indices: slice | torch.Tensor | None
 
+    def covers_batch(self, num_tokens: int) -> bool:
+        """Whether the prefill tokens are all ``num_tokens`` rows of the batch, in order (no decode rows)."""
+        rows = self.token_indices
+        return self.decode_metadata is None and isinstance(rows, slice) and rows.start == 0 and rows.stop == num_tokens
+
 
 def plan_prefill(metadata: AttentionMetadata, block_size: int) -> PrefillPlan | None:
     """The prefill plan of ``metadata``'s batch, or ``None`` when it has no prefill request.

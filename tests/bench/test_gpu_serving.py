@@ -152,3 +152,15 @@ def test_the_launch_profile_names_the_workers_launch_and_what_it_calls(tmp_path)
     launch = next(cells for name, cells in rows.items() if name.startswith("launch (worker.py:"))
     assert int(launch[0]) == 1 and int(launch[1]) >= int(launch[2]) >= 0
     assert any(name.startswith("prepare (input_batch.py:") for name in rows)
+
+
+def test_the_launch_profile_by_own_time_lists_the_costliest_calls_first(tmp_path) -> None:
+    from kvserve import LLM
+    from kvserve.bench.decode_steps import _start_decoding, launch_profile
+    from kvserve.worker.tiny_model import create_tiny_model
+
+    with LLM(create_tiny_model(tmp_path, "llama", seed=0), num_blocks=64) as llm:
+        _start_decoding(llm.engine, 4, 8, 1000, 8, "p", seed=1)
+        table = launch_profile(llm.engine, llm.engine.executor.worker, steps=3, top=10, by_own_time=True)
+    own = [int(line.split("|")[4]) for line in table.splitlines()[2:]]
+    assert len(own) == 10 and own == sorted(own, reverse=True)

@@ -79,6 +79,16 @@ def test_one_run_of_prefill_tokens_is_taken_as_a_slice() -> None:
     assert plan.token_indices == slice(2, 19)
 
 
+def test_a_batch_of_prefill_rows_only_is_covered_by_its_plan() -> None:
+    # The backend then returns FlashAttention's output as the whole batch's, without a copy.
+    prompts = make_batch([(0, 12), (30, 5)], block_size=4, group=2)
+    assert plan_prefill(prompts.metadata, 4).covers_batch(prompts.metadata.num_tokens)
+    mixed = make_batch([(3, 1), (0, 12), (30, 5)], block_size=4, group=2)
+    assert not plan_prefill(mixed.metadata, 4).covers_batch(mixed.metadata.num_tokens)
+    scattered = make_batch([(0, 12), (3, 1), (30, 5)], block_size=4, group=2)
+    assert not plan_prefill(scattered.metadata, 4).covers_batch(scattered.metadata.num_tokens)
+
+
 def test_a_decode_only_batch_has_no_prefill_plan() -> None:
     batch = make_batch([(5, 1), (40, 1)], block_size=16, group=2)
     assert plan_prefill(batch.metadata, 16) is None
