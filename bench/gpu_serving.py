@@ -14,7 +14,9 @@ b. prefill attention TFLOP/s against dense causal FlashAttention (``bench.prefil
 c. the end-to-end workloads of ``bench.serving_workloads`` through ``LLM.generate``, plain and
    with async scheduling, in output tokens/s, against the workload's floor and transformers'
    ``generate`` (static batches of
-   ``--hf-batch`` left-padded prompts, the first ``--hf-prompts`` of each workload);
+   ``--hf-batch`` left-padded prompts, the first ``--hf-prompts`` of each workload); then the plain
+   runs' steps by kind (with prefill tokens, decode only), each against its own floor
+   (``bench.step_roofline``);
 d. the ``mixed`` workload through ``kvserve serve`` (a local Ray cluster) and gRPC, against (c), once
    (the server's prefix cache stays warm), on the port the started server says it listens on;
 e. the ``mixed`` workload through the step protocol over gRPC on loopback, plain and with async
@@ -54,6 +56,7 @@ from kvserve.bench.decode_steps import (
 )
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.bench.serving_workloads import Workload, make_workloads, model_cost, workload_floor_s
+from kvserve.bench.step_roofline import ROOFLINE_HEADERS, StepTimes, roofline_rows
 from kvserve.experiments.report import format_table
 
 PARTS = "abcde"
@@ -346,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         kvserve_s: dict[str, float] = {}
         overlapped_s: dict[str, float] = {}
         in_process: dict[bool, tuple[float, list[list[int]]]] = {}  # mixed's, for (e)
+        roofline: list[list[str]] = []  # the plain runs' steps by kind (bench.step_roofline)
         num_blocks = None  # on a GPU: from free memory
         if not on_gpu:  # the workloads' pool, or one that holds part (a)'s largest batch to its last token
             decode_blocks = decode_pool_blocks(args.batches, args.decode_context, args.decode_steps,
@@ -369,7 +373,10 @@ def main(argv: list[str] | None = None) -> int:
             if end_to_end:
                 run_kvserve(llm, warm_up(mixed))
             for workload in end_to_end:
-                plain = run_kvserve(llm, workload, repeat=args.repeat)
+                with StepTimes().recording(llm.engine) as times:
+                    plain = run_kvserve(llm, workload, repeat=args.repeat)
+                roofline += roofline_rows(workload.name, times.steps, args.repeat, plain[0], cost, matmul_rate,
+                                          read_rate)
                 overlapped = run_kvserve(llm, workload, async_scheduling=True, repeat=args.repeat)
                 kvserve_s[workload.name], overlapped_s[workload.name] = plain[0], overlapped[0]
                 if workload is mixed:
@@ -396,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(["workload", "requests", "output tokens", "kvserve s", "async sched. s", "kvserve tok/s",
                                 "async tok/s", "transformers tok/s", "best vs transformers", "floor s",
                                 "best / floor"], rows), flush=True)
+            print("\nwhere the plain runs' time went: each step against its own floor (the larger of its FLOPs at "
+                  "the matmul rate and its bytes at the read rate); 'share of run' left over is the host between "
+                  "steps\n")
+            print(format_table(ROOFLINE_HEADERS, roofline), flush=True)
         if "d" in parts:
             grpc_s = run_grpc(model_dir, mixed, args.grpc_port, device, timeout_s=300)
             local = kvserve_s.get(mixed.name)

@@ -30,6 +30,7 @@ def test_the_cpu_smoke_run_prints_every_part(capsys) -> None:
     assert "(a) decode step" in out and "|     3 |" in out
     assert "(c) end to end, each run from a cold prefix cache; kvserve: one run per figure (--repeat)" in out
     assert "shared_prefix" in out
+    assert "where the plain runs' time went" in out and " decode only |" in out and " with prefill |" in out
     assert "(d) the mixed workload through kvserve serve --device cpu and gRPC: one run" in out and "in-process" in out
 
 
