@@ -1,10 +1,9 @@
 """``POST /v1/chat/completions``: its messages, and the rendering of a conversation with the model's chat template.
 
-The conversation is rendered to text with the chat template (the tokenizer's
-own, or ``--chat-template FILE``) and tokenized without adding special tokens:
-a template writes the ones it wants (``{{ bos_token }}``), and the tokenizer
-adding a BOS of its own would double it.  The token ids then take the same
-pipeline as any completion (``openai_protocol.to_generate_request``).
+The conversation is rendered with the chat template (the tokenizer's own, or
+``--chat-template FILE``) by ``kvserve.worker.chat_template``'s rule, which
+``LLM.chat`` follows too.  The token ids then take the same pipeline as any
+completion (``openai_protocol.to_generate_request``).
 
 A message's ``name`` reaches the template as transformers' ``apply_chat_template``
 passes it (``message['name']``, present only when given).  The messages' text
@@ -39,6 +38,7 @@ from kvserve.cluster.openai_protocol import (
 from kvserve.cluster.openai_prompt_logprobs import PromptLogprobs
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
+from kvserve.worker.chat_template import render_conversation
 
 NO_TEMPLATE = (
     "messages: this model has no chat template; start the server with --chat-template FILE, "
@@ -150,7 +150,8 @@ def check_text_bytes(messages: list[ChatMessage], max_prompt_bytes: int) -> None
 
 
 def render_prompt(tokenizer: Any | None, template: str | None, messages: list[ChatMessage]) -> list[int]:
-    """The token ids of ``messages`` as the template renders them, ready for the assistant's turn.
+    """The token ids of ``messages`` as the template renders them, ready for the assistant's turn
+    (``kvserve.worker.chat_template``'s rule).
 
     ``InvalidRequestError`` when there is no template, or it refuses the conversation.
     """
@@ -159,14 +160,10 @@ def render_prompt(tokenizer: Any | None, template: str | None, messages: list[Ch
     template = template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise InvalidRequestError(NO_TEMPLATE)
-    conversation = [_template_message(m) for m in messages]
     try:
-        text = tokenizer.apply_chat_template(
-            conversation, chat_template=template, tokenize=False, add_generation_prompt=True
-        )
-    except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception in a template) and type errors
-        raise InvalidRequestError(f"messages: the chat template refused them: {exc}") from None
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return render_conversation(tokenizer, template, [_template_message(m) for m in messages])
+    except ValueError as exc:
+        raise InvalidRequestError(f"messages: {exc}") from None
 
 
 def _template_message(message: ChatMessage) -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""The in-process engine for one replica: ``LLM(model).generate(prompts, params)``."""
+"""The in-process engine for one replica: ``LLM(model).generate(prompts, params)``, ``LLM(model).chat(messages)``."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from kvserve.scheduler.prompt_logprobs import first_output_prompt_logprobs
 from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.sampling_params import SamplingParams, check_token_ids_in_vocabulary, first_outside_vocabulary
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.worker.chat_template import conversation_of, render_conversation
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
 from kvserve.worker.worker import WorkerConfig
@@ -123,6 +124,46 @@ class LLM:
         """
         with self._lock:
             return self._generate(prompts, sampling_params, cache_salt, progress)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        cache_salt: str | None = None,
+        progress: bool | None = None,
+    ) -> list[GenerationOutput]:
+        """Answer conversations as vLLM's ``LLM.chat``: ``generate`` on each rendered with the chat template.
+
+        ``messages``: one conversation (a list of ``{"role", "content"}`` dicts, ``"name"``
+        optional) or a list of them; results in the same order.  ``chat_template``: a Jinja
+        template to use instead of the tokenizer's own.  The rendering is the server's
+        ``/v1/chat/completions`` one (``kvserve.worker.chat_template``): the generation prompt
+        appended, no special tokens added beyond the template's.  ``ValueError`` for a
+        malformed message, a model without a tokenizer or a template, or a template that
+        refuses the conversation.
+        """
+        if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping):
+            conversations = [messages]  # one conversation
+        elif isinstance(messages, Sequence) and not isinstance(messages, (str, bytes)) and messages:
+            conversations = list(messages)
+        else:
+            raise ValueError(f"messages must be a conversation (a list of message dicts) or a list of them, "
+                             f"got {messages!r}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: chat needs one to render the messages")
+        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template=")
+        prompts = []
+        for i, conversation in enumerate(conversations):
+            where = f"conversation {i}: " if len(conversations) > 1 else ""
+            try:
+                prompts.append(render_conversation(self.tokenizer, template, conversation_of(conversation)))
+            except ValueError as exc:
+                raise ValueError(f"{where}{exc}") from None
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, progress=progress)
 
     def _generate(
         self,

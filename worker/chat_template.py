@@ -1,0 +1,73 @@
+"""A conversation rendered with a model's chat template, as token ids ready for the assistant's turn.
+
+One rule for the in-process ``LLM.chat`` and the server's ``/v1/chat/completions``: the
+template (the tokenizer's own unless another is given) renders the messages to text with
+the generation prompt appended, and the text is tokenized without adding special
+tokens, since a template writes the ones it wants (``{{ bos_token }}``) and the
+tokenizer adding a BOS of its own would double it.
+
+A message is ``{"role": str, "content": str}`` (OpenAI's list of ``{"type": "text", "text":
+...}`` parts is joined into one string), with an optional ``"name"``, which reaches the
+template only when given, as transformers' ``apply_chat_template`` passes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Conversation = list[dict[str, str]]
+
+
+def conversation_of(messages: Sequence[Mapping[str, Any]]) -> Conversation:
+    """``messages`` as a template reads them; ``ValueError`` naming the first malformed one."""
+    if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+        raise ValueError(f"a conversation must be a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise ValueError("a conversation must have at least one message")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
+        unknown = sorted(set(message) - {"role", "content", "name"})
+        if unknown:
+            raise ValueError(f"message {i} has unknown keys {unknown} (allowed: role, content, name)")
+        role, name = message.get("role"), message.get("name")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"message {i}: 'role' must be a non-empty string, got {role!r}")
+        rendered = {"role": role, "content": _text(message.get("content"), i)}
+        if name is not None:
+            if not isinstance(name, str):
+                raise ValueError(f"message {i}: 'name' must be a string, got {name!r}")
+            rendered["name"] = name
+        conversation.append(rendered)
+    return conversation
+
+
+def render_conversation(tokenizer: Any, template: str, conversation: Conversation) -> list[int]:
+    """The token ids of ``conversation`` as ``template`` renders it, ready for the assistant's turn.
+
+    ``ValueError`` when the template refuses the conversation (its ``raise_exception``, or a
+    type error inside it).
+    """
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as exc:  # noqa: BLE001 - jinja's errors (raise_exception in a template) and type errors
+        raise ValueError(f"the chat template refused them: {exc}") from None
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _text(content: object, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence) and not isinstance(content, (bytes, Mapping)):
+        parts = []
+        for part in content:
+            if not (isinstance(part, Mapping) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise ValueError(f"message {index}: a content part must be {{'type': 'text', 'text': str}}, "
+                                 f"got {part!r}")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise ValueError(f"message {index}: 'content' must be a string or a list of text parts, got {content!r}")
