@@ -24,6 +24,11 @@ takes a CPU minutes; a short one tests the pipeline in seconds:
 the first requests of each group), which both runs serve and the figures
 leave out.
 
+On a CPU a step's time depends on torch's thread count: ``--threads N`` runs the
+real replica with N (default: as many as torch takes in this process), and a
+cost model whose ``"calibration"`` says it was timed on a CPU with another count
+(``kvserve.bench.calibrate_cost_model --threads``) is warned of on stderr.
+
 Session workloads (multi_turn, agent_tools) put scripted answers into later
 prompts; the simulator caches those answers, the real replica its own, so
 their later turns hit less on the real replica: compare hit rates on
@@ -34,11 +39,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from kvserve import LLM
 from kvserve.bench.arg_types import float_above, int_at_least
@@ -53,7 +62,7 @@ from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.routing.policies import make_policy
 from kvserve.scheduler.sampling_params import SamplingParams
-from kvserve.scheduler.cost_model import StepCostModel, measured_cost_models
+from kvserve.scheduler.cost_model import StepCostModel, cost_model_calibration, measured_cost_models
 from kvserve.scheduler.simulation.simulator import FleetConfig, FleetSimulator, RequestRecord, SimulationResult
 from kvserve.worker.model_config import ModelConfig
 
@@ -171,9 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int_at_least(1), default=256,
                         help="requests in a step at most (default 256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the model's weights (default 0)")
+    parser.add_argument("--threads", type=int_at_least(1), metavar="N",
+                        help="torch threads of the real replica on a CPU (no effect on a GPU; default: torch's "
+                             f"own count, {torch.get_num_threads()} here)")
     args = parser.parse_args(argv)
     try:
         cost_model = StepCostModel.load(args.cost_model)
+        calibration = cost_model_calibration(args.cost_model)
     except (OSError, ValueError) as exc:
         parser.error(f"--cost-model {args.cost_model}: {getattr(exc, 'strerror', None) or exc}")
     try:
@@ -205,10 +218,15 @@ def main(argv: list[str] | None = None) -> int:
         try:
             llm = LLM(model_dir, device=args.device, num_blocks=args.num_blocks, block_size=BLOCK_SIZE,
                       seed=args.seed, max_model_len=longest, max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_num_seqs=args.max_num_seqs)
+                      max_num_seqs=args.max_num_seqs, cpu_threads=args.threads)
         except ValueError as exc:
             parser.error(str(exc))
         try:
+            # NOTE: on a CPU the engine runs in this process, with torch's thread count (--threads set it).
+            if llm.engine.executor.worker.device.type == "cpu":
+                warning = thread_count_warning(calibration, torch.get_num_threads())
+                if warning is not None:
+                    print(f"warning: {warning}", file=sys.stderr, flush=True)
             # Warm-up: first launches (kernel builds, library handles) stay out of the run.
             llm.generate([list(stream[0].prompt_token_ids)], SamplingParams(max_tokens=4, ignore_eos=True))
             if not llm.engine.scheduler.kv_cache_manager.reset_prefix_cache():
@@ -239,6 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(ratio_table(summaries))
     return 0
+
+
+def thread_count_warning(calibration: Mapping[str, Any], num_threads: int) -> str | None:
+    """Why a cost model calibrated as ``calibration`` says mispredicts a real replica on a CPU with
+    ``num_threads`` torch threads: it was timed on a CPU with another count.  ``None`` when the
+    counts agree, or the calibration names no count or another device."""
+    calibrated = calibration.get("torch_threads")
+    if calibration.get("device", "cpu") != "cpu" or not isinstance(calibrated, int) or calibrated == num_threads:
+        return None
+    return (f"the cost model was calibrated with {calibrated} torch threads, the real replica runs with "
+            f"{num_threads}: the simulator prices its steps at another speed (--threads {calibrated} matches)")
 
 
 def summarize_measured(

@@ -170,14 +170,26 @@ class StepCostModel:
 
         ``OSError`` when neither exists (or the file cannot be read); ``ValueError`` for bad contents.
         """
-        file = Path(path)
-        if not file.exists() and str(path) in measured_cost_models():
-            return cls.from_json(_MEASURED.joinpath(f"{path}.json").read_text(encoding="utf-8"))
-        try:
-            return cls.from_json(file.read_text())
-        except FileNotFoundError:
-            names = ", ".join(measured_cost_models())
-            raise FileNotFoundError(f"no such file, nor a measured cost model of that name ({names})") from None
+        return cls.from_json(cost_model_text(path))
+
+
+def cost_model_text(path: str | Path) -> str:
+    """The JSON text ``StepCostModel.load(path)`` reads (its errors as ``load``'s)."""
+    file = Path(path)
+    if not file.exists() and str(path) in measured_cost_models():
+        return _MEASURED.joinpath(f"{path}.json").read_text(encoding="utf-8")
+    try:
+        return file.read_text()
+    except FileNotFoundError:
+        names = ", ".join(measured_cost_models())
+        raise FileNotFoundError(f"no such file, nor a measured cost model of that name ({names})") from None
+
+
+def cost_model_calibration(path: str | Path) -> dict[str, Any]:
+    """What the model ``StepCostModel.load(path)`` reads was timed on (its ``"calibration"``:
+    model, device, torch threads, ...), empty where it says nothing."""
+    block = json.loads(cost_model_text(path)).get("calibration")
+    return block if isinstance(block, dict) else {}
 
 
 # The calibrated models that ship with kvserve (cost_models/*.json, package data).
