@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvserve.cluster.cli_serve_engine import CPU_KV_CACHE_MIB, engine_default, add_engine_arguments, engine_config
+from kvserve.cluster.cli_serve_engine import warn_of_a_small_tenant_cache_share
 from kvserve.cluster.cli_serve_security import add_security_arguments, security_warnings, tls_files
 from kvserve.cluster.cli_values import add_cost_model_flag, check_utf8, cost_model_of_flag, key_value
 from kvserve.cluster.config import DEFAULT_MAX_QUEUE_WAIT_S, DEFAULT_STEP_TIMEOUT_S
@@ -399,6 +400,9 @@ def run_serve(args: argparse.Namespace) -> int:
         routing = ", ".join([config.routing, *(f"{k}={v!r}" for k, v in config.routing_args.items())])
         progress(f"serving model {config.engine.model}, routing {routing}")
         handle = start_cluster(config, progress=progress)
+        if config.engine.cache.tenant_cache_share is not None:  # the pools' sizes are known now
+            pool_sizes = [stats.num_kv_blocks for stats in ray.get(handle.scheduler.get_stats.remote())]
+            warn_of_a_small_tenant_cache_share(config.engine, handle.model_info.max_model_len, pool_sizes)
         try:
             status = asyncio.run(serve_until_signalled(handle, server_config, progress, chat_template))
         finally:

@@ -1,13 +1,21 @@
 """``kvserve serve``'s engine settings: the flags of the model runtime, the KV cache and the
-step scheduler, and the ``EngineConfig`` they give.  A flag's dest is its setting's name, so
+step scheduler, the ``EngineConfig`` they give, and the warning of a setting that only the
+started replicas' pool sizes can judge (``--tenant-cache-share``).  A flag's dest is its setting's name, so
 an error about a setting names its flag (``cli_serve._in_flag_terms``)."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import math
+from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvserve.scheduler.engine_config import ATTENTION_BACKENDS, DTYPES, EngineConfig
+from kvserve.scheduler.tenant_block_pool import blocks_within_share
+
+logger = logging.getLogger(__name__)
 
 # NOTE: kvserve.worker.worker.DEFAULT_CPU_KV_CACHE_BYTES in MiB, spelled out so that
 # `kvserve serve --help` need not import torch (a test keeps the two equal).
@@ -76,3 +84,30 @@ def engine_config(args: argparse.Namespace, model_dir: str | Path) -> EngineConf
 def engine_default(name: str) -> object:
     """The default of the engine's setting ``name`` (``EngineConfig``), for --help."""
     return EngineConfig.default(name)
+
+
+def warn_of_a_small_tenant_cache_share(engine: EngineConfig, max_model_len: int, pool_sizes: Iterable[int]) -> None:
+    """Log a WARNING, once for each size among the replicas' block pools (``pool_sizes``: their
+    ``num_kv_blocks``), where ``--tenant-cache-share`` keeps fewer blocks per tenant within its
+    share than one prompt of ``max_model_len`` tokens fills: a tenant's protected cache cannot hold
+    even one longest prompt's prefix.  Nothing without a share, or without prefix caching."""
+    cache = engine.cache
+    share = cache.tenant_cache_share
+    if share is None or not cache.enable_prefix_caching:
+        return
+    num_needed = -(-max_model_len // cache.block_size)
+    for num_blocks, num_replicas in Counter(pool_sizes).items():
+        num_protected = blocks_within_share(num_blocks, share)
+        if num_protected >= num_needed:
+            continue
+        num_usable = num_blocks - 1
+        # The least share that would do, rounded up to a hundredth (none does in a pool smaller than the prompt).
+        least = math.ceil(num_needed / num_usable * 100) / 100
+        advice = f"; --tenant-cache-share {least:g} or more would" if least <= 1 else ""
+        logger.warning(
+            "--tenant-cache-share %g protects %d of a replica's %d usable KV blocks (%d tokens) per tenant "
+            "(%d replica(s) of that size), fewer than the %d blocks one prompt of max_model_len (%d tokens) "
+            "fills: a tenant's protected prefix cache cannot hold one full-length prompt%s",
+            share, num_protected, num_usable, num_protected * cache.block_size, num_replicas,
+            num_needed, max_model_len, advice,
+        )

@@ -42,6 +42,12 @@ from kvserve.scheduler.checks import check_tenant_cache_share
 from kvserve.scheduler.kv_cache_block import FreeKVCacheBlockQueue, KVCacheBlock
 
 
+def blocks_within_share(num_blocks: int, share: float) -> int:
+    """The cached blocks a tenant may hold and stay within ``share`` of a pool of ``num_blocks``
+    (the null block among them): those that, while another tenant is over its share, are evicted last."""
+    return int(share * (num_blocks - 1))
+
+
 class TenantKVCacheBlock(KVCacheBlock):
     """A block that also knows the tenant that cached it, and its place in a ``FreeList``.
 
@@ -183,7 +189,7 @@ class TenantBlockPool(BlockPool):
         super().__init__(num_blocks, enable_caching, observer)
         self.share = share
         # A tenant holding more cached blocks than this is over its share.
-        self.max_cached_blocks_per_tenant = int(share * self.num_usable_blocks)
+        self.max_cached_blocks_per_tenant = blocks_within_share(num_blocks, share)
         self._tenants: dict[str, TenantCache] = {}
         # The tenants over their share, as an ordered set.
         self._over_share: dict[TenantCache, None] = {}
