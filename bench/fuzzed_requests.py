@@ -249,6 +249,9 @@ class FuzzedRequests:
             "repetition_penalty not above 0, or not finite": lambda: with_params(
                 repetition_penalty=r.choice((0.0, -0.0, -1.0, -1e-300, math.nan, math.inf))
             ),
+            "min_p out of [0, 1] or NaN": lambda: with_params(
+                min_p=r.choice((-1e-300, -0.5, 1.0000001, 1e308, math.nan, -math.inf))
+            ),
             "min_tokens negative or over max_tokens": lambda: with_params(
                 min_tokens=r.choice((-1, ODD_MAX_TOKENS + 1, 2**31 - 1, -(2**31)))
             ),

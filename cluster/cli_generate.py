@@ -25,6 +25,7 @@ _ARGUMENT_OF_FIELD = {
     "temperature": "--temperature",
     "top_p": "--top-p",
     "top_k": "--top-k",
+    "min_p": "--min-p",
     "seed": "--seed",
     "stop": "--stop",
     "presence_penalty": "--presence-penalty",
@@ -42,7 +43,7 @@ _SERVER_FLAG_OF_LIMIT = {
 # Names that are only ever a field's or a limit's, wherever they stand in an error.
 _NAMES_IN_ERRORS = re.compile(
     r"\b(max_tokens|top_p|top_k|cache_salt|presence_penalty|frequency_penalty|logit_bias|min_tokens|prompt_logprobs|"
-    r"repetition_penalty|"
+    r"repetition_penalty|min_p|"
     + "|".join(_SERVER_FLAG_OF_LIMIT) + r")\b"
 )
 
@@ -77,6 +78,11 @@ def add_generate_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--top-k", type=_int32, default=None, metavar="K",
         help="sample among the K likeliest tokens; -1 or 0 disables (server default)",
+    )
+    parser.add_argument(
+        "--min-p", type=float, default=None, metavar="P",
+        help="sample only the tokens at least P, in [0, 1], times as probable as the likeliest one, after "
+        "--top-k and --top-p (vLLM's; server default: 0, none)",
     )
     parser.add_argument("--seed", type=_int64, default=None, help="seed for reproducible sampling")
     parser.add_argument(
@@ -252,8 +258,8 @@ def run_generate(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from kvserve.cluster.client import Client, RequestError
 
-    names = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
-             "min_tokens", "prompt_logprobs", "repetition_penalty")
+    names = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+             "frequency_penalty", "min_tokens", "prompt_logprobs", "repetition_penalty")
     sampling = {name: getattr(args, name) for name in names}
     try:
         sampling["logit_bias"] = _logit_biases(args.logit_bias)

@@ -46,6 +46,8 @@ class SamplingKwargs(TypedDict, total=False):
     ``repetition_penalty`` (vLLM's, > 0; 1 for none) divides the positive
     logits, and multiplies the negative ones, of the tokens in the prompt or
     the completion so far.
+    ``min_p`` (vLLM's, in [0, 1]; 0 for none) samples only the tokens at least
+    ``min_p`` times as probable as the most likely one (after temperature, top-k, top-p).
     ``cache_salt`` isolates a tenant's cached prefixes; ``request_id`` must be
     unique among the requests in flight (the server assigns one when unset).
     """
@@ -65,6 +67,7 @@ class SamplingKwargs(TypedDict, total=False):
     logit_bias: Mapping[int, float] | Sequence[tuple[int, float]]
     min_tokens: int
     repetition_penalty: float
+    min_p: float
     cache_salt: str
     request_id: str
 

@@ -18,9 +18,10 @@ that is not a token id is a 400 naming ``logit_bias``.
 
 Accepted beyond OpenAI's fields: kvserve's ``top_k``, ``ignore_eos``,
 ``cache_salt`` and ``stop_token_ids``, and vLLM's ``min_tokens`` (no stop
-token, EOS or stop string ends the completion before that many tokens) and
+token, EOS or stop string ends the completion before that many tokens),
 ``repetition_penalty`` (> 0: the prompt's and the completion's tokens' positive
-logits divided by it, negative ones multiplied).
+logits divided by it, negative ones multiplied) and ``min_p`` (in [0, 1]: only
+tokens at least ``min_p`` times as probable as the likeliest are sampled).
 ``stop`` strings are matched on the detokenized text by the shared pipeline
 and never sent.  ``echo: true`` (completions) puts the prompt, and with
 ``logprobs`` its tokens' logprobs, in front of each choice's (``openai_echo``);
@@ -149,6 +150,7 @@ class SamplingRequest(BaseModel):
     min_tokens: int = 0
     prompt_logprobs: int | None = None  # vLLM's
     repetition_penalty: float | None = None  # vLLM's
+    min_p: float | None = None  # vLLM's
 
     @model_validator(mode="before")
     @classmethod
@@ -348,7 +350,7 @@ def _to_generate_request(
               "top_k": request.top_k, "seed": request.seed, "logprobs": logprobs,
               "presence_penalty": request.presence_penalty, "frequency_penalty": request.frequency_penalty,
               "min_tokens": request.min_tokens, "prompt_logprobs": prompt_logprobs,
-              "repetition_penalty": request.repetition_penalty}
+              "repetition_penalty": request.repetition_penalty, "min_p": request.min_p}
     for name, value in fields.items():
         if value is not None:
             try:

@@ -33,7 +33,7 @@ _TEXT_BOUND_FACTOR = 4
 # The proto's ``optional`` sampling fields: unset ones take SamplingParams' defaults.
 _OPTIONAL_SAMPLING_FIELDS = (
     "max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty",
-    "min_tokens", "prompt_logprobs", "repetition_penalty",
+    "min_tokens", "prompt_logprobs", "repetition_penalty", "min_p",
 )
 _FINISH_REASONS = {
     "stop": generate_pb2.FINISH_REASON_STOP,

@@ -45,6 +45,7 @@ def encode_sampling_params(params: SamplingParams) -> step_pb2.WireSamplingParam
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k or 0,
+        min_p=params.min_p,
     )
     if params.seed is not None:
         wire.seed = params.seed
@@ -78,6 +79,7 @@ def decode_sampling_params(wire: step_pb2.WireSamplingParams) -> SamplingParams:
         temperature=wire.temperature,
         top_p=wire.top_p,
         top_k=wire.top_k or None,
+        min_p=wire.min_p,
         seed=wire.seed if wire.HasField("seed") else None,
         logprobs=wire.logprobs if wire.HasField("logprobs") else None,
         prompt_logprobs=wire.prompt_logprobs if wire.HasField("prompt_logprobs") else None,
@@ -189,7 +191,7 @@ def _encode_new_requests(new_requests: list[NewRequestData], message: step_pb2.N
         params = new.sampling_params
         key = (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed, params.logprobs,
                params.presence_penalty, params.frequency_penalty, params.logit_bias, params.min_tokens,
-               params.prompt_logprobs, params.repetition_penalty)
+               params.prompt_logprobs, params.repetition_penalty, params.min_p)
         index = index_of.get(key)
         if index is None:
             index = index_of[key] = len(index_of)

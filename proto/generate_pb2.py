@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvserve/proto/generate.proto\x12\nkvserve.v1\"\x85\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).kvserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\n\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penalty\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb3\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"N\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"\x9d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x14\n\x07replica\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobsB\n\n\x08_replica\"\x11\n\x0fGetStatsRequest\"\xd8\x01\n\x0cReplicaStats\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x14\n\x0cnum_failures\x18\x08 \x01(\r\x12\x18\n\x10step_age_seconds\x18\t \x01(\x01\">\n\x10GetStatsResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.ReplicaStats*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9c\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.kvserve.v1.GetStatsRequest\x1a\x1c.kvserve.v1.GetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ckvserve/proto/generate.proto\x12\nkvserve.v1\"\xa3\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x04\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x03\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\n \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0b \x01(\x01H\x07\x88\x01\x01\x12=\n\nlogit_bias\x18\x0c \x03(\x0b\x32).kvserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\r \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0f \x01(\x01H\n\x88\x01\x01\x12\x12\n\x05min_p\x18\x10 \x01(\x01H\x0b\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\r\n\x0b_min_tokensB\x12\n\x10_prompt_logprobsB\x15\n\x13_repetition_penaltyB\x08\n\x06_min_p\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xb3\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.kvserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.kvserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x08\n\x06prompt\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"N\n\rTokenLogprobs\x12\x0f\n\x07logprob\x18\x01 \x01(\x02\x12,\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x16.kvserve.v1.TopLogprob\"\x9d\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x18.kvserve.v1.FinishReason\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.kvserve.v1.Usage\x12\x14\n\x07replica\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12+\n\x08logprobs\x18\x07 \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobs\x12\x32\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x19.kvserve.v1.TokenLogprobsB\n\n\x08_replica\"\x11\n\x0fGetStatsRequest\"\xd8\x01\n\x0cReplicaStats\x12\x0f\n\x07replica\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\x04 \x01(\x01\x12\x1d\n\x15prefix_cache_hit_rate\x18\x05 \x01(\x01\x12\x0f\n\x07healthy\x18\x06 \x01(\x08\x12\x15\n\rnum_kv_blocks\x18\x07 \x01(\r\x12\x14\n\x0cnum_failures\x18\x08 \x01(\r\x12\x18\n\x10step_age_seconds\x18\t \x01(\x01\">\n\x10GetStatsResponse\x12*\n\x08replicas\x18\x01 \x03(\x0b\x32\x18.kvserve.v1.ReplicaStats*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9c\x01\n\nGeneration\x12G\n\x08Generate\x12\x1b.kvserve.v1.GenerateRequest\x1a\x1c.kvserve.v1.GenerateResponse0\x01\x12\x45\n\x08GetStats\x12\x1b.kvserve.v1.GetStatsRequest\x1a\x1c.kvserve.v1.GetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,30 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1707
-  _globals['_FINISHREASON']._serialized_end=1827
+  _globals['_FINISHREASON']._serialized_start=1737
+  _globals['_FINISHREASON']._serialized_end=1857
   _globals['_SAMPLINGPARAMS']._serialized_start=45
-  _globals['_SAMPLINGPARAMS']._serialized_end=690
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=468
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=516
-  _globals['_TOKENIDS']._serialized_start=692
-  _globals['_TOKENIDS']._serialized_end=715
-  _globals['_GENERATEREQUEST']._serialized_start=718
-  _globals['_GENERATEREQUEST']._serialized_end=897
-  _globals['_USAGE']._serialized_start=899
-  _globals['_USAGE']._serialized_end=986
-  _globals['_TOPLOGPROB']._serialized_start=988
-  _globals['_TOPLOGPROB']._serialized_end=1035
-  _globals['_TOKENLOGPROBS']._serialized_start=1037
-  _globals['_TOKENLOGPROBS']._serialized_end=1115
-  _globals['_GENERATERESPONSE']._serialized_start=1118
-  _globals['_GENERATERESPONSE']._serialized_end=1403
-  _globals['_GETSTATSREQUEST']._serialized_start=1405
-  _globals['_GETSTATSREQUEST']._serialized_end=1422
-  _globals['_REPLICASTATS']._serialized_start=1425
-  _globals['_REPLICASTATS']._serialized_end=1641
-  _globals['_GETSTATSRESPONSE']._serialized_start=1643
-  _globals['_GETSTATSRESPONSE']._serialized_end=1705
-  _globals['_GENERATION']._serialized_start=1830
-  _globals['_GENERATION']._serialized_end=1986
+  _globals['_SAMPLINGPARAMS']._serialized_end=720
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=488
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=536
+  _globals['_TOKENIDS']._serialized_start=722
+  _globals['_TOKENIDS']._serialized_end=745
+  _globals['_GENERATEREQUEST']._serialized_start=748
+  _globals['_GENERATEREQUEST']._serialized_end=927
+  _globals['_USAGE']._serialized_start=929
+  _globals['_USAGE']._serialized_end=1016
+  _globals['_TOPLOGPROB']._serialized_start=1018
+  _globals['_TOPLOGPROB']._serialized_end=1065
+  _globals['_TOKENLOGPROBS']._serialized_start=1067
+  _globals['_TOKENLOGPROBS']._serialized_end=1145
+  _globals['_GENERATERESPONSE']._serialized_start=1148
+  _globals['_GENERATERESPONSE']._serialized_end=1433
+  _globals['_GETSTATSREQUEST']._serialized_start=1435
+  _globals['_GETSTATSREQUEST']._serialized_end=1452
+  _globals['_REPLICASTATS']._serialized_start=1455
+  _globals['_REPLICASTATS']._serialized_end=1671
+  _globals['_GETSTATSRESPONSE']._serialized_start=1673
+  _globals['_GETSTATSRESPONSE']._serialized_end=1735
+  _globals['_GENERATION']._serialized_start=1860
+  _globals['_GENERATION']._serialized_end=2016
 # @@protoc_insertion_point(module_scope)

@@ -17,7 +17,7 @@ class NumBlocks(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ...) -> None: ...
 
 class WireSamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias_token_ids", "logit_bias_values", "min_tokens", "prompt_logprobs", "repetition_penalty")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "logit_bias_token_ids", "logit_bias_values", "min_tokens", "prompt_logprobs", "repetition_penalty", "min_p")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -31,6 +31,7 @@ class WireSamplingParams(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -44,7 +45,8 @@ class WireSamplingParams(_message.Message):
     min_tokens: int
     prompt_logprobs: int
     repetition_penalty: float
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_token_ids: _Optional[bytes] = ..., logit_bias_values: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ...) -> None: ...
+    min_p: float
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., logit_bias_token_ids: _Optional[bytes] = ..., logit_bias_values: _Optional[bytes] = ..., min_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class NewRequests(_message.Message):
     __slots__ = ("req_ids", "num_prompt_tokens", "sampling_params_index", "sampling_params", "num_output_token_ids", "output_token_ids", "num_stop_token_ids", "stop_token_ids", "num_prompt_token_ids", "prompt_token_ids")

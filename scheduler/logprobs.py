@@ -21,7 +21,7 @@ class TokenLogprobs:
     """A sampled token's log-probability, and the most likely tokens at its position (most likely first).
 
     Log-probabilities are the model's own distribution: ``log_softmax`` of the
-    raw logits in float32, before temperature, top-k or top-p.
+    raw logits in float32, before temperature, top-k, top-p or min-p.
     """
 
     logprob: float

@@ -46,10 +46,11 @@ class SamplingParams:
     sampled token's only, ``k`` for it and the ``k`` most likely tokens at each
     position (at most ``MAX_LOGPROBS``).  They are the model's own distribution
     (``log_softmax`` of the raw logits, before penalties, biases, temperature,
-    top-k or top-p).  ``prompt_logprobs`` asks the same of the prompt: for every
-    prompt token after the first, its logprob given the tokens before it and,
-    for ``k``, the ``k`` most likely tokens there (such a request reads from the
-    prefix cache only what it has logprobs for: cached tokens have no logits).
+    top-k, top-p or min-p).  ``prompt_logprobs`` asks the same of the prompt:
+    for every prompt token after the first, its logprob given the tokens before
+    it and, for ``k``, the ``k`` most likely tokens there (such a request reads
+    from the prefix cache only what it has logprobs for: cached tokens have no
+    logits).
 
     The logits are adjusted before anything else (greedy requests too), as
     OpenAI's API defines it: ``presence_penalty`` is subtracted from the logit
@@ -65,6 +66,12 @@ class SamplingParams:
     ``min_tokens``: the stop tokens (``stop_token_ids`` and, unless
     ``ignore_eos``, the model's end-of-sequence tokens) cannot be sampled, and
     stop strings do not stop, before that many tokens were generated.
+
+    ``min_p`` (vLLM's and transformers', in [0, 1]; 0 for none) drops, after
+    temperature, top-k and top-p, every token whose probability is below
+    ``min_p`` times the most likely token's (which always stays; 1 keeps only
+    the most likely tokens).  Greedy requests ignore it, as they do top-k and
+    top-p.
     """
 
     max_tokens: int = 16
@@ -81,6 +88,7 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
@@ -126,6 +134,9 @@ class SamplingParams:
         repetition_penalty = _real("repetition_penalty", self.repetition_penalty)
         if not 0.0 < repetition_penalty < math.inf:  # NaN fails too
             raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        min_p = _real("min_p", self.min_p)
+        if not 0.0 <= min_p <= 1.0:  # NaN fails too
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         logit_bias = _logit_bias(self.logit_bias)
         min_tokens = _integer("min_tokens", self.min_tokens)
         if not 0 <= min_tokens <= max_tokens:
@@ -141,6 +152,7 @@ class SamplingParams:
         object.__setattr__(self, "presence_penalty", presence_penalty)
         object.__setattr__(self, "frequency_penalty", frequency_penalty)
         object.__setattr__(self, "repetition_penalty", repetition_penalty)
+        object.__setattr__(self, "min_p", min_p)
         object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "min_tokens", min_tokens)
         object.__setattr__(self, "prompt_logprobs", prompt_logprobs)

@@ -38,10 +38,10 @@ class SampledLogprobs:
     ``rows`` (host) are those rows, increasing; ``num_top`` (host) how many
     alternatives each asked for.  ``token_logprobs`` is float32 ``[len(rows)]``:
     each sampled token's log-probability under the model's raw distribution
-    (``log_softmax`` of the unmodified logits, before temperature, top-k or
-    top-p).  ``top_logprobs`` (float32) and ``top_token_ids`` (int64) are
-    ``[len(rows), max(num_top)]``, most likely first; a row uses its first
-    ``num_top`` columns.
+    (``log_softmax`` of the unmodified logits, before temperature, top-k,
+    top-p or min-p).  ``top_logprobs`` (float32) and ``top_token_ids``
+    (int64) are ``[len(rows), max(num_top)]``, most likely first; a row uses
+    its first ``num_top`` columns.
     """
 
     rows: list[int]
@@ -106,7 +106,15 @@ class Sampler:
     Greedy requests (temperature 0) take the argmax.  The others divide their
     logits by the temperature, keep the ``top_k`` best tokens, then keep the
     smallest set of most probable tokens whose probability reaches ``top_p``
-    (always at least the best one), and sample from what is left.
+    (always at least the best one), then drop the tokens whose probability is
+    below ``min_p`` times the best one's, and sample from what is left.
+
+    The order is transformers' ``generate`` (its warpers run temperature,
+    top-k, top-p, min-p) and vLLM's V0 sampler's (top-k and top-p, then
+    min-p).  Min-p compares each token to the best one, a ratio that top-k's
+    and top-p's renormalisation leaves as it was, so the order only matters
+    with top-p: top-p measures the mass before min-p removes anything.
+    Greedy rows ignore all three filters.
 
     Requests with a ``seed`` draw their randomness from ``(seed,
     output_index)`` only.  Requests without one share a generator owned by the
@@ -221,6 +229,24 @@ def _logprobs(
 
 
 def _filtered_probs(scaled_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Each row's probabilities after its top-k, top-p and min-p filters.
+
+    In a batch with min-p, the rows are not renormalised after it: the
+    exponential race compares the ratios within a row only, and a row without
+    min-p keeps exactly the values it has in a batch without any.
+    """
+    probs = _top_k_top_p_probs(scaled_logits, params)
+    # Greedy rows take their argmax whatever they draw: their min-p would be work for nothing.
+    min_ps = [0.0 if p.is_greedy else p.min_p for p in params]
+    if all(min_p == 0.0 for min_p in min_ps):
+        return probs
+    # NOTE: the threshold is at most the best probability (min_p <= 1 in float32 too): the best token stays.
+    min_p = list_to_device(min_ps, torch.float32, probs.device)
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def _top_k_top_p_probs(scaled_logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Softmax of each row after its top-k and top-p filters (one sort for the batch)."""
     num_reqs, vocab_size = scaled_logits.shape
     top_ks = [min(p.top_k, vocab_size) if p.top_k is not None else vocab_size for p in params]

@@ -188,7 +188,7 @@ def test_get_stats_reports_every_replica_idle(served: Served):
 def _parity_workload() -> list[tuple[str | list[int], SamplingParams]]:
     """32 requests: greedy and seeded sampling, text and token ids, shared prefixes, EOS allowed,
     penalties (the repetition penalty's on the prompt too), logit biases and min_tokens (counted and held back
-    on the workers), prompt logprobs."""
+    on the workers), min-p, prompt logprobs."""
     topics = ["the cat", "a river", "numbers 12345", "héllo wörld 日本語", "once upon a time"]
     workload: list[tuple[str | list[int], SamplingParams]] = []
     for i in range(NUM_STREAMS):
@@ -199,7 +199,8 @@ def _parity_workload() -> list[tuple[str | list[int], SamplingParams]]:
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.8, seed=1000 + i, frequency_penalty=1.0,
                                     logit_bias={42: 3.0}, repetition_penalty=0.8)
         elif i % 4 == 1:
-            params = SamplingParams(max_tokens=8 + i % 17, temperature=0.8, top_p=0.9, top_k=50, seed=1000 + i)
+            params = SamplingParams(max_tokens=8 + i % 17, temperature=0.8, top_p=0.9, top_k=50, seed=1000 + i,
+                                    min_p=0.1 if i % 16 == 1 else 0.0)
         elif i % 8 == 3:
             # A fifth of the vocabulary stops the request, but not before 4 tokens.
             params = SamplingParams(max_tokens=8 + i % 17, temperature=0.0, logit_bias={42: 10.0, 7: -100.0},
@@ -229,6 +230,8 @@ def _to_proto(params: SamplingParams) -> generate_pb2.SamplingParams:
         proto.seed = params.seed
     if params.prompt_logprobs is not None:
         proto.prompt_logprobs = params.prompt_logprobs
+    if params.min_p:
+        proto.min_p = params.min_p
     if params.adjusts_logits:
         proto.presence_penalty = params.presence_penalty
         proto.frequency_penalty = params.frequency_penalty
@@ -377,6 +380,10 @@ BAD_REQUESTS = {
     "repetition_penalty zero": (
         request("hi", generate_pb2.SamplingParams(repetition_penalty=0.0)),
         "sampling_params.repetition_penalty must be finite and > 0, got 0.0",
+    ),
+    "min_p above one": (
+        request("hi", generate_pb2.SamplingParams(min_p=1.5)),
+        "sampling_params.min_p must be in [0, 1], got 1.5",
     ),
     "stop token past the vocabulary": (
         request("hi", generate_pb2.SamplingParams(stop_token_ids=[1000])),

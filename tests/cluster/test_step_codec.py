@@ -57,7 +57,8 @@ def scheduled_plans(overlapped: bool = False) -> list[StepPlan]:
     rng = random.Random(5)
     params = [
         SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=20, seed=1234, stop_token_ids=(3, 4)),
+        SamplingParams(max_tokens=9, temperature=0.7, top_p=0.9, top_k=20, seed=1234, stop_token_ids=(3, 4),
+                       min_p=0.05),
         SamplingParams(max_tokens=15, temperature=1.3, seed=2**40, logprobs=3),
         SamplingParams(max_tokens=14, temperature=0.0, presence_penalty=0.5, frequency_penalty=-0.25,
                        logit_bias={3: 1.5, 7: -2.0}, min_tokens=3, stop_token_ids=(5,), repetition_penalty=1.3),
@@ -251,6 +252,30 @@ def test_a_repetition_penalty_out_of_range_is_rejected_by_field() -> None:
     wire = encode_sampling_params(SamplingParams(repetition_penalty=2.0))
     wire.repetition_penalty = 0.0
     with pytest.raises(ValueError, match="^repetition_penalty must be finite and > 0, got 0.0"):
+        decode_sampling_params(wire)
+
+
+@pytest.mark.parametrize("min_p", [0.0, 5e-324, 0.05, 1 / 3, 1.0])
+def test_min_p_survives_the_wire_exactly(min_p: float) -> None:
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=min_p)
+    wire = step_pb2.WireSamplingParams.FromString(encode_sampling_params(params).SerializeToString())
+    assert decode_sampling_params(wire) == dataclasses.replace(params, stop_token_ids=())
+
+
+def test_new_requests_differing_only_in_min_p_keep_their_own() -> None:
+    # The plan sends each distinct SamplingParams once; min_p is part of what makes them distinct.
+    new_requests = [NewRequestData(req_id, SamplingParams(seed=1, min_p=min_p), 2)
+                    for req_id, min_p in (("a", 0.0), ("b", 0.1), ("c", 0.1), ("d", 0.2))]
+    plan = StepPlan(1, ["a", "b", "c", "d"], [2] * 4, [0] * 4, [5, 6] * 4, [0] * 4, [], [True] * 4, new_requests,
+                    [], [])
+    assert [new.sampling_params.min_p for new in over_the_wire(plan).new_requests] == [0.0, 0.1, 0.1, 0.2]
+    assert len(encode_plan(plan).new_requests.sampling_params) == 3
+
+
+def test_a_min_p_out_of_range_is_rejected_by_field() -> None:
+    wire = encode_sampling_params(SamplingParams(min_p=0.5))
+    wire.min_p = 1.5
+    with pytest.raises(ValueError, match=r"^min_p must be in \[0, 1\], got 1.5"):
         decode_sampling_params(wire)
 
 

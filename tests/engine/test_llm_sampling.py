@@ -1,8 +1,9 @@
-"""Seeded sampling through the engine does not depend on what else is in the batch."""
+"""Seeded sampling through the engine does not depend on what else is in the batch; min-p keeps to its threshold."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -42,3 +43,18 @@ def test_sampled_tokens_come_with_their_logprobs_when_asked(llm: LLM) -> None:
     (output,) = llm.generate([[5, 6, 7]], dataclasses.replace(SEEDED, logprobs=0))
     assert len(output.logprobs) == len(output.token_ids) == 20
     assert all(t.logprob <= 0.0 and t.top_token_ids == () for t in output.logprobs)
+
+
+def test_seeded_min_p_is_reproducible_and_samples_no_token_below_its_threshold(llm: LLM) -> None:
+    prompt = random_prompts(1, seed=8)[0]
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=42, ignore_eos=True, logprobs=1, min_p=0.3)
+    alone = llm.generate([prompt], params)[0]
+    in_batch = llm.generate(random_prompts(3, seed=9) + [prompt], [SEEDED] * 3 + [params])[3]
+    plain = llm.generate([prompt], dataclasses.replace(params, min_p=0.0))[0]
+
+    assert in_batch.token_ids == alone.token_ids
+    # At temperature 1 without penalties the logprobs are of the distribution sampled from, and the
+    # first alternative is the most likely token: each sampled token is at least 0.3 times as likely.
+    threshold = math.log(0.3)
+    assert all(t.logprob - t.top_logprobs[0] >= threshold - 1e-5 for t in alone.logprobs)
+    assert any(t.logprob - t.top_logprobs[0] < threshold for t in plain.logprobs)  # which sampling without it breaks

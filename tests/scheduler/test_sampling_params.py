@@ -64,6 +64,13 @@ def test_logprobs_from_0_to_20_are_accepted(logprobs: int) -> None:
         ({"repetition_penalty": math.nan}, r"repetition_penalty must be finite and > 0, got nan"),
         ({"repetition_penalty": "1.2"}, "repetition_penalty must be a number, got '1.2'"),
         ({"repetition_penalty": True}, "repetition_penalty must be a number, got True"),
+        ({"min_p": -0.1}, r"min_p must be in \[0, 1\], got -0.1"),
+        ({"min_p": 1.0000001}, r"min_p must be in \[0, 1\], got 1.0000001"),
+        ({"min_p": math.inf}, r"min_p must be in \[0, 1\], got inf"),
+        ({"min_p": math.nan}, r"min_p must be in \[0, 1\], got nan"),
+        ({"min_p": True}, "min_p must be a number, got True"),
+        ({"min_p": "0.1"}, "min_p must be a number, got '0.1'"),
+        ({"min_p": None}, "min_p must be a number, got None"),
         ({"max_tokens": 4, "min_tokens": 5}, r"min_tokens must be in \[0, max_tokens=4\], got 5"),
     ],
 )
@@ -95,6 +102,16 @@ def test_any_finite_positive_repetition_penalty_is_taken_as_a_float() -> None:
     for penalty in (1e-9, 0.5, 1, 2.5, 1e9):
         params = SamplingParams(repetition_penalty=penalty)
         assert params.repetition_penalty == penalty and type(params.repetition_penalty) is float
+
+
+def test_any_min_p_from_0_to_1_is_taken_as_a_float() -> None:
+    import numpy as np
+
+    for min_p in (0, 0.0, 1e-300, 0.05, 0.5, 1, np.float32(0.25)):
+        params = SamplingParams(min_p=min_p)
+        assert params.min_p == min_p and type(params.min_p) is float
+    assert SamplingParams().min_p == 0.0  # none
+    assert not SamplingParams(min_p=0.5).adjusts_logits  # a filter on the probabilities, as top_p is
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])
