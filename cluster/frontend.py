@@ -142,10 +142,10 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         # Streams that have not received a token yet: outputs are fetched without pause for them.
         self._awaiting_first: set[str] = set()
         self._pause: asyncio.Future[None] | None = None
-        # Requests sent to the scheduler in batches.  Its ``sent``: those sent whose call has not
-        # ended, the only ones that can drain; one refused after its call left has no abort to
-        # come back: its drain ends then.
-        self._adder = RequestAdder(scheduler, on_refused_after_leaving=self._end_drain)
+        # Requests sent to the scheduler in batches, and their aborts, each sent after its add is answered.
+        # Its ``sent``: those sent whose call has not ended, the only ones that can drain; one refused
+        # after its call left has no abort to come back: its drain ends then.
+        self._adder = RequestAdder(scheduler, abort=self._abort_quietly, on_refused_after_leaving=self._end_drain)
         self._scheduler_error: str | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._poll = OutputPoll(scheduler)
@@ -322,7 +322,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                 logger.debug("request %s ended early: aborting it", req_id)
                 if req_id in self._adder.sent:  # else it never reached the scheduler: no abort will come back
                     self._draining.setdefault(req_id, asyncio.Event())
-                self._abort_quietly([req_id])
+                self._adder.abort([req_id])
             self._adder.sent.discard(req_id)
 
     async def _stop_request(self, req_id: str, stream: OutputStream) -> RequestDelta:
@@ -483,7 +483,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         for req_id in req_ids:
             self._streams[req_id].end(RequestDelta(req_id, error=reason))
         if req_ids:
-            self._abort_quietly(req_ids)
+            self._adder.abort(req_ids)
 
     def _abort_quietly(self, req_ids: list[str]) -> None:
         if self._scheduler_error is not None:
