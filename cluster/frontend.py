@@ -70,7 +70,7 @@ from kvserve.cluster.request_adder import RequestAdder
 from kvserve.cluster.request_conversion import RequestConversion, client_request_id, to_response, to_stats_response
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.request_limits import RequestLimits
-from kvserve.cluster.stop_strings import StopStringMatcher
+from kvserve.scheduler.stop_strings import StopStringMatcher
 from kvserve.cluster.tolerant_handlers import abort_if_undecodable
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
@@ -276,7 +276,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     self._public(req_id, public_id, "no replica can take it now", remote_error_message(exc))
                 ) from None
             detokenizer = IncrementalDetokenizer(self._tokenizer) if self._tokenizer is not None else None
-            stop = tuple(request.sampling_params.stop) if detokenizer is not None else ()
+            stop = spec.sampling_params.stop if detokenizer is not None else ()
             matcher = StopStringMatcher(stop, spec.sampling_params.min_tokens) if stop else None
             num_output_tokens = 0
             while not finished:

@@ -18,7 +18,6 @@ from kvserve.cluster.detokenizer import IncrementalDetokenizer
 from kvserve.cluster.frontend_errors import InvalidRequestError
 from kvserve.cluster.messages import ModelInfo, ReplicaStatsInfo, RequestDelta, RequestSpec
 from kvserve.cluster.request_limits import RequestLimits
-from kvserve.cluster.stop_strings import check_stop_strings
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.sampling_params import (
@@ -145,14 +144,10 @@ class RequestConversion:
 
     def to_sampling_params(self, params: generate_pb2.SamplingParams) -> SamplingParams:
         """``params`` checked against the vocabulary and the limits; ``SamplingParams`` validates the rest."""
-        if params.stop:
-            if self._tokenizer is None:
-                raise InvalidRequestError("sampling_params.stop: stop strings need a tokenizer and this model has none")
-            try:
-                check_stop_strings(params.stop)
-            except ValueError as exc:
-                raise InvalidRequestError(f"sampling_params.{exc}") from None
+        if params.stop and self._tokenizer is None:
+            raise InvalidRequestError("sampling_params.stop: stop strings need a tokenizer and this model has none")
         kwargs: dict[str, Any] = {
+            "stop": params.stop,  # the front end matches them on the text (SamplingParams bounds them)
             "stop_token_ids": tuple(params.stop_token_ids),
             "ignore_eos": params.ignore_eos,
             "logit_bias": params.logit_bias,  # a Mapping: SamplingParams counts it before copying

@@ -16,6 +16,7 @@ from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.prompt_logprobs import first_output_prompt_logprobs
+from kvserve.stop_watch import StopWatch
 from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.sampling_params import SamplingParams, check_token_ids_in_vocabulary, first_outside_vocabulary
 from kvserve.scheduler.scheduler import Scheduler
@@ -39,7 +40,8 @@ class GenerationOutput:
     asked for them (``SamplingParams.logprobs``), else it is ``None``; so has
     ``prompt_logprobs`` per token of ``prompt_token_ids``
     (``SamplingParams.prompt_logprobs``), the first ``None``: nothing predicts it.
-    ``finish_reason`` is ``"stop"`` (a stop or EOS token, included in ``token_ids``)
+    ``finish_reason`` is ``"stop"`` (a stop or EOS token, included in ``token_ids``; or a
+    stop string, whose last token ends ``token_ids`` and which ``text`` stops before)
     or ``"length"`` (``max_tokens`` or ``max_model_len``).
     """
 
@@ -198,6 +200,7 @@ class LLM:
         for params in params_list:
             check_token_ids_in_vocabulary(params, vocab_size)  # as the cluster checks them
         requests: dict[str, Request] = {}
+        stops = StopWatch(self.tokenizer)
         try:
             for prompt, params in zip(prompt_list, params_list):
                 token_ids = self._tokenize(prompt)
@@ -214,6 +217,7 @@ class LLM:
                     eos_token_ids=self.model_config.eos_token_ids,
                     cache_salt=cache_salt,
                 )
+                stops.watch(request)
                 self.engine.add_request(request)
                 requests[request.req_id] = request
             logprobs: dict[str, list[TokenLogprobs]] = {
@@ -225,6 +229,9 @@ class LLM:
                 while self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     for output in outputs:
+                        if stops.stops(output):  # its text completed a stop string: it ends with this token
+                            self.engine.abort_requests([output.req_id])
+                            num_finished += not output.finished
                         num_finished += output.finished
                         if output.logprobs is not None and output.req_id in logprobs:
                             logprobs[output.req_id].append(output.logprobs)
@@ -235,7 +242,7 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(requests)
             raise
-        return [self._result(request, logprobs.get(request.req_id)) for request in requests.values()]
+        return [self._result(request, logprobs.get(request.req_id), stops) for request in requests.values()]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -249,18 +256,24 @@ class LLM:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
         return token_ids
 
-    def _result(self, request: Request, logprobs: list[TokenLogprobs] | None) -> GenerationOutput:
-        if request.finish_reason is None or request.finish_reason is FinishReason.ABORT:
+    def _result(self, request: Request, logprobs: list[TokenLogprobs] | None, stops: StopWatch) -> GenerationOutput:
+        token_ids = list(request.output_token_ids)
+        finish_reason = request.finish_reason
+        stopped_at = stops.stopped_at(request.req_id)
+        if stopped_at is not None:  # aborted here, at the token that completed a stop string
+            token_ids, finish_reason = token_ids[:stopped_at], FinishReason.STOP
+            logprobs = logprobs[:stopped_at] if logprobs is not None else None
+        if finish_reason is None or finish_reason is FinishReason.ABORT:
             # NOTE: cannot happen while generate calls are serialised; never hand back an empty result.
             raise RuntimeError(f"request {request.req_id} was aborted while generate ran")
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+        text = stops.text(request.req_id)
+        if text is None and self.tokenizer is not None:
+            text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         return GenerationOutput(
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            token_ids=token_ids,
             text=text,
-            finish_reason=request.finish_reason.value,
+            finish_reason=finish_reason.value,
             num_cached_tokens=request.num_cached_tokens or 0,
             logprobs=logprobs,
             prompt_logprobs=first_output_prompt_logprobs(request),

@@ -7,6 +7,8 @@ import numbers
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvserve.scheduler.stop_strings import MAX_STOP_STRINGS, check_stop_strings
+
 # The most alternatives a request may ask for at each position (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
 # OpenAI's bounds: penalties in [-2, 2], at most 300 biased tokens, each bias in [-100, 100].
@@ -67,6 +69,13 @@ class SamplingParams:
     ``ignore_eos``, the model's end-of-sequence tokens) cannot be sampled, and
     stop strings do not stop, before that many tokens were generated.
 
+    ``stop`` (vLLM's): strings that end the output when its text produces one (a
+    string or a list of them; at most ``MAX_STOP_STRINGS`` of at most
+    ``MAX_STOP_STRING_CHARS`` characters).  They are matched on the detokenized
+    text, by whoever detokenizes it (the servers' front end, ``LLM``), never by
+    the workers: the text ends before the stop string, the tokens with the one
+    that completed it, and the finish reason is ``"stop"``.
+
     ``min_p`` (vLLM's and transformers', in [0, 1]; 0 for none) drops, after
     temperature, top-k and top-p, every token whose probability is below
     ``min_p`` times the most likely token's (which always stays; 1 keeps only
@@ -89,6 +98,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     min_p: float = 0.0
+    stop: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
@@ -137,6 +147,7 @@ class SamplingParams:
         min_p = _real("min_p", self.min_p)
         if not 0.0 <= min_p <= 1.0:  # NaN fails too
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        stop = _stop_strings(self.stop)
         logit_bias = _logit_bias(self.logit_bias)
         min_tokens = _integer("min_tokens", self.min_tokens)
         if not 0 <= min_tokens <= max_tokens:
@@ -153,6 +164,7 @@ class SamplingParams:
         object.__setattr__(self, "frequency_penalty", frequency_penalty)
         object.__setattr__(self, "repetition_penalty", repetition_penalty)
         object.__setattr__(self, "min_p", min_p)
+        object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "min_tokens", min_tokens)
         object.__setattr__(self, "prompt_logprobs", prompt_logprobs)
@@ -189,6 +201,22 @@ def _penalty(name: str, value: object) -> float:
     if not -MAX_PENALTY <= penalty <= MAX_PENALTY:  # NaN fails too
         raise ValueError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
     return penalty
+
+
+def _stop_strings(value: object) -> tuple[str, ...]:
+    """``stop`` as a tuple of strings, from one string or a sequence of them (bounded)."""
+    if isinstance(value, str):
+        stop: tuple = (value,)
+    elif isinstance(value, (bytes, Mapping)) or not isinstance(value, Sequence):
+        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+    else:
+        stop = tuple(value)
+    # NOTE: the count first: a list of 100,000 is refused before it is walked.
+    wrong = next((text for text in stop if not isinstance(text, str)), None) if len(stop) <= MAX_STOP_STRINGS else None
+    if wrong is not None:
+        raise ValueError(f"stop must be a string or a list of strings, got an element {wrong!r}")
+    check_stop_strings(stop)
+    return stop
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from kvserve.cluster.frontend import Frontend
 from kvserve.cluster.messages import RequestDelta
-from kvserve.cluster.stop_strings import StopStringMatcher
+from kvserve.scheduler.stop_strings import StopStringMatcher
 from kvserve.proto import generate_pb2
 from tests.cluster.test_frontend_streaming import MODEL_INFO, FakeContext, FakeScheduler
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvserve.cluster.stop_strings import MAX_STOP_STRINGS, StopStringMatcher, check_stop_strings
+from kvserve.scheduler.stop_strings import MAX_STOP_STRINGS, StopStringMatcher, check_stop_strings
 
 
 def stream(pieces: list[str], stop: list[str]) -> tuple[str, bool]:
