@@ -63,7 +63,7 @@ if [[ " $steps " == *" tests "* ]]; then
     echo "== GPU tests"
     timeout 240 "$PYTHON" -m pytest -m gpu tests/kernels/test_flash_prefill.py tests/worker/test_cuda_graphs.py \
         tests/engine/test_llm_shutdown.py tests/engine/test_llm_cuda_parity.py tests/kernels/test_cuda_backend.py \
-        tests/worker/test_sampler.py tests/kernels/test_fused_elementwise.py \
+        tests/worker/test_sampler.py tests/worker/test_sampler_min_p.py tests/kernels/test_fused_elementwise.py \
         tests/engine/test_llm_async_scheduling.py tests/cluster/test_step_protocol_cuda.py -q -p no:cacheprovider --timeout 120 -rfE --tb=short --durations=8 >"$OUT/tests.txt" 2>&1 || status=1
     tail -25 "$OUT/tests.txt"
 fi
