@@ -38,7 +38,7 @@ from kvserve.cluster.openai_protocol import (
 from kvserve.cluster.openai_prompt_logprobs import PromptLogprobs
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
-from kvserve.worker.chat_template import render_conversation
+from kvserve.worker.chat_template import conversation_of, render_conversation
 
 NO_TEMPLATE = (
     "messages: this model has no chat template; start the server with --chat-template FILE, "
@@ -161,17 +161,10 @@ def render_prompt(tokenizer: Any | None, template: str | None, messages: list[Ch
     if not template:
         raise InvalidRequestError(NO_TEMPLATE)
     try:
-        return render_conversation(tokenizer, template, [_template_message(m) for m in messages])
+        conversation = conversation_of([m.model_dump(exclude_none=True) for m in messages])
+        return render_conversation(tokenizer, template, conversation)
     except ValueError as exc:
         raise InvalidRequestError(f"messages: {exc}") from None
-
-
-def _template_message(message: ChatMessage) -> dict[str, str]:
-    """``message`` as transformers gives it to a template: ``name`` only when the message has one."""
-    rendered = {"role": message.role, "content": _text(message.content)}
-    if message.name is not None:
-        rendered["name"] = message.name
-    return rendered
 
 
 def _text(content: str | list[TextPart]) -> str:
