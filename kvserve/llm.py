@@ -229,10 +229,10 @@ class LLM:
                 while self.engine.has_unfinished_requests():
                     outputs = self.engine.step()
                     for output in outputs:
-                        if stops.stops(output):  # its text completed a stop string: it ends with this token
+                        stopped = stops.stops(output)  # its text completed a stop string: it ends with this token
+                        if stopped and not output.finished:
                             self.engine.abort_requests([output.req_id])
-                            num_finished += not output.finished
-                        num_finished += output.finished
+                        num_finished += output.finished or stopped
                         if output.logprobs is not None and output.req_id in logprobs:
                             logprobs[output.req_id].append(output.logprobs)
                     num_tokens += len(outputs)
@@ -258,11 +258,8 @@ class LLM:
 
     def _result(self, request: Request, logprobs: list[TokenLogprobs] | None, stops: StopWatch) -> GenerationOutput:
         token_ids = list(request.output_token_ids)
-        finish_reason = request.finish_reason
-        stopped_at = stops.stopped_at(request.req_id)
-        if stopped_at is not None:  # aborted here, at the token that completed a stop string
-            token_ids, finish_reason = token_ids[:stopped_at], FinishReason.STOP
-            logprobs = logprobs[:stopped_at] if logprobs is not None else None
+        # A stop string's request was aborted at the token that completed it (or ended there anyway).
+        finish_reason = FinishReason.STOP if stops.stopped(request.req_id) else request.finish_reason
         if finish_reason is None or finish_reason is FinishReason.ABORT:
             # NOTE: cannot happen while generate calls are serialised; never hand back an empty result.
             raise RuntimeError(f"request {request.req_id} was aborted while generate ran")

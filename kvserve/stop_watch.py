@@ -27,8 +27,6 @@ class _Watched:
     matcher: StopStringMatcher
     detokenizer: IncrementalDetokenizer
     pieces: list[str] = field(default_factory=list)
-    num_tokens: int = 0  # produced so far; where it stopped, once the matcher has
-    done: bool = False
 
 
 class StopWatch:
@@ -50,22 +48,19 @@ class StopWatch:
         )
 
     def stops(self, output: RequestOutput) -> bool:
-        """Take in one step's token of a request; ``True`` when it completed a stop string (the
-        request should end here).  Tokens after that, or of requests not watched, are ignored."""
+        """Take in one step's token of a request; ``True`` when it completed a stop string: the
+        request ends with it (aborted, the scheduler gives it no later token)."""
         watched = self._watched.get(output.req_id)
-        if watched is None or watched.done:
+        if watched is None:
             return False
-        watched.num_tokens += 1
         text, _ = watched.matcher.add_tokens(watched.detokenizer, [output.token_id], is_last=output.finished)
         watched.pieces.append(text)
-        watched.done = watched.matcher.stopped or output.finished
         return watched.matcher.stopped
 
-    def stopped_at(self, req_id: str) -> int | None:
-        """How many tokens the request produced up to the one that completed a stop string; ``None``
-        when no stop string ended it."""
+    def stopped(self, req_id: str) -> bool:
+        """Whether a stop string ended the request."""
         watched = self._watched.get(req_id)
-        return watched.num_tokens if watched is not None and watched.matcher.stopped else None
+        return watched is not None and watched.matcher.stopped
 
     def text(self, req_id: str) -> str | None:
         """A watched request's text, up to its stop string; ``None`` for a request not watched."""
