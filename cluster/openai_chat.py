@@ -38,7 +38,7 @@ from kvserve.cluster.openai_protocol import (
 from kvserve.cluster.openai_prompt_logprobs import PromptLogprobs
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
-from kvserve.worker.chat_template import conversation_of, render_conversation
+from kvserve.worker.chat_template import conversation_of, render_conversation, template_of
 
 NO_TEMPLATE = (
     "messages: this model has no chat template; start the server with --chat-template FILE, "
@@ -157,7 +157,7 @@ def render_prompt(tokenizer: Any | None, template: str | None, messages: list[Ch
     """
     if tokenizer is None:
         raise InvalidRequestError("messages: this model has no tokenizer: send token ids to /v1/completions")
-    template = template or getattr(tokenizer, "chat_template", None)
+    template = template_of(tokenizer, template)
     if not template:
         raise InvalidRequestError(NO_TEMPLATE)
     try:

@@ -20,7 +20,7 @@ from kvserve.stop_watch import StopWatch
 from kvserve.scheduler.request import FinishReason, Request
 from kvserve.scheduler.sampling_params import SamplingParams, check_token_ids_in_vocabulary, first_outside_vocabulary
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.worker.chat_template import conversation_of, render_conversation
+from kvserve.worker.chat_template import conversation_of, render_conversation, template_of
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
 from kvserve.worker.worker import WorkerConfig
@@ -155,7 +155,7 @@ class LLM:
                              f"got {messages!r}")
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer: chat needs one to render the messages")
-        template = chat_template or getattr(self.tokenizer, "chat_template", None)
+        template = template_of(self.tokenizer, chat_template)
         if not template:
             raise ValueError("this model's tokenizer has no chat template: pass chat_template=")
         prompts = []

@@ -44,6 +44,11 @@ def conversation_of(messages: Sequence[Mapping[str, Any]]) -> Conversation:
     return conversation
 
 
+def template_of(tokenizer: Any, template: str | None) -> str | None:
+    """``template`` if given, else the tokenizer's own chat template; ``None`` when it has none."""
+    return template or getattr(tokenizer, "chat_template", None) or None
+
+
 def render_conversation(tokenizer: Any, template: str, conversation: Conversation) -> list[int]:
     """The token ids of ``conversation`` as ``template`` renders it, ready for the assistant's turn.
 
