@@ -22,15 +22,26 @@ anyway (one CPU rank in process) and planning ahead would only add work::
 
 Requests sampled by step N are planned into N+1 with placeholders for their new token
 (see ``Scheduler``).  ``run_step_async`` is the same loop for executors awaited on an
-event loop.  Plain Python: no torch, Ray or gRPC.
+event loop.
+
+``steps_ahead`` is how many launched steps a call leaves unapplied: 1 above.  An executor
+whose round trip is long may ask for more (its ``steps_ahead`` attribute; the cluster's gRPC
+executor asks for 2): with two steps queued at the workers, they start the next one as soon as
+they finish one, and the scheduler's round trip (answer, apply, plan, send) runs in parallel
+with the workers' step rather than between two of them::
+
+    step():  begin_step(N+2), launch(N+2)  |  N.result(), finish_step(N)   (N+1 still in flight)
+
+Plain Python: no torch, Ray or gRPC.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from kvserve.scheduler.executor import AsyncExecutor, Executor, PendingStep
+from kvserve.scheduler.executor import AsyncExecutor, Executor, PendingAsyncStep, PendingStep
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.request_output import RequestOutput
 from kvserve.scheduler.scheduler import Scheduler
@@ -47,18 +58,24 @@ class EngineCore:
         executor: Executor | AsyncExecutor | None = None,
         *,
         async_scheduling: bool | None = None,
+        steps_ahead: int | None = None,
     ) -> None:
         can_launch = callable(getattr(executor, "launch", None))
         if async_scheduling is None:
             async_scheduling = can_launch and bool(getattr(executor, "launches_ahead", False))
         elif async_scheduling and not can_launch:
             raise ValueError(f"async_scheduling needs an executor that can launch steps, got {executor!r}")
+        if steps_ahead is None:
+            steps_ahead = getattr(executor, "steps_ahead", 1)
+        if isinstance(steps_ahead, bool) or not isinstance(steps_ahead, int) or steps_ahead < 1:
+            raise ValueError(f"steps_ahead must be an integer >= 1, got {steps_ahead!r}")
         self.scheduler = scheduler
         self.executor = executor
-        # NOTE: may be switched between steps while nothing is in flight (a benchmark compares both).
+        # NOTE: both may be switched between steps while nothing is in flight (benchmarks compare them).
         self.async_scheduling = async_scheduling
-        # The step launched and not yet applied (async scheduling).
-        self._in_flight: tuple[StepPlan, PendingStep] | None = None
+        self.steps_ahead = steps_ahead
+        # The steps launched and not yet applied, oldest first (async scheduling).
+        self._in_flight: deque[tuple[StepPlan, PendingStep | PendingAsyncStep]] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -67,7 +84,7 @@ class EngineCore:
         return self.scheduler.abort_requests(req_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+        return self.scheduler.has_unfinished_requests() or bool(self._in_flight)
 
     def begin_step(self) -> StepPlan | None:
         """Schedule the next step; ``None`` when there is nothing to send.
@@ -97,7 +114,8 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step on a synchronous executor; returns the tokens it produced.
 
-        With async scheduling, the tokens of the step launched by the previous call.
+        With async scheduling, the tokens of the step launched ``steps_ahead`` calls before
+        (none while the steps in flight are fewer).
         """
         if self.async_scheduling:
             return self._overlapped_step()
@@ -113,34 +131,39 @@ class EngineCore:
 
     def _overlapped_step(self) -> list[RequestOutput]:
         plan = self.begin_step()
-        launched = None
         if plan is not None:
             try:
                 launched = self.executor.launch(plan)  # type: ignore[union-attr]
             except BaseException:
                 self._fail_launch(plan)
                 raise
-        previous = self._swap_in_flight(plan, launched)
-        if previous is None:
+            self._in_flight.append((plan, launched))
+        oldest = self._oldest_to_apply(plan)
+        if oldest is None:
             return []
         try:
-            result = previous[1].result()
+            result = oldest[1].result()
         except BaseException:
-            self._fail_launch(previous[0])
+            self._fail_launch(oldest[0])
             raise
-        return self._finish_launched(previous[0], result)
+        return self._finish_launched(oldest[0], result)
 
     @property
     def step_in_flight(self) -> bool:
         """Whether a launched step waits to be applied (async scheduling)."""
-        return self._in_flight is not None
+        return bool(self._in_flight)
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """How many launched steps wait to be applied (at most ``steps_ahead`` between calls)."""
+        return len(self._in_flight)
 
     async def run_step_async(self, plan: StepPlan | None) -> list[RequestOutput]:
         """Run ``plan`` (from ``begin_step``) on an ``AsyncExecutor``; the tokens it produced.
 
-        With async scheduling, launch ``plan`` and apply the step launched before it
-        (``plan`` may be ``None`` then, to apply the last one): ``step()``'s overlap,
-        for drivers on an event loop (the cluster's scheduler actor).
+        With async scheduling, launch ``plan`` and apply the oldest step in flight, once more
+        than ``steps_ahead`` are (``plan`` may be ``None`` then, to apply the oldest one):
+        ``step()``'s overlap, for drivers on an event loop (the cluster's scheduler actor).
         """
         executor = self.executor
         if not self.async_scheduling:
@@ -151,27 +174,31 @@ class EngineCore:
                 self.fail_step(plan)
                 raise
             return self.finish_step(plan, result)
-        launched = None
         if plan is not None:
             try:
                 launched = await executor.launch(plan)  # type: ignore[union-attr]
             except BaseException:
                 self._fail_launch(plan)
                 raise
-        previous = self._swap_in_flight(plan, launched)
-        if previous is None:
+            self._in_flight.append((plan, launched))
+        oldest = self._oldest_to_apply(plan)
+        if oldest is None:
             return []
         try:
-            result = await previous[1].result()
+            result = await oldest[1].result()
         except BaseException:
-            self._fail_launch(previous[0])
+            self._fail_launch(oldest[0])
             raise
-        return self._finish_launched(previous[0], result)
+        return self._finish_launched(oldest[0], result)
 
-    def _swap_in_flight(self, plan: StepPlan | None, launched: Any) -> tuple[StepPlan, Any] | None:
-        """Make ``plan`` (if launched) the step in flight; the one it replaces, to apply."""
-        previous, self._in_flight = self._in_flight, (plan, launched) if launched is not None else None
-        return previous
+    def _oldest_to_apply(self, plan: StepPlan | None) -> tuple[StepPlan, Any] | None:
+        """The launched step to wait for and apply now, taken out of the steps in flight: the
+        oldest, once more than ``steps_ahead`` are in flight, or whenever no plan was launched
+        (nothing more to plan until tokens come back); ``None`` while the pipeline fills."""
+        in_flight = self._in_flight
+        if not in_flight or (plan is not None and len(in_flight) <= self.steps_ahead):
+            return None
+        return in_flight.popleft()
 
     def _finish_launched(self, plan: StepPlan, result: StepResult | None) -> list[RequestOutput]:
         if result is None:
@@ -179,14 +206,10 @@ class EngineCore:
         return self.finish_step(plan, result)
 
     def _fail_launch(self, plan: StepPlan) -> None:
-        """``plan`` failed to launch or to return: it and the step in flight never ran."""
+        """``plan`` failed to launch or to return: it and the steps in flight never ran."""
         self.fail_step(plan)
-        self._fail_in_flight()
-
-    def _fail_in_flight(self) -> None:
-        if self._in_flight is not None:
-            self.fail_step(self._in_flight[0])
-            self._in_flight = None
+        while self._in_flight:
+            self.fail_step(self._in_flight.popleft()[0])
 
     def shutdown(self) -> None:
         if self.executor is not None:

@@ -16,6 +16,10 @@ One step is ``plan = schedule()``, the workers run ``plan``, then
 token is still on its way is planned with a placeholder for it (the worker
 knows its own sample), unless the token cannot but finish it (its last allowed
 one); its tokens are applied when they come, also if it was preempted meanwhile.
+With more steps in flight (``EngineCore.steps_ahead``), a request preempted with tokens on
+their way resumes after they came.  The workers fill a placeholder from their last sampling
+step: running requests are served in admission order and the budget left to later ones never
+shrinks while they run, so a request sampled by one step is in the next, if it is not preempted.
 """
 
 from __future__ import annotations
@@ -243,6 +247,8 @@ class Scheduler:
         waiting = self.waiting
         while waiting and budget > 0 and not preempted_req_ids and len(running) < config.max_num_seqs:
             request = waiting[0]
+            if request.num_pending_tokens:  # preempted with tokens on their way: it resumes after them
+                break
             computed = kv.get_computed_blocks(request)
             start = computed.num_tokens
             num_new = min(request.num_tokens - start, max_chunk)

@@ -23,23 +23,28 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return create_tiny_model(tmp_path_factory.mktemp("tiny"), "llama", seed=3)
 
 
-def generate_both(model_dir, prompts, params, overlapped_setting: bool | None = True, **llm_args):
+def generate_both(model_dir, prompts, params, overlapped_setting: bool | None = True, steps_ahead: int = 1,
+                  **llm_args):
     """Outputs with ``async_scheduling=False`` and with ``overlapped_setting`` (``None``: the
-    default, which must overlap for these ``llm_args``)."""
+    default, which must overlap for these ``llm_args``), ``steps_ahead`` steps left in flight."""
     results = {}
     for overlapped in (False, True):
         with LLM(model_dir, async_scheduling=overlapped_setting if overlapped else False, **llm_args) as llm:
-            executor = llm.engine.executor
-            launch, placeholders = executor.launch, []
+            engine = llm.engine
+            engine.steps_ahead = steps_ahead
+            executor = engine.executor
+            launch, placeholders, in_flight = executor.launch, [], []
 
             def recording_launch(plan):
                 placeholders.append(len(plan.placeholder_rows))
+                in_flight.append(engine.num_steps_in_flight)
                 return launch(plan)
 
             executor.launch = recording_launch
             results[overlapped] = llm.generate(prompts, params)
-        # The overlapped run did plan steps ahead of their tokens; the plain one never launched.
-        assert (sum(placeholders) > 0) if overlapped else (placeholders == [])
+        # The overlapped run did plan steps ahead of their tokens, as many in flight as asked;
+        # the plain one never launched.
+        assert (sum(placeholders) > 0 and max(in_flight) == steps_ahead) if overlapped else (placeholders == [])
     return results[False], results[True]
 
 
@@ -60,30 +65,35 @@ def assert_same(plain, overlapped) -> None:
             assert [t.top_token_ids for t in b.prompt_logprobs[1:]] == [t.top_token_ids for t in a.prompt_logprobs[1:]]
 
 
-def test_greedy_outputs_equal_the_plain_engine_with_eos_stops_and_chunks(model_dir) -> None:
+@pytest.mark.parametrize("steps_ahead", [1, 2])
+def test_greedy_outputs_equal_the_plain_engine_with_eos_stops_and_chunks(model_dir, steps_ahead) -> None:
     prompts = random_prompts(12, seed=4, lo=3, hi=80)
     rng = random.Random(1)
     params = [SamplingParams(max_tokens=rng.randrange(1, 40), temperature=0.0) for _ in prompts]
-    plain, overlapped = generate_both(model_dir, prompts, params, num_blocks=256, max_num_batched_tokens=40)
+    plain, overlapped = generate_both(model_dir, prompts, params, steps_ahead=steps_ahead, num_blocks=256,
+                                      max_num_batched_tokens=40)
     assert_same(plain, overlapped)
     assert any(o.finish_reason == "length" for o in plain)
 
 
-def test_outputs_equal_under_preemption(model_dir) -> None:
+@pytest.mark.parametrize("steps_ahead", [1, 2])
+def test_outputs_equal_under_preemption(model_dir, steps_ahead) -> None:
     prompts = random_prompts(8, seed=9, lo=10, hi=30)
     # Half ask for logprobs: one per token, a token on its way when its request is preempted included.
     params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2 if i % 2 else None)
               for i in range(len(prompts))]
-    plain, overlapped = generate_both(model_dir, prompts, params, block_size=4, num_blocks=40,
-                                      max_num_batched_tokens=64)
+    plain, overlapped = generate_both(model_dir, prompts, params, steps_ahead=steps_ahead, block_size=4,
+                                      num_blocks=40, max_num_batched_tokens=64)
     assert_same(plain, overlapped)
 
 
-def test_seeded_sampling_and_prefix_hits_equal_the_plain_engine(model_dir) -> None:
+@pytest.mark.parametrize("steps_ahead", [1, 2])
+def test_seeded_sampling_and_prefix_hits_equal_the_plain_engine(model_dir, steps_ahead) -> None:
     shared = [random.Random(5).randrange(3, 1000) for _ in range(33)]
     prompts = random_prompts(6, seed=6, lo=2, hi=12, shared=shared)
     params = [SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=i) for i in range(len(prompts))]
-    plain, overlapped = generate_both(model_dir, prompts, params, block_size=8, num_blocks=128)
+    plain, overlapped = generate_both(model_dir, prompts, params, steps_ahead=steps_ahead, block_size=8,
+                                      num_blocks=128)
     assert_same(plain, overlapped)
     assert [o.num_cached_tokens for o in overlapped] == [o.num_cached_tokens for o in plain]
 
@@ -103,7 +113,8 @@ def test_one_cpu_rank_in_process_is_scheduled_plainly_by_default(model_dir) -> N
         assert llm.engine.async_scheduling is False
 
 
-def test_tensor_parallel_ranks_get_the_samples_of_rank_0(model_dir) -> None:
+@pytest.mark.parametrize("steps_ahead", [1, 2])
+def test_tensor_parallel_ranks_get_the_samples_of_rank_0(model_dir, steps_ahead) -> None:
     """With two ranks only rank 0 samples; it sends its samples to rank 1 for the
     placeholders, so both ranks compute the same tokens: outputs equal the plain engine's,
     seeded random sampling, preemption, penalties (counted on rank 0, the repetition penalty's prompt
@@ -115,8 +126,8 @@ def test_tensor_parallel_ranks_get_the_samples_of_rank_0(model_dir) -> None:
     params = [SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0 if i % 2 else 0.9, seed=i,
                              prompt_logprobs=2 if i % 3 == 1 else None, **(penalties if i % 3 == 0 else {}))
               for i in range(len(prompts))]
-    plain, overlapped = generate_both(model_dir, prompts, params, overlapped_setting=None, tensor_parallel_size=2,
-                                      block_size=4, num_blocks=48, max_num_batched_tokens=32)
+    plain, overlapped = generate_both(model_dir, prompts, params, overlapped_setting=None, steps_ahead=steps_ahead,
+                                      tensor_parallel_size=2, block_size=4, num_blocks=48, max_num_batched_tokens=32)
     assert_same(plain, overlapped)
 
 

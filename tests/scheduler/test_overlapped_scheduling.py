@@ -10,6 +10,7 @@ every request the outputs of a plain run.
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 import xxhash
@@ -46,31 +47,39 @@ def check_counters(scheduler: Scheduler) -> None:
     assert load.num_running == stats.num_running and load.num_waiting == stats.num_waiting
 
 
-def run(scheduler: Scheduler, requests: list[Request], overlapped: bool) -> tuple[dict[str, list[int]], int]:
-    """Every request's outputs, and how many placeholder rows the run planned."""
+def run(scheduler: Scheduler, requests: list[Request], steps_ahead: int) -> tuple[dict[str, list[int]], int]:
+    """Every request's outputs, and how many placeholder rows the run planned.
+
+    ``steps_ahead`` steps stay launched and unapplied after each schedule (0: a plain run), as
+    ``EngineCore`` keeps them; a worker fills a placeholder from its last sampling step, so
+    every placeholder's request must have been sampled by it.
+    """
     prompts = {r.req_id: r.num_prompt_tokens for r in requests}
     for request in requests:
         scheduler.add_request(request)
     outputs: dict[str, list[int]] = {r.req_id: [] for r in requests}
-    in_flight: tuple[StepPlan, list[int]] | None = None
+    in_flight: deque[tuple[StepPlan, list[int]]] = deque()
+    last_sampled: set[str] = set()  # the requests sampled by the worker's last sampling step
     num_placeholders = 0
     for _ in range(2000):
-        if not scheduler.has_unfinished_requests() and in_flight is None:
+        if not scheduler.has_unfinished_requests() and not in_flight:
             break
         plan = scheduler.schedule()
         num_placeholders += len(plan.placeholder_rows)
         for row in plan.placeholder_rows:
             assert plan.num_scheduled_tokens[row] == 1 and plan.sample[row]
-        launched = (plan, fake_tokens(plan, prompts)) if not plan.is_empty else None
-        if overlapped:
-            launched, in_flight = in_flight, launched
-            if launched is None:
-                continue
-        else:
+            assert plan.req_ids[row] in last_sampled
+        if steps_ahead == 0:
             assert not plan.placeholder_rows  # nothing is on its way when the plan is made
-            if launched is None:
+        if not plan.is_empty:
+            in_flight.append((plan, fake_tokens(plan, prompts)))
+            if any(plan.sample):
+                last_sampled = {req_id for req_id, sample in zip(plan.req_ids, plan.sample) if sample}
+            if len(in_flight) <= steps_ahead:
                 continue
-        for output in scheduler.update(*launched):
+        if not in_flight:
+            continue
+        for output in scheduler.update(*in_flight.popleft()):
             outputs[output.req_id].append(output.token_id)
         check_counters(scheduler)
     else:
@@ -80,7 +89,8 @@ def run(scheduler: Scheduler, requests: list[Request], overlapped: bool) -> tupl
 
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("num_blocks", [12, 64])
-def test_overlapped_runs_give_every_request_the_plain_outputs(seed: int, num_blocks: int) -> None:
+@pytest.mark.parametrize("steps_ahead", [1, 2, 3])
+def test_overlapped_runs_give_every_request_the_plain_outputs(seed: int, num_blocks: int, steps_ahead: int) -> None:
     def requests() -> list[Request]:
         rng = random.Random(seed)
         shared = [rng.randrange(8) for _ in range(8)]
@@ -91,8 +101,8 @@ def test_overlapped_runs_give_every_request_the_plain_outputs(seed: int, num_blo
             for i in range(10)
         ]
 
-    plain, _ = run(make_scheduler(num_blocks), requests(), overlapped=False)
-    overlapped, num_placeholders = run(make_scheduler(num_blocks), requests(), overlapped=True)
+    plain, _ = run(make_scheduler(num_blocks), requests(), steps_ahead=0)
+    overlapped, num_placeholders = run(make_scheduler(num_blocks), requests(), steps_ahead=steps_ahead)
     assert overlapped == plain
     assert num_placeholders > 0
 
@@ -142,4 +152,25 @@ def test_a_token_on_its_way_when_its_request_is_preempted_is_kept() -> None:
     outputs = scheduler.update(first, [8, 9])
     assert [(o.req_id, o.token_id) for o in outputs] == [("a", 8), ("b", 9)]
     assert scheduler.requests["b"].all_token_ids == [4, 5, 6, 7, 4, 5, 6, 7, 9]  # recomputed with its token
+    check_counters(scheduler)
+
+
+
+def test_with_two_steps_in_flight_a_request_preempted_with_a_token_on_its_way_resumes_after_it() -> None:
+    # As above; b's token from the first step is on its way while the second and third are planned.
+    scheduler = make_scheduler(num_blocks=4, budget=16)
+    scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
+    scheduler.add_request(Request("b", [4, 5, 6, 7, 4, 5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True)))
+    first = scheduler.schedule()
+    second = scheduler.schedule()
+    assert second.preempted_req_ids == ["b"] and second.placeholder_rows == [0]
+    third = scheduler.schedule()  # b waits first in line, its token unknown: it is not planned
+    assert third.req_ids == ["a"] and scheduler.requests["b"].status is RequestStatus.PREEMPTED
+    scheduler.update(first, [8, 9])
+    scheduler.update(second, [10])
+    [done] = scheduler.update(third, [11])  # a's last token: its blocks go back
+    assert done.req_id == "a" and done.finish_reason is not None
+    fourth = scheduler.schedule()  # b resumes with the token it had on its way
+    assert "b" in fourth.req_ids
+    assert scheduler.requests["b"].all_token_ids == [4, 5, 6, 7, 4, 5, 6, 7, 9]
     check_counters(scheduler)
