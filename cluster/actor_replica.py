@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 
 from kvserve.cluster.host_port import split_host_port
@@ -64,13 +65,19 @@ class ActorReplica:
         self.num_failures = previous.num_failures if previous is not None else 0
         self.num_restart_failures = previous.num_restart_failures if previous is not None else 0
         self.backoff = previous.backoff if previous is not None else RestartBackoff()
-        # When the oldest step in flight was sent (monotonic clock); None while none is.
-        self.oldest_step_sent_at: float | None = None
+        # When each step in flight was sent (monotonic clock), oldest first.
+        self.steps_sent_at: deque[float] = deque()
 
     def step_age_s(self) -> float:
         """How long its oldest step in flight has been running; 0 when none is (a hung worker's grows)."""
-        sent_at = self.oldest_step_sent_at
-        return 0.0 if sent_at is None else time.monotonic() - sent_at
+        sent_at = self.steps_sent_at
+        return time.monotonic() - sent_at[0] if sent_at else 0.0
+
+    def steps_applied(self) -> None:
+        """Forget the send times of the steps its engine applied (those no longer in flight)."""
+        sent_at = self.steps_sent_at
+        while len(sent_at) > self.engine.num_steps_in_flight:
+            sent_at.popleft()
 
     @property
     def restarting(self) -> bool:
@@ -97,7 +104,7 @@ class ActorReplica:
     def take_out_of_service(self) -> None:
         """Mark it failed, its requests ended there and its cache gone (the actor moves its requests)."""
         self.healthy = False
-        self.oldest_step_sent_at = None
+        self.steps_sent_at.clear()
         # Keep the pool's books straight: every block goes back.
         self.scheduler.abort_requests(list(self.scheduler.requests))
         # Its KV cache is gone with its workers: the pool forgets every cached

@@ -46,8 +46,11 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A step running and the next one sent (overlapped scheduling).
-MAX_STEPS_IN_FLIGHT = 2
+# Steps the scheduler keeps in flight between its calls (EngineCore.steps_ahead): two, so that
+# the workers hold the next plan when they finish a step; the scheduler's round trip then runs
+# beside their step, not between two.  One more is in flight while the next one is being sent.
+STEPS_AHEAD = 2
+MAX_STEPS_IN_FLIGHT = STEPS_AHEAD + 1
 _CONTROL_TIMEOUT_S = 60.0
 _SHUTDOWN_TIMEOUT_S = 5.0
 _SERVICE = step_pb2.DESCRIPTOR.services_by_name["StepWorker"]
@@ -94,7 +97,7 @@ class GrpcReplicaExecutor:
             for channel in self._channels
         ]
         self._streams: list[grpc.aio.StreamStreamCall] = []
-        # Steps sent and not yet answered, oldest first (two with overlapped scheduling).
+        # Steps sent and not yet answered, oldest first (up to MAX_STEPS_IN_FLIGHT, overlapped).
         self._in_flight: deque[_StepInFlight] = deque()
         self._expired: str | None = None
         self._num_kv_blocks: int | None = None
@@ -145,6 +148,11 @@ class GrpcReplicaExecutor:
     def launches_ahead(self) -> bool:
         """The ranks are other processes (worker actors): the next plan is made while they run this one."""
         return True
+
+    @property
+    def steps_ahead(self) -> int:
+        """Steps the scheduler should keep in flight (``EngineCore.steps_ahead``): ``STEPS_AHEAD``."""
+        return STEPS_AHEAD
 
     async def launch(self, plan: StepPlan) -> PendingGrpcStep:
         """Send ``plan`` to every rank and return before it ran (overlapped scheduling).

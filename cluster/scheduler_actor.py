@@ -345,12 +345,11 @@ class SchedulerActor:
                 except asyncio.TimeoutError:
                     replica.check_idle(on_death=partial(self._fail_replica, replica))
                 continue
-            # NOTE: the plan goes out now; with async scheduling, after the one launched before, if any.
-            sent_at = time.monotonic()
-            if replica.oldest_step_sent_at is None:
-                replica.oldest_step_sent_at = sent_at
+            # NOTE: the plan goes out now; with async scheduling, after those launched before, if any.
+            if plan is not None:
+                replica.steps_sent_at.append(time.monotonic())
             try:
-                # With async scheduling: launch this plan, apply the one launched before.
+                # With async scheduling: launch this plan, apply the oldest in flight (EngineCore.steps_ahead).
                 outputs = await engine.run_step_async(plan)
             except asyncio.CancelledError:
                 raise
@@ -362,8 +361,7 @@ class SchedulerActor:
                 return
             if not replica.healthy:  # its idle check found a dead worker while the step ran: its requests moved
                 return
-            # The step applied is done; with async scheduling, the one just launched is the oldest.
-            replica.oldest_step_sent_at = sent_at if engine.step_in_flight else None
+            replica.steps_applied()
             if outputs:
                 self._collect(replica, outputs)
 

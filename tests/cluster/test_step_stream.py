@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from kvserve.cluster.grpc_auth import bearer_metadata
-from kvserve.cluster.replica_client import GrpcReplicaExecutor
+from kvserve.cluster.replica_client import MAX_STEPS_IN_FLIGHT, STEPS_AHEAD, GrpcReplicaExecutor
 from kvserve.cluster.step_codec import decode_result, encode_plan
 from kvserve.cluster.step_servicer import start_step_server
 from kvserve.proto import step_pb2, step_pb2_grpc
@@ -304,26 +304,27 @@ def test_a_replica_of_ranks_in_other_processes_is_scheduled_overlapped_by_defaul
     assert asyncio.run(scenario()) == (True, False)
 
 
-def test_a_launched_step_reaches_the_ranks_before_the_previous_one_is_answered() -> None:
-    """Overlapped scheduling: step 1 is sent while the ranks still run step 0, so they start
-    it as soon as they answered step 0; the answers come in order, one per step."""
+def test_launched_steps_reach_the_ranks_before_the_previous_one_is_answered() -> None:
+    """Overlapped scheduling: steps 1 and 2 are sent while the ranks still run step 0, so they
+    start each as soon as they answered the one before; the answers come in order, one per step."""
     release = threading.Event()
     ranks = [Rank(sample=True, execute_hook=lambda p: p.step_id == 0 and release.wait(10)), Rank(sample=False)]
 
     async def scenario() -> list[StepResult]:
         async with replica(*ranks) as executor:
-            first = await executor.launch(plan(0))
-            second = await executor.launch(plan(1))  # sent while rank 0 is held in step 0
-            with pytest.raises(RuntimeError, match="2 steps are already in flight"):
-                await executor.launch(plan(2))
+            assert executor.steps_ahead == STEPS_AHEAD == MAX_STEPS_IN_FLIGHT - 1
+            launched = [await executor.launch(plan(step)) for step in range(MAX_STEPS_IN_FLIGHT)]
+            with pytest.raises(RuntimeError, match=f"{MAX_STEPS_IN_FLIGHT} steps are already in flight"):
+                await executor.launch(plan(MAX_STEPS_IN_FLIGHT))
             with pytest.raises(RuntimeError, match="step 1's result was asked for out of order"):
-                await second.result()
+                await launched[1].result()
             release.set()
-            return [await first.result(), await second.result(), await executor.execute(plan(2))]
+            return [await step.result() for step in launched] + [await executor.execute(plan(MAX_STEPS_IN_FLIGHT))]
 
     results = asyncio.run(scenario())
-    assert [(r.step_id, r.sampled_token_ids) for r in results] == [(0, [0, 0]), (1, [1, 1]), (2, [2, 2])]
-    assert [[p.step_id for p in rank.plans] for rank in ranks] == [[0, 1, 2]] * 2
+    steps = list(range(MAX_STEPS_IN_FLIGHT + 1))
+    assert [(r.step_id, r.sampled_token_ids) for r in results] == [(s, [s, s]) for s in steps]
+    assert [[p.step_id for p in rank.plans] for rank in ranks] == [steps] * 2
 
 
 def test_a_rank_failing_with_two_steps_in_flight_fails_both() -> None:
