@@ -1,27 +1,27 @@
 """The worker side of the step protocol: a StepWorker gRPC server around one rank.
 
-The server is grpc's threaded server, not ``grpc.aio``, and its only thread
-is the rank's worker thread: every RPC runs there, so a step reaches the
-worker without a hand-off between threads (which would cost about as much
-as the rest of the protocol), and every call into the worker comes from the
-same thread (torch.distributed collectives require it; so does the device
-context of a GPU)::
+The server is grpc's threaded server, not ``grpc.aio``.  Every call into the
+runner runs on the rank's worker thread (torch.distributed collectives require
+one thread; so does the device context of a GPU); the RPCs themselves are
+served on a thread of the server's own::
 
-    scheduler ──ExecuteSteps stream──▶ worker thread: parse, decode_plan,
-                                                      runner.execute (the forward pass),
-    scheduler ◀──── StepResult ─────── worker thread: encode_result
+    scheduler ──ExecuteSteps stream──▶ reader thread: parse, decode_plan
+                                       worker thread: runner.launch / runner.execute, in order
+    scheduler ◀──── StepResult ─────── RPC thread: the step's result, encode_result, the send
 
-NOTE: RPCs are therefore served one at a time.  The scheduler of the rank's
-replica keeps one ``ExecuteSteps`` stream open and ends it before it calls
-``Shutdown``; any other call waits until that stream ends.
+So the worker thread does the steps and nothing else: it starts the next plan the
+scheduler sent (overlapped scheduling sends steps ahead, ``EngineCore.steps_ahead``)
+as soon as it finished the one before, while another thread answers that one.  A
+streamed answer's send waits for grpc's completion (some 150 us on a loaded 2-core
+machine), and the decoding of a plan of 64 requests takes some 100 us: on the worker
+thread they came between two launches; here they run beside them (the torch ops of
+a launch let go of the GIL).  A runner whose ``launches_ahead`` is true (a CUDA
+worker) returns from ``launch`` before the device ran the step: a helper thread
+waits for the device, then the step is answered.
 
-A runner whose launches return before the device ran the step (a CUDA worker,
-``launches_ahead``) gets the stream's plans through a second thread, which
-only reads them: a plan already sent (overlapped scheduling sends step N+1
-before step N's result came back) is launched before step N's result is
-waited for, so the device goes from one step to the next without waiting for
-the host.  A CPU worker computes the step in ``launch`` itself: it would gain
-nothing, and keeps the one thread.
+NOTE: RPCs are served one at a time, on one RPC thread.  The scheduler of the rank's
+replica keeps one ``ExecuteSteps`` stream open and ends it before it calls ``Shutdown``;
+any other call waits until that stream ends.
 
 A malformed plan ends its stream with ``INVALID_ARGUMENT``, a failing step
 with ``INTERNAL``; neither takes the server down.
@@ -45,7 +45,7 @@ import re
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol, TypeVar
 
 import grpc
@@ -62,6 +62,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# One: a rank serves one call at a time (a second step stream waits for the first to end, and
+# Shutdown for the stream's steps), as when the worker thread served the calls itself.
+_RPC_THREADS = 1
+
 # NOTE: explicit, never unlimited: a plan of 256 new requests with 64 blocks
 # each is ~100 KiB, so 64 MiB leaves room for very long prefills.
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -76,7 +80,7 @@ class StepRunner(Protocol):
 
     A runner whose ``launches_ahead`` is true (a CUDA worker) also has ``launch(plan)``,
     which returns before the device ran the step: ``wait()`` on it blocks until the
-    device ran it (from any thread), ``result()`` (on the worker thread) gives its result.
+    device ran it, ``result()`` gives its result (both from any thread).
     """
 
     def determine_num_blocks(self) -> int: ...
@@ -89,25 +93,15 @@ class StepRunner(Protocol):
 
 
 class StepWorkerServicer(step_pb2_grpc.StepWorkerServicer):
-    """Serves one rank's ``StepRunner``; its methods run on the rank's worker thread."""
+    """Serves one rank's ``StepRunner``; every call into it runs on ``thread``, the rank's worker thread."""
 
-    def __init__(self, runner: StepRunner) -> None:
+    def __init__(self, runner: StepRunner, thread: ThreadPoolExecutor) -> None:
         self._runner = runner
+        self._thread = thread
 
     def _run(self, context: grpc.ServicerContext, fn: Callable[..., T], *args: object) -> T:
-        """``fn(*args)``; a failure is answered ``INTERNAL``."""
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller, the server keeps serving
-            what = getattr(fn, "__name__", fn)
-            if is_peer_failure(exc):
-                # NOTE: another rank died (its own log and the scheduler's say why): a traceback of
-                # the collective that noticed would be some 60 lines of noise.
-                logger.error("%s failed: %s", what, one_line(exc))
-                logger.debug("%s failed", what, exc_info=True)
-            else:
-                logger.exception("%s failed: %s", what, one_line(exc))
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        """``fn(*args)`` on the worker thread; a failure is answered ``INTERNAL``."""
+        return _reported(context, getattr(fn, "__name__", fn), self._thread.submit(fn, *args).result)
 
     def DetermineNumBlocks(self, request: step_pb2.Empty, context: grpc.ServicerContext) -> step_pb2.NumBlocks:
         return step_pb2.NumBlocks(num_blocks=self._run(context, self._runner.determine_num_blocks))
@@ -123,41 +117,32 @@ class StepWorkerServicer(step_pb2_grpc.StepWorkerServicer):
     def ExecuteSteps(
         self, request_iterator: Iterable[step_pb2.StepPlan], context: grpc.ServicerContext
     ) -> Iterator[step_pb2.StepResult]:
-        if getattr(self._runner, "launches_ahead", False):
-            yield from self._execute_launching_ahead(request_iterator, context)
-            return
-        execute = self._runner.execute
-        for request in request_iterator:
-            plan = _decode(request, context)
-            yield encode_result(plan.step_id, self._run(context, execute, plan))
+        """Each plan of the stream goes to the worker thread as it comes, queued behind the steps
+        before it; each step is answered, in order, as soon as it ran.
 
-    def _execute_launching_ahead(
-        self, request_iterator: Iterable[step_pb2.StepPlan], context: grpc.ServicerContext
-    ) -> Iterator[step_pb2.StepResult]:
-        """``ExecuteSteps`` for a runner whose ``launch`` returns before the device ran the step.
-
-        Two helper threads turn the stream's plans and the device's progress into one queue of
-        events: a plan that comes while a step runs is launched at once, and a step is answered
-        as soon as the device ran it.  Every call into the runner stays on this thread.
+        Two helper threads turn the stream's plans and the steps' ends into one queue of events.
         """
+        launches_ahead = bool(getattr(self._runner, "launches_ahead", False))
+        step = self._runner.launch if launches_ahead else self._runner.execute  # type: ignore[attr-defined]
         events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        to_wait: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        to_wait: queue.SimpleQueue[Future | None] = queue.SimpleQueue()
         threading.Thread(target=_read_into, args=(request_iterator, events), daemon=True, name="step-reader").start()
-        threading.Thread(target=_wait_into, args=(to_wait, events), daemon=True, name="step-waiter").start()
-        launch = self._runner.launch  # type: ignore[attr-defined]
-        in_flight: deque[tuple[int, Any]] = deque()  # launched steps not yet answered, oldest first
+        threading.Thread(target=_wait_into, args=(to_wait, events, launches_ahead), daemon=True,
+                         name="step-waiter").start()
+        in_flight: deque[tuple[int, Future]] = deque()  # steps started and not yet answered, oldest first
         ended = False
         try:
             while not (ended and not in_flight):
-                kind, request = events.get()
+                kind, item = events.get()
                 if kind == "plan":
-                    plan = _decode(request, context)
-                    launched = self._run(context, launch, plan)
-                    in_flight.append((plan.step_id, launched))
-                    to_wait.put(launched)
+                    plan = _decoded(item, context)
+                    future = self._thread.submit(step, plan)
+                    in_flight.append((plan.step_id, future))
+                    to_wait.put(future)
                 elif kind == "ran":
-                    step_id, launched = in_flight.popleft()
-                    yield encode_result(step_id, self._run(context, launched.result))
+                    step_id, future = in_flight.popleft()
+                    answer = future.result().result if launches_ahead else future.result
+                    yield encode_result(step_id, _reported(context, step.__name__, answer))
                 else:  # the stream ended: answer what is still in flight
                     ended = True
         finally:
@@ -189,33 +174,61 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def _decode(request: step_pb2.StepPlan, context: grpc.ServicerContext) -> StepPlan:
-    """The plan of ``request``; a malformed one ends the stream with ``INVALID_ARGUMENT``."""
+def _reported(context: grpc.ServicerContext, what: object, call: Callable[[], T]) -> T:
+    """``call()``; a failure (of ``what``) is logged and answered ``INTERNAL``."""
     try:
-        return decode_plan(request)
-    except ValueError as exc:
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {exc}")
+        return call()
+    except Exception as exc:  # noqa: BLE001 - reported to the caller, the server keeps serving
+        if is_peer_failure(exc):
+            # NOTE: another rank died (its own log and the scheduler's say why): a traceback of
+            # the collective that noticed would be some 60 lines of noise.
+            logger.error("%s failed: %s", what, one_line(exc))
+            logger.debug("%s failed", what, exc_info=True)
+        else:
+            logger.exception("%s failed: %s", what, one_line(exc))
+        context.abort(grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}")
         raise  # context.abort raises; for the type checker
 
 
+def _decoded(decoded: tuple[step_pb2.StepPlan, StepPlan | ValueError], context: grpc.ServicerContext) -> StepPlan:
+    """The plan ``_read_into`` decoded; a malformed one ends the stream with ``INVALID_ARGUMENT``."""
+    request, plan = decoded
+    if isinstance(plan, ValueError):
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"step {request.step_id}: {plan}")
+        raise plan  # context.abort raises; for the type checker
+    return plan
+
+
 def _read_into(request_iterator: Iterable[step_pb2.StepPlan], events: queue.SimpleQueue) -> None:
-    """Put ("plan", plan) into ``events`` for every plan of the stream as it comes, then ("end", None)."""
+    """Put ("plan", (message, its plan or why it is malformed)) into ``events`` for every plan of the
+    stream as it comes, then ("end", None).
+
+    NOTE: decoded here, beside the worker thread's launch of the step before (whose torch ops let
+    go of the GIL), rather than on the worker thread between two launches.
+    """
     try:
         for request in request_iterator:
-            events.put(("plan", request))
+            try:
+                plan: StepPlan | ValueError = decode_plan(request)
+            except ValueError as exc:
+                plan = exc
+            events.put(("plan", (request, plan)))
     except Exception:  # noqa: BLE001 - a cancelled or broken stream ends like a finished one
         pass
     finally:
         events.put(("end", None))
 
 
-def _wait_into(to_wait: queue.SimpleQueue, events: queue.SimpleQueue) -> None:
-    """For each launched step of ``to_wait`` (until ``None``), in order: wait until the device ran
-    it, then put ("ran", None) into ``events``; its ``result()``, on the worker thread, raises any failure."""
-    while (launched := to_wait.get()) is not None:
+def _wait_into(to_wait: queue.SimpleQueue, events: queue.SimpleQueue, launches_ahead: bool) -> None:
+    """For each step of ``to_wait`` (its future on the worker thread; until ``None``), in order:
+    wait until it ran (``launches_ahead``: until the device ran it too), then put ("ran", None)
+    into ``events``; its answer raises any failure where it is answered."""
+    while (future := to_wait.get()) is not None:
         try:
-            launched.wait()
-        except Exception:  # noqa: BLE001 - result() raises it where it is answered
+            done = future.result()
+            if launches_ahead:
+                done.wait()
+        except Exception:  # noqa: BLE001 - raised where it is answered
             pass
         events.put(("ran", None))
 
@@ -223,12 +236,14 @@ def _wait_into(to_wait: queue.SimpleQueue, events: queue.SimpleQueue) -> None:
 class StepServer:
     """A started StepWorker server; ``stop`` it from the event loop that started it."""
 
-    def __init__(self, server: grpc.Server) -> None:
+    def __init__(self, server: grpc.Server, rpc_threads: ThreadPoolExecutor) -> None:
         self._server = server
+        self._rpc_threads = rpc_threads
 
     async def stop(self, grace: float | None = None) -> None:
         """Cancel the calls in flight after ``grace`` seconds (at once for ``None``) and close."""
         await asyncio.to_thread(self._server.stop(grace).wait)
+        self._rpc_threads.shutdown(wait=False)
 
 
 async def start_step_server(
@@ -237,19 +252,20 @@ async def start_step_server(
     """Start a StepWorker server for ``runner`` on ``host`` and a free port; returns it and ``host:port``.
 
     ``thread`` is the rank's worker thread, a ``ThreadPoolExecutor`` of one
-    thread: the server runs every RPC on it, so every call into ``runner``
-    runs there.  Every call must carry ``secret`` (module docstring).
+    thread: every call into ``runner`` runs there.  Every call must carry
+    ``secret`` (module docstring).
     """
     if not secret:
         raise ValueError("a StepWorker server's secret must not be empty")
     interceptor = ThreadedBearerTokenInterceptor(TokenTable({secret: "replica"}))
-    server = grpc.server(thread, interceptors=[interceptor], options=GRPC_OPTIONS)
-    step_pb2_grpc.add_StepWorkerServicer_to_server(StepWorkerServicer(runner), server)
+    rpc_threads = ThreadPoolExecutor(max_workers=_RPC_THREADS, thread_name_prefix="kvserve-step-rpc")
+    server = grpc.server(rpc_threads, interceptors=[interceptor], options=GRPC_OPTIONS)
+    step_pb2_grpc.add_StepWorkerServicer_to_server(StepWorkerServicer(runner, thread), server)
     port = server.add_insecure_port(join_host_port(host, 0))
     if port == 0:
         raise RuntimeError(f"could not bind a StepWorker server on {host}")
     server.start()
-    return StepServer(server), join_host_port(host, port)
+    return StepServer(server, rpc_threads), join_host_port(host, port)
 
 
 def join_host_port(host: str, port: int) -> str:

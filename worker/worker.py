@@ -412,7 +412,10 @@ class LaunchedStep:
             self.ready.synchronize()
 
     def result(self) -> StepResult | None:
-        """The sampled tokens (rank 0) after one wait for the device; ``None`` on other ranks."""
+        """The sampled tokens (rank 0) after one wait for the device; ``None`` on other ranks.
+
+        From any thread: the step server answers from its RPC thread while the worker thread
+        launches the next step.  It reads host copies only (no torch state of the worker)."""
         if not self.is_driver:
             return None
         if self.ready is not None:

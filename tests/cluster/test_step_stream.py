@@ -367,11 +367,12 @@ class AsyncRank(Rank):
         super().__init__(sample=True)
         self.step_s = step_s
         self.events: list[str] = []
-        self.runner_threads: set[str] = set()  # the threads that called launch() or result()
+        self.launch_threads: set[str] = set()  # the threads that called launch()
+        self.result_threads: set[str] = set()  # and result()
         self._device = ThreadPoolExecutor(max_workers=1)  # runs the steps in order, as a CUDA stream
 
     def launch(self, plan: StepPlan):
-        self.runner_threads.add(threading.current_thread().name)
+        self.launch_threads.add(threading.current_thread().name)
         self.events.append(f"launch {plan.step_id}")
         done = self._device.submit(lambda: (time.sleep(self.step_s), self.execute(plan))[1])
         rank = self
@@ -381,7 +382,7 @@ class AsyncRank(Rank):
                 done.result()
 
             def result(self) -> StepResult | None:
-                rank.runner_threads.add(threading.current_thread().name)
+                rank.result_threads.add(threading.current_thread().name)
                 rank.events.append(f"result {plan.step_id}")
                 return done.result()
 
@@ -404,8 +405,10 @@ def test_a_rank_that_launches_ahead_starts_the_next_step_before_it_waits_for_the
     results = asyncio.run(scenario())
     assert [(r.step_id, r.sampled_token_ids) for r in results] == [(0, [0, 0]), (1, [1, 1]), (2, [2, 2])]
     assert rank.events == ["launch 0", "launch 1", "result 0", "result 1", "launch 2", "result 2"]
-    # launch() and result() on the worker thread: the helper threads only read the stream and wait.
-    assert rank.runner_threads == {f"{WORKER_THREAD}_0"}
+    # launch() on the worker thread, which does nothing else; result() (the copy of the samples
+    # waited for) on the thread that answers, while the worker thread launches the next step.
+    assert rank.launch_threads == {f"{WORKER_THREAD}_0"}
+    assert len(rank.result_threads) == 1 and rank.result_threads != rank.launch_threads
 
 
 def test_a_step_that_fails_on_the_device_of_a_rank_that_launches_ahead_fails_the_replica() -> None:
