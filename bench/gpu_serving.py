@@ -112,8 +112,8 @@ def _timed_run(engine, generate, workload: Workload, async_scheduling: bool,
 def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Workload,
                       in_process: dict[bool, tuple[float, list[list[int]]]], repeat: int = 1) -> list[list[str]]:
     """Rows of part (e): ``workload`` through a replica over the step protocol (``bench.grpc_replica``),
-    plain and with async scheduling, the median of ``repeat`` runs each, against
-    ``in_process[async_scheduling]`` = (seconds, outputs).
+    plain and with async scheduling (one step ahead, and the cluster's ``STEPS_AHEAD``), the median of
+    ``repeat`` runs each, against ``in_process[async_scheduling]`` = (seconds, outputs).
 
     The worker has the in-process replica's settings and block count, so the scheduler makes the
     same plans; ``RuntimeError`` unless every output equals in-process's token for token.
@@ -121,6 +121,7 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
     import dataclasses
 
     from kvserve.bench.grpc_replica import StepProtocolReplica, worker_server
+    from kvserve.cluster.replica_client import STEPS_AHEAD
     from kvserve.worker.worker import WorkerConfig
 
     worker_config = dataclasses.replace(WorkerConfig.for_engine(llm_config, model_config.max_model_len),
@@ -131,20 +132,25 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
     with worker_server(worker_config) as (address, secret):
         replica = StepProtocolReplica(address, secret, llm_config, model_config)
         try:
-            for async_scheduling in (False, True):
+            for async_scheduling, steps_ahead in ((False, 1), (True, 1), (True, STEPS_AHEAD)):
+                replica.engine.steps_ahead = steps_ahead  # nothing is in flight between runs
                 _timed_run(replica.engine, replica.generate, warm_up(workload), async_scheduling)
-                over_grpc[async_scheduling] = _timed_run(replica.engine, replica.generate, workload, async_scheduling,
-                                                         repeat)
+                over_grpc[async_scheduling, steps_ahead] = _timed_run(
+                    replica.engine, replica.generate, workload, async_scheduling, repeat)
         finally:
             replica.close()
     rows = []
+    tokens = workload.num_output_tokens
     for async_scheduling, name in ((False, "plain"), (True, "async sched.")):
-        (local_s, local_ids), (grpc_s, grpc_ids) = in_process[async_scheduling], over_grpc[async_scheduling]
-        check_same_outputs(local_ids, grpc_ids, f"{workload.name}, {name}")
-        tokens = workload.num_output_tokens
+        local_s, local_ids = in_process[async_scheduling]
         rows.append([f"in-process, {name}", f"{local_s:.2f}", f"{tokens / local_s:.0f}", "1.00", "-"])
-        rows.append([f"step protocol, {name}", f"{grpc_s:.2f}", f"{tokens / grpc_s:.0f}", f"{local_s / grpc_s:.2f}",
-                     "equal"])
+        for (grpc_async, steps_ahead), (grpc_s, grpc_ids) in over_grpc.items():
+            if grpc_async != async_scheduling:
+                continue
+            ahead = f", {steps_ahead} ahead" if async_scheduling else ""
+            check_same_outputs(local_ids, grpc_ids, f"{workload.name}, {name}{ahead}")
+            rows.append([f"step protocol, {name}{ahead}", f"{grpc_s:.2f}", f"{tokens / grpc_s:.0f}",
+                         f"{local_s / grpc_s:.2f}", "equal"])
     return rows
 
 

@@ -19,28 +19,31 @@ import asyncio
 import itertools
 import multiprocessing as mp
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from multiprocessing.connection import Connection
+from typing import Any
 
 from kvserve.cluster.replica_client import GrpcReplicaExecutor
-from kvserve.cluster.step_servicer import start_step_server
+from kvserve.cluster.step_servicer import StepRunner, start_step_server
 from kvserve.scheduler.engine_config import EngineConfig
 from kvserve.scheduler.engine_core import EngineCore
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.model_config import ModelConfig
-from kvserve.worker.worker import WorkerConfig
 
 LOOPBACK = "127.0.0.1"
 _JOIN_TIMEOUT_S = 30.0
 
 
 @contextmanager
-def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Iterator[tuple[str, str]]:
-    """A StepWorker server around a ``Worker`` of ``config``, in a spawned child process on
+def worker_server(
+    config: Any, start_timeout_s: float = 600.0, runner: Callable[[Any], StepRunner] | None = None
+) -> Iterator[tuple[str, str]]:
+    """A StepWorker server around a ``Worker`` of ``config`` (a ``WorkerConfig``), or around
+    ``runner(config)`` (both picklable: a benchmark's stand-in), in a spawned child process on
     loopback; yields its ``host:port`` and the secret its callers must carry.  Leaving the
     block stops the server and the process.
 
@@ -51,7 +54,8 @@ def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Itera
     context = mp.get_context("spawn")
     parent, child = context.Pipe()
     secret = secrets.token_urlsafe(32)
-    process = context.Process(target=_serve, args=(child, config, secret), daemon=True, name="kvserve-step-worker")
+    process = context.Process(target=_serve, args=(child, config, secret, runner), daemon=True,
+                              name="kvserve-step-worker")
     process.start()
     child.close()
     try:
@@ -72,14 +76,15 @@ def worker_server(config: WorkerConfig, start_timeout_s: float = 600.0) -> Itera
             process.join()
 
 
-def _serve(conn: Connection, config: WorkerConfig, secret: str) -> None:
+def _serve(conn: Connection, config: Any, secret: str, runner: Callable[[Any], StepRunner] | None) -> None:
     """Child process: build the worker, serve it, send the address; stop when the pipe closes."""
-    from kvserve.worker.worker import Worker
+    if runner is None:
+        from kvserve.worker.worker import Worker as runner
 
     async def serve() -> None:
         loop = asyncio.get_running_loop()
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step-worker")
-        worker = await loop.run_in_executor(thread, Worker, config)
+        worker = await loop.run_in_executor(thread, runner, config)
         server, address = await start_step_server(worker, thread, LOOPBACK, secret=secret)
         conn.send(address)
         try:

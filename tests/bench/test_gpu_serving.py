@@ -104,8 +104,8 @@ def test_the_step_protocol_part_serves_the_mixed_workload_with_in_process_output
     cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("|")]
     rows = {row[0]: row[1:] for row in cells[2:]}
     assert list(rows) == ["in-process, plain", "step protocol, plain", "in-process, async sched.",
-                          "step protocol, async sched."]
-    for name in ("plain", "async sched."):
+                          "step protocol, async sched., 1 ahead", "step protocol, async sched., 2 ahead"]
+    for name in ("plain", "async sched., 1 ahead", "async sched., 2 ahead"):
         _, tok_s, ratio, outputs = rows[f"step protocol, {name}"]
         assert outputs == "equal" and float(tok_s) > 0 and float(ratio) > 0
 
