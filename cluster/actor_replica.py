@@ -74,10 +74,18 @@ class ActorReplica:
         return time.monotonic() - sent_at[0] if sent_at else 0.0
 
     def steps_applied(self) -> None:
-        """Forget the send times of the steps its engine applied (those no longer in flight)."""
+        """Forget the send times of the steps its engine applied (those no longer in flight).
+
+        The oldest left started to run when the one before it was answered, about now: its age
+        counts from then, not from its sending (as its deadline does, ``GrpcReplicaExecutor``).
+        """
         sent_at = self.steps_sent_at
+        if len(sent_at) <= self.engine.num_steps_in_flight:
+            return
         while len(sent_at) > self.engine.num_steps_in_flight:
             sent_at.popleft()
+        if sent_at:
+            sent_at[0] = max(sent_at[0], time.monotonic())
 
     @property
     def restarting(self) -> bool:

@@ -12,10 +12,11 @@ waiting for the dead one) and every later call raises at once.  The step
 deadline (``step_timeout_s``, ``ClusterConfig.step_timeout_s``) is all that
 finds a rank that hangs (stopped, or stuck in a kernel) without dying.
 
-With overlapped scheduling (``launch``), the next plan is sent while the ranks
-still run the previous one, at most two in flight: the ranks read it from their
+With overlapped scheduling (``launch``), the next plans are sent while the ranks
+still run the previous one (``STEPS_AHEAD``): the ranks read them from their
 stream as soon as they answered, so the round trip to the scheduler, its update
-and its next plan hide behind the ranks' work.
+and its next plan hide behind the ranks' work.  A step's deadline runs from when
+it is the oldest in flight (the one the ranks work on), not from its sending.
 
 Every call carries the replica's secret as its metadata
 (``authorization: Bearer <secret>``, see ``kvserve.cluster.step_servicer``):
@@ -169,11 +170,10 @@ class GrpcReplicaExecutor:
         what = f"step {plan.step_id}"
         data = encode_plan(plan).SerializeToString()
         streams = self._streams or self._open_streams()
-        # NOTE: one timer per step rather than a deadline per call: the streams
-        # outlive every step.  It runs from the step's sending to its answer.
-        deadline = asyncio.get_running_loop().call_later(self.step_timeout_s, self._expire, what)
-        step = _StepInFlight(plan.step_id, what, deadline)
+        step = _StepInFlight(plan.step_id, what)
         self._in_flight.append(step)
+        if len(self._in_flight) == 1:
+            self._start_deadline(step)
         # A stream that ends (a rank failed, or the connection went) fails the oldest step in
         # flight, which it did not answer: with a step launched before this one, that step.
         # NOTE: a write that races the rank's end of its stream fails with grpc's own INTERNAL
@@ -188,10 +188,18 @@ class GrpcReplicaExecutor:
                     blamed, [_write(stream, channel, data) for stream, channel in zip(streams, self._channels)]
                 )
         except BaseException:
-            deadline.cancel()
+            step.cancel_deadline()
             self._in_flight.remove(step)
             raise
         return step
+
+    def _start_deadline(self, step: _StepInFlight) -> None:
+        """Start ``step``'s deadline: it is the oldest in flight, the one the ranks work on now.
+
+        NOTE: one timer per step rather than a deadline per call: the streams outlive every
+        step.  It runs until the step's answer; the steps queued behind it wait for theirs.
+        """
+        step.deadline = asyncio.get_running_loop().call_later(self.step_timeout_s, self._expire, step.what)
 
     async def _receive(self, step: _StepInFlight) -> StepResult:
         """Every rank's answer to ``step``, the oldest in flight; rank 0's samples."""
@@ -207,8 +215,10 @@ class GrpcReplicaExecutor:
                     what, [_read(stream, channel) for stream, channel in zip(self._streams, self._channels)]
                 )
         finally:
-            step.deadline.cancel()
+            step.cancel_deadline()
             self._in_flight.popleft()
+            if self._in_flight:
+                self._start_deadline(self._in_flight[0])
         if self._expired is not None:  # the timer fired just as the answers came
             self._fail(self._expired)
         try:
@@ -356,7 +366,11 @@ def _lost_connection(exc: grpc.aio.AioRpcError, channel: grpc.aio.Channel) -> _S
 class _StepInFlight:
     step_id: int
     what: str
-    deadline: asyncio.TimerHandle
+    deadline: asyncio.TimerHandle | None = None  # started when it is the oldest in flight
+
+    def cancel_deadline(self) -> None:
+        if self.deadline is not None:
+            self.deadline.cancel()
 
 
 @dataclass(frozen=True, slots=True)

@@ -152,6 +152,23 @@ def test_a_step_past_its_deadline_fails_the_replica_and_every_step_after() -> No
     asyncio.run(scenario())
 
 
+def test_a_steps_deadline_runs_while_the_ranks_work_on_it_not_while_it_waits_behind_others() -> None:
+    # Each step takes 0.2 s of a 0.5 s deadline; the third, sent with the first, is answered
+    # some 0.6 s after its sending: in time, since the ranks worked on it for 0.2 s.
+    rank = Rank(sample=True, execute_hook=lambda p: time.sleep(0.2))
+
+    async def scenario() -> list[StepResult]:
+        async with replica(rank, step_timeout_s=0.5) as executor:
+            start = time.monotonic()
+            launched = [await executor.launch(plan(step)) for step in range(MAX_STEPS_IN_FLIGHT)]
+            results = [await step.result() for step in launched]
+            assert time.monotonic() - start >= 0.2 * MAX_STEPS_IN_FLIGHT > 0.5
+            assert not executor.failed
+            return results
+
+    assert [r.step_id for r in asyncio.run(scenario())] == list(range(MAX_STEPS_IN_FLIGHT))
+
+
 def test_a_failing_step_is_internal_and_fails_the_replica() -> None:
     def fail_step_3(p: StepPlan) -> None:
         if p.step_id == 3:
