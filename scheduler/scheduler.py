@@ -287,9 +287,6 @@ class Scheduler:
                 self.queue_observer.request_dequeued(request.req_id)
 
         self._num_running_tokens += len(token_ids)
-        if self.queue_observer is not None:
-            # Rows of one token are decodes, as the step cost model counts them.
-            self.queue_observer.step_planned(len(token_ids) - num_scheduled.count(1))
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         plan = StepPlan(
             step_id=self._next_step_id,
@@ -308,6 +305,9 @@ class Scheduler:
             next_prompt_token_ids=next_prompt_token_ids,
         )
         self._next_step_id += 1
+        if self.queue_observer is not None and not plan.is_empty:  # an empty plan never runs
+            # Rows of one token are decodes, as the step cost model counts them.
+            self.queue_observer.step_planned(len(token_ids) - num_scheduled.count(1))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(
                 "step %d: %d requests, %d tokens, %d new, %d preempted",
@@ -429,6 +429,8 @@ class Scheduler:
             unfilled.extend(blocks[start // block_size : -(-(start + num_new) // block_size)])
         self.abort_requests(plan.req_ids)
         kv.block_pool.uncache_blocks(unfilled)
+        if self.queue_observer is not None:
+            self.queue_observer.step_applied()  # it is no longer in flight
 
     def _preempt(self, request: Request) -> None:
         self._num_queued_prefill_tokens += request.num_tokens - queued_prefill_tokens(request)

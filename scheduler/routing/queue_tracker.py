@@ -10,9 +10,10 @@ need, kept here rather than in the scheduler core:
   will not compute (the pool is looked up again when they are scheduled);
   like the pool's own lookup it counts full blocks, never a request's last
   token's.
-* ``num_inflight_prefill_tokens``: the prompt tokens of the step in flight
-  (planned, not yet applied): no longer queued, not yet computed, and the
-  step that computes them delays every later token.
+* ``num_inflight_prefill_tokens``: the prompt tokens of the steps in flight
+  (planned, not yet applied or discarded; more than one with async scheduling,
+  ``EngineCore.steps_ahead``): no longer queued, not yet computed, and the
+  steps that compute them delay every later token.
 
 Both change in O(1) per event (a lookup walks the request's blocks once, as
 the pool's does), and the router merges them into the load table whenever
@@ -21,6 +22,7 @@ the replica reports its load.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 from kvserve.scheduler.block_hash import BlockHash, num_cacheable_blocks
@@ -30,7 +32,7 @@ from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 class QueueTracker:
     """One replica's queued cached tokens and in-flight prefill (a ``SchedulerEventObserver``)."""
 
-    __slots__ = ("index", "replica_id", "block_size", "_cached_tokens",
+    __slots__ = ("index", "replica_id", "block_size", "_cached_tokens", "_inflight",
                  "num_queued_cached_tokens", "num_inflight_prefill_tokens")
 
     def __init__(self, index: GlobalPrefixIndex, replica_id: int, block_size: int) -> None:
@@ -40,6 +42,8 @@ class QueueTracker:
         # Cached prompt tokens of each waiting request with any, as found when it was queued.
         self._cached_tokens: dict[str, int] = {}
         self.num_queued_cached_tokens = 0
+        # The prompt tokens of each step in flight, oldest first (steps end in the order planned).
+        self._inflight: deque[int] = deque()
         self.num_inflight_prefill_tokens = 0
 
     def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
@@ -54,10 +58,18 @@ class QueueTracker:
         self.num_queued_cached_tokens -= self._cached_tokens.pop(req_id, 0)
 
     def step_planned(self, num_prefill_tokens: int) -> None:
-        self.num_inflight_prefill_tokens = num_prefill_tokens
+        self._inflight.append(num_prefill_tokens)
+        self.num_inflight_prefill_tokens += num_prefill_tokens
 
     def step_applied(self) -> None:
-        self.num_inflight_prefill_tokens = 0
+        if self._inflight:
+            self.num_inflight_prefill_tokens -= self._inflight.popleft()
+
+    def mirror_inflight_prefill_tokens(self, num_prefill_tokens: int) -> None:
+        """Take the in-flight figure of a tracker kept elsewhere (a simulator shard's replica),
+        instead of step events."""
+        self._inflight.clear()
+        self.num_inflight_prefill_tokens = num_prefill_tokens
 
     @property
     def queued_cached_tokens(self) -> dict[str, int]:

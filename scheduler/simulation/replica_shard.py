@@ -42,6 +42,7 @@ import os
 import select
 import signal
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
@@ -335,10 +336,11 @@ class _QueueEventBuffer:
 
     A queued request travels with the block hashes a lookup can use (never its
     last token's block); of the steps planned and applied only the last state
-    counts, so it is kept per replica (``inflight``), not as events.
+    counts (the prompt tokens of the steps in flight, as ``QueueTracker`` sums
+    them), so it is kept per replica (``inflight``), not as events.
     """
 
-    __slots__ = ("replica_id", "events", "inflight", "block_size")
+    __slots__ = ("replica_id", "events", "inflight", "block_size", "_steps", "_num_inflight")
 
     def __init__(
         self, replica_id: int, events: list[tuple[int, int, Any]], inflight: dict[int, int], block_size: int
@@ -347,6 +349,8 @@ class _QueueEventBuffer:
         self.events = events
         self.inflight = inflight
         self.block_size = block_size
+        self._steps: deque[int] = deque()  # the prompt tokens of each step in flight, oldest first
+        self._num_inflight = 0
 
     def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         cacheable = list(block_hashes[: num_cacheable_blocks(num_tokens, self.block_size)])
@@ -356,7 +360,11 @@ class _QueueEventBuffer:
         self.events.append((self.replica_id, DEQUEUED, req_id))
 
     def step_planned(self, num_prefill_tokens: int) -> None:
-        self.inflight[self.replica_id] = num_prefill_tokens
+        self._steps.append(num_prefill_tokens)
+        self._num_inflight += num_prefill_tokens
+        self.inflight[self.replica_id] = self._num_inflight
 
     def step_applied(self) -> None:
-        self.inflight[self.replica_id] = 0
+        if self._steps:
+            self._num_inflight -= self._steps.popleft()
+        self.inflight[self.replica_id] = self._num_inflight

@@ -290,7 +290,7 @@ class FleetSimulator:
             else:  # DEQUEUED
                 queue_observers[replica_id].request_dequeued(payload)
         for replica_id, num_prefill_tokens in inflight:
-            queue_observers[replica_id].step_planned(num_prefill_tokens)
+            queue_observers[replica_id].mirror_inflight_prefill_tokens(num_prefill_tokens)
         for replica_id, load in loads:
             self.router.update_load(replica_id, unpack_load(load))
 

@@ -106,6 +106,25 @@ def test_the_step_in_flight_counts_its_prefill_chunk_until_applied() -> None:
     assert reference.tracker.num_inflight_prefill_tokens == 0
 
 
+def test_every_step_in_flight_counts_its_prefill_chunk_until_applied_or_discarded() -> None:
+    # Async scheduling, two steps ahead: steps are planned before the ones before are applied.
+    router, scheduler, reference = tracked_scheduler(max_num_batched_tokens=8, max_model_len=64)
+    scheduler.add_request(Request("a", list(range(20)), SamplingParams(max_tokens=1)))
+    tracker = reference.tracker
+
+    first, second = scheduler.schedule(), scheduler.schedule()
+    assert tracker.num_inflight_prefill_tokens == 16  # two chunks of 8
+    third = scheduler.schedule()  # the prompt's last 4 tokens
+    assert tracker.num_inflight_prefill_tokens == 20
+    scheduler.update(first, [])
+    assert tracker.num_inflight_prefill_tokens == 12
+    assert scheduler.schedule().is_empty  # "a"'s one token is on its way: nothing to plan, nothing runs
+    assert tracker.num_inflight_prefill_tokens == 12
+    scheduler.update(second, [])
+    scheduler.discard_step(third)  # failed on the workers: no longer in flight either
+    assert tracker.num_inflight_prefill_tokens == 0
+
+
 def test_a_waiting_request_whose_prefix_is_cached_counts_its_cached_tokens_until_scheduled() -> None:
     router, scheduler, reference = tracked_scheduler(max_num_batched_tokens=64, max_model_len=64)
     prompt = list(range(3, 23))  # 20 tokens, 5 blocks
