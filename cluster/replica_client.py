@@ -217,7 +217,7 @@ class GrpcReplicaExecutor:
         finally:
             step.cancel_deadline()
             self._in_flight.popleft()
-            if self._in_flight:
+            if self._in_flight and self._failure is None:  # a failed replica's steps get no answer
                 self._start_deadline(self._in_flight[0])
         if self._expired is not None:  # the timer fired just as the answers came
             self._fail(self._expired)
