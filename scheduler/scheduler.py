@@ -305,7 +305,8 @@ class Scheduler:
             next_prompt_token_ids=next_prompt_token_ids,
         )
         self._next_step_id += 1
-        if self.queue_observer is not None and not plan.is_empty:  # an empty plan never runs
+        # NOTE: only a plan with rows counts as a step (one without may never run: the simulator's).
+        if self.queue_observer is not None and req_ids:
             # Rows of one token are decodes, as the step cost model counts them.
             self.queue_observer.step_planned(len(token_ids) - num_scheduled.count(1))
         if logger.isEnabledFor(logging.DEBUG):
@@ -347,7 +348,7 @@ class Scheduler:
             )
         if logprobs is not None and len(logprobs) != num_sampled:
             raise ValueError(f"got {len(logprobs)} logprobs for {num_sampled} sampled tokens")
-        if self.queue_observer is not None:
+        if self.queue_observer is not None and plan.req_ids:
             self.queue_observer.step_applied()
         requests = self.requests
         if prompt_logprobs is not None:
@@ -429,7 +430,7 @@ class Scheduler:
             unfilled.extend(blocks[start // block_size : -(-(start + num_new) // block_size)])
         self.abort_requests(plan.req_ids)
         kv.block_pool.uncache_blocks(unfilled)
-        if self.queue_observer is not None:
+        if self.queue_observer is not None and plan.req_ids:
             self.queue_observer.step_applied()  # it is no longer in flight
 
     def _preempt(self, request: Request) -> None:

@@ -20,10 +20,10 @@ class SchedulerEventObserver(Protocol):
     ``block_hashes`` (those of its full blocks so far) and ``num_tokens`` are passed
     as they are at that moment.  ``request_dequeued``: a waiting request left the
     queue (admitted, aborted, or ended by a token that came after its preemption).
-    ``step_planned``: ``schedule()`` planned a step to run, with that many prompt tokens
-    (rows of more than one token); ``step_applied``: the oldest step planned and not yet
-    applied was applied by ``update()`` (or discarded: it failed).  Steps end in the order
-    they were planned; with async scheduling several may be in flight.
+    ``step_planned``: ``schedule()`` planned a step with rows, with that many prompt tokens
+    (rows of more than one token); ``step_applied``: the oldest such step not yet applied
+    was applied by ``update()`` (or discarded: it failed).  Steps end in the order they
+    were planned; with async scheduling several may be in flight.
     """
 
     def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None: ...
