@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m kvserve.bench.step_pipeline",
         description=__doc__.split("\n\n")[0],
         epilog="Each case is HOST_MS:DEVICE_MS: the stand-in worker's host time to launch a step and its "
-               "device time to run it. 1.6:1.3 is the 1B shape's decode step on an H200 (session 43).",
+               "device time to run it. 1.6:1.3 is near the 1B shape's decode step on an H200: session 43 "
+               "measured a 1.6 ms host launch, and a 1.1 ms step at batch 64 (1.93x its 0.58 ms floor).",
     )
     parser.add_argument("--requests", type=int_at_least(1), default=64, help="decoding requests (default 64)")
     parser.add_argument("--output-tokens", type=int_at_least(2), default=256,
