@@ -8,8 +8,8 @@ the plan carries every sampling parameter and the full block tables.
 gRPC path, exactly the cluster's code: ``GrpcReplicaExecutor.execute``
 (encode, serialize once, send over loopback as the next message of the
 rank's open ``ExecuteSteps`` stream) to a ``StepWorkerServicer`` in another
-process (parse, decode, then on its worker thread ``InputBatch.apply`` +
-``prepare``: the tensors of the forward pass), and back (256 sampled tokens,
+process (parse and decode on the stream's reader thread, then on its worker thread
+``InputBatch.apply`` + ``prepare``: the tensors of the forward pass), and back (256 sampled tokens,
 decoded).  Baseline, in the same run: a Ray actor
 call carrying the same ``StepPlan`` dataclass to an actor that does the same
 ``apply`` + ``prepare`` and returns the ``StepResult``.  No model runs.

@@ -79,12 +79,10 @@ class ActorReplica:
         The oldest left started to run when the one before it was answered, about now: its age
         counts from then, not from its sending (as its deadline does, ``GrpcReplicaExecutor``).
         """
-        sent_at = self.steps_sent_at
-        if len(sent_at) <= self.engine.num_steps_in_flight:
-            return
-        while len(sent_at) > self.engine.num_steps_in_flight:
+        sent_at, num_applied = self.steps_sent_at, len(self.steps_sent_at) - self.engine.num_steps_in_flight
+        for _ in range(num_applied):
             sent_at.popleft()
-        if sent_at:
+        if num_applied > 0 and sent_at:
             sent_at[0] = max(sent_at[0], time.monotonic())
 
     @property

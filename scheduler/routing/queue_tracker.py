@@ -29,11 +29,29 @@ from kvserve.scheduler.block_hash import BlockHash, num_cacheable_blocks
 from kvserve.scheduler.routing.prefix_index import GlobalPrefixIndex
 
 
+class StepsInFlight:
+    """The prompt tokens of a replica's steps in flight, summed: steps are planned, then end
+    (applied or discarded) in the order planned."""
+
+    __slots__ = ("_steps", "num_prefill_tokens")
+
+    def __init__(self, num_prefill_tokens: int = 0) -> None:
+        self._steps: deque[int] = deque([num_prefill_tokens] if num_prefill_tokens else [])
+        self.num_prefill_tokens = num_prefill_tokens
+
+    def planned(self, num_prefill_tokens: int) -> None:
+        self._steps.append(num_prefill_tokens)
+        self.num_prefill_tokens += num_prefill_tokens
+
+    def ended(self) -> None:
+        if self._steps:
+            self.num_prefill_tokens -= self._steps.popleft()
+
+
 class QueueTracker:
     """One replica's queued cached tokens and in-flight prefill (a ``SchedulerEventObserver``)."""
 
-    __slots__ = ("index", "replica_id", "block_size", "_cached_tokens", "_inflight",
-                 "num_queued_cached_tokens", "num_inflight_prefill_tokens")
+    __slots__ = ("index", "replica_id", "block_size", "_cached_tokens", "_inflight", "num_queued_cached_tokens")
 
     def __init__(self, index: GlobalPrefixIndex, replica_id: int, block_size: int) -> None:
         self.index = index
@@ -42,9 +60,7 @@ class QueueTracker:
         # Cached prompt tokens of each waiting request with any, as found when it was queued.
         self._cached_tokens: dict[str, int] = {}
         self.num_queued_cached_tokens = 0
-        # The prompt tokens of each step in flight, oldest first (steps end in the order planned).
-        self._inflight: deque[int] = deque()
-        self.num_inflight_prefill_tokens = 0
+        self._inflight = StepsInFlight()
 
     def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         num_cacheable = num_cacheable_blocks(num_tokens, self.block_size)
@@ -57,19 +73,20 @@ class QueueTracker:
     def request_dequeued(self, req_id: str) -> None:
         self.num_queued_cached_tokens -= self._cached_tokens.pop(req_id, 0)
 
+    @property
+    def num_inflight_prefill_tokens(self) -> int:
+        return self._inflight.num_prefill_tokens
+
     def step_planned(self, num_prefill_tokens: int) -> None:
-        self._inflight.append(num_prefill_tokens)
-        self.num_inflight_prefill_tokens += num_prefill_tokens
+        self._inflight.planned(num_prefill_tokens)
 
     def step_applied(self) -> None:
-        if self._inflight:
-            self.num_inflight_prefill_tokens -= self._inflight.popleft()
+        self._inflight.ended()
 
     def mirror_inflight_prefill_tokens(self, num_prefill_tokens: int) -> None:
         """Take the in-flight figure of a tracker kept elsewhere (a simulator shard's replica),
         instead of step events."""
-        self._inflight.clear()
-        self.num_inflight_prefill_tokens = num_prefill_tokens
+        self._inflight = StepsInFlight(num_prefill_tokens)
 
     @property
     def queued_cached_tokens(self) -> dict[str, int]:

@@ -42,12 +42,12 @@ import os
 import select
 import signal
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 from kvserve.scheduler.block_hash import BlockHash, num_cacheable_blocks
+from kvserve.scheduler.routing.queue_tracker import StepsInFlight
 from kvserve.scheduler.scheduler_load import SchedulerLoad
 from kvserve.scheduler.simulation.admission import Admission
 from kvserve.scheduler.simulation.fleet import FleetConfig, RequestRecord, SimulatedRequest
@@ -340,7 +340,7 @@ class _QueueEventBuffer:
     them), so it is kept per replica (``inflight``), not as events.
     """
 
-    __slots__ = ("replica_id", "events", "inflight", "block_size", "_steps", "_num_inflight")
+    __slots__ = ("replica_id", "events", "inflight", "block_size", "_steps")
 
     def __init__(
         self, replica_id: int, events: list[tuple[int, int, Any]], inflight: dict[int, int], block_size: int
@@ -349,8 +349,7 @@ class _QueueEventBuffer:
         self.events = events
         self.inflight = inflight
         self.block_size = block_size
-        self._steps: deque[int] = deque()  # the prompt tokens of each step in flight, oldest first
-        self._num_inflight = 0
+        self._steps = StepsInFlight()
 
     def request_queued(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         cacheable = list(block_hashes[: num_cacheable_blocks(num_tokens, self.block_size)])
@@ -360,11 +359,9 @@ class _QueueEventBuffer:
         self.events.append((self.replica_id, DEQUEUED, req_id))
 
     def step_planned(self, num_prefill_tokens: int) -> None:
-        self._steps.append(num_prefill_tokens)
-        self._num_inflight += num_prefill_tokens
-        self.inflight[self.replica_id] = self._num_inflight
+        self._steps.planned(num_prefill_tokens)
+        self.inflight[self.replica_id] = self._steps.num_prefill_tokens
 
     def step_applied(self) -> None:
-        if self._steps:
-            self._num_inflight -= self._steps.popleft()
-        self.inflight[self.replica_id] = self._num_inflight
+        self._steps.ended()
+        self.inflight[self.replica_id] = self._steps.num_prefill_tokens
