@@ -24,7 +24,9 @@ e. the ``mixed`` workload through the step protocol over gRPC on loopback, plain
    a StepWorker server with a ``Worker`` in a child process (``bench.grpc_replica``).  That is the
    cluster replica's data path (scheduler, step codec, gRPC stream, worker) without Ray and without
    the client-facing front end: not ``kvserve serve`` (that is (d)), and it runs where Ray does not.
-   Outputs must equal in-process's token for token.
+   Outputs must equal in-process's token for token.  A second table says where the worker's
+   steps went, in process and over gRPC: the host's launch, the device's run and the device's
+   idle time between steps (``bench.worker_timeline``, CUDA events).
 
 Greedy, EOS ignored, bfloat16, random weights (timing depends on shapes, not values).
 ``--parts`` picks parts; ``--scale`` shrinks the workloads (a CPU smoke run); ``--repeat N`` shows
@@ -57,6 +59,7 @@ from kvserve.bench.decode_steps import (
 from kvserve.bench.model_source import add_model_arguments, model_dir_for
 from kvserve.bench.serving_workloads import Workload, make_workloads, model_cost, workload_floor_s
 from kvserve.bench.step_roofline import ROOFLINE_HEADERS, StepTimes, roofline_rows
+from kvserve.bench.worker_timeline import TIMELINE_HEADERS, TimedRunner, TimelineSummary, summarize
 from kvserve.experiments.report import format_table
 
 PARTS = "abcde"
@@ -80,17 +83,18 @@ def ceilings() -> tuple[float, float]:
 
 
 def run_kvserve(llm, workload: Workload, async_scheduling: bool = False,
-                repeat: int = 1) -> tuple[float, list[list[int]]]:
+                repeat: int = 1, window: list[float] | None = None) -> tuple[float, list[list[int]]]:
     """The median seconds of ``repeat`` runs of ``workload`` through ``llm.generate``, and the first
-    run's output tokens of every request."""
+    run's output tokens of every request (``window``: as ``_timed_run``)."""
     return _timed_run(llm.engine, lambda prompts, params: [o.token_ids for o in llm.generate(prompts, params)],
-                      workload, async_scheduling, repeat)
+                      workload, async_scheduling, repeat, window)
 
 
 def _timed_run(engine, generate, workload: Workload, async_scheduling: bool,
-               repeat: int = 1) -> tuple[float, list[list[int]]]:
+               repeat: int = 1, window: list[float] | None = None) -> tuple[float, list[list[int]]]:
     """The median seconds of ``repeat`` runs of ``generate(prompts, params)`` of ``workload`` on
-    ``engine``, greedy, each from a cold prefix cache; and the first run's outputs."""
+    ``engine``, greedy, each from a cold prefix cache; and the first run's outputs.  ``window``
+    gets the runs' first start and last end (``time.time()``)."""
     from kvserve import SamplingParams
 
     engine.async_scheduling = async_scheduling  # nothing is in flight between runs
@@ -100,9 +104,11 @@ def _timed_run(engine, generate, workload: Workload, async_scheduling: bool,
         # Every run starts from a cold prefix cache: the runs share their prompts.
         if not engine.scheduler.kv_cache_manager.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: blocks are still in use")
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         token_ids = generate(workload.prompts, params)
         seconds.append(time.perf_counter() - start)
+        if window is not None:
+            window[:] = [window[0] if window else wall_start, time.time()]
         if [len(t) for t in token_ids] != workload.max_tokens:
             raise RuntimeError(f"{workload.name}: kvserve generated a different number of tokens than asked")
         outputs = outputs or token_ids
@@ -110,17 +116,21 @@ def _timed_run(engine, generate, workload: Workload, async_scheduling: bool,
 
 
 def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Workload,
-                      in_process: dict[bool, tuple[float, list[list[int]]]], repeat: int = 1) -> list[list[str]]:
+                      in_process: dict[bool, tuple[float, list[list[int]]]], repeat: int = 1,
+                      ) -> tuple[list[list[str]], list[list[str]]]:
     """Rows of part (e): ``workload`` through a replica over the step protocol (``bench.grpc_replica``),
     plain and with async scheduling (one step ahead, and the cluster's ``STEPS_AHEAD``), the median of
-    ``repeat`` runs each, against ``in_process[async_scheduling]`` = (seconds, outputs).
+    ``repeat`` runs each, against ``in_process[async_scheduling]`` = (seconds, outputs); and the
+    worker's timeline rows of those runs (``bench.worker_timeline``).
 
     The worker has the in-process replica's settings and block count, so the scheduler makes the
     same plans; ``RuntimeError`` unless every output equals in-process's token for token.
     """
     import dataclasses
+    import functools
 
     from kvserve.bench.grpc_replica import StepProtocolReplica, worker_server
+    from kvserve.bench.worker_timeline import read_records, timed_worker
     from kvserve.cluster.replica_client import STEPS_AHEAD
     from kvserve.worker.worker import WorkerConfig
 
@@ -128,17 +138,25 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
                                         num_blocks=num_kv_blocks)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the child sizes nothing from free memory, but needs room for the same cache
-    over_grpc = {}
-    with worker_server(worker_config) as (address, secret):
-        replica = StepProtocolReplica(address, secret, llm_config, model_config)
-        try:
-            for async_scheduling, steps_ahead in ((False, 1), (True, 1), (True, STEPS_AHEAD)):
-                replica.engine.steps_ahead = steps_ahead  # nothing is in flight between runs
-                _timed_run(replica.engine, replica.generate, warm_up(workload), async_scheduling)
-                over_grpc[async_scheduling, steps_ahead] = _timed_run(
-                    replica.engine, replica.generate, workload, async_scheduling, repeat)
-        finally:
-            replica.close()
+    over_grpc, windows = {}, {}
+    with tempfile.TemporaryDirectory() as scratch:
+        records_path = str(Path(scratch) / "worker_timeline.json")
+        with worker_server(worker_config, runner=functools.partial(timed_worker, records_path)) as (address, secret):
+            replica = StepProtocolReplica(address, secret, llm_config, model_config)
+            try:
+                for async_scheduling, steps_ahead in ((False, 1), (True, 1), (True, STEPS_AHEAD)):
+                    replica.engine.steps_ahead = steps_ahead  # nothing is in flight between runs
+                    _timed_run(replica.engine, replica.generate, warm_up(workload), async_scheduling)
+                    window = windows[async_scheduling, steps_ahead] = []
+                    over_grpc[async_scheduling, steps_ahead] = _timed_run(
+                        replica.engine, replica.generate, workload, async_scheduling, repeat, window)
+            finally:
+                replica.close()  # the worker writes its records as it shuts down
+        records = read_records(records_path)
+    timeline = []
+    for (async_scheduling, steps_ahead), (since, until) in windows.items():
+        name = f"async sched., {steps_ahead} ahead" if async_scheduling else "plain"
+        timeline.append(summarize(records, since, until).row(f"step protocol, {name}"))
     rows = []
     tokens = workload.num_output_tokens
     for async_scheduling, name in ((False, "plain"), (True, "async sched.")):
@@ -151,7 +169,7 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
             check_same_outputs(local_ids, grpc_ids, f"{workload.name}, {name}{ahead}")
             rows.append([f"step protocol, {name}{ahead}", f"{grpc_s:.2f}", f"{tokens / grpc_s:.0f}",
                          f"{local_s / grpc_s:.2f}", "equal"])
-    return rows
+    return rows, timeline
 
 
 def warm_up(workload: Workload) -> Workload:
@@ -355,6 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         kvserve_s: dict[str, float] = {}
         overlapped_s: dict[str, float] = {}
         in_process: dict[bool, tuple[float, list[list[int]]]] = {}  # mixed's, for (e)
+        in_process_timeline: dict[bool, TimelineSummary] = {}  # where its worker's steps went
         roofline: list[list[str]] = []  # the plain runs' steps by kind (bench.step_roofline)
         num_blocks = None  # on a GPU: from free memory
         if not on_gpu:  # the workloads' pool, or one that holds part (a)'s largest batch to its last token
@@ -379,11 +398,21 @@ def main(argv: list[str] | None = None) -> int:
             if end_to_end:
                 run_kvserve(llm, warm_up(mixed))
             for workload in end_to_end:
+                executor = llm.engine.executor
+                timed = TimedRunner(executor.worker) if workload is mixed and hasattr(executor, "worker") else None
+                if timed is not None:
+                    executor.worker = timed
+                windows: dict[bool, list[float]] = {False: [], True: []}
                 with StepTimes().recording(llm.engine) as times:
-                    plain = run_kvserve(llm, workload, repeat=args.repeat)
+                    plain = run_kvserve(llm, workload, repeat=args.repeat, window=windows[False])
                 roofline += roofline_rows(workload.name, times.steps, args.repeat, plain[0], cost, matmul_rate,
                                           read_rate)
-                overlapped = run_kvserve(llm, workload, async_scheduling=True, repeat=args.repeat)
+                overlapped = run_kvserve(llm, workload, async_scheduling=True, repeat=args.repeat,
+                                         window=windows[True])
+                if timed is not None:
+                    executor.worker = timed.runner
+                    records = timed.records()
+                    in_process_timeline = {a: summarize(records, *windows[a]) for a in (False, True)}
                 kvserve_s[workload.name], overlapped_s[workload.name] = plain[0], overlapped[0]
                 if workload is mixed:
                     in_process = {False: plain, True: overlapped}
@@ -425,12 +454,17 @@ def main(argv: list[str] | None = None) -> int:
                 + ([["in-process", f"{local:.2f}", f"{mixed.num_output_tokens / local:.0f}", "1.00"]] if local else []),
             ), flush=True)
         if "e" in parts:
-            rows = run_step_protocol(*replica_settings, mixed, in_process, args.repeat)
+            rows, timeline = run_step_protocol(*replica_settings, mixed, in_process, args.repeat)
             print(f"\n(e) the mixed workload through the step protocol over gRPC on loopback, --device {device}: "
                   f"EngineCore + GrpcReplicaExecutor here, a StepWorker server and Worker in a child process; "
                   f"no Ray, no front end, not kvserve serve (that is (d)); greedy; {runs(args.repeat)} per figure\n")
             print(format_table(["path", "s", "tok/s", "vs in-process (same scheduling)", "outputs vs in-process"],
                                rows), flush=True)
+            timeline = [in_process_timeline[a].row(f"in-process, {name}") for a, name in
+                        ((False, "plain"), (True, "async sched.")) if a in in_process_timeline] + timeline
+            print("\nwhere the worker's steps went (steps with rows; device times by CUDA events, '-' without "
+                  "CUDA): 'device idle' is the device waiting for the host's next launch\n")
+            print(format_table(TIMELINE_HEADERS, timeline), flush=True)
     return 0
 
 

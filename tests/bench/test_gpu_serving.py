@@ -100,14 +100,25 @@ def test_the_step_protocol_part_serves_the_mixed_workload_with_in_process_output
     out = capsys.readouterr().out
     assert "(e) the mixed workload through the step protocol over gRPC on loopback" in out
     assert "no Ray, no front end, not kvserve serve" in out
-    table = out[out.index("(e) the mixed"):]
-    cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table.splitlines() if line.startswith("|")]
-    rows = {row[0]: row[1:] for row in cells[2:]}
+    part_e, timeline = out[out.index("(e) the mixed"):].split("where the worker's steps went")
+
+    def table_rows(text: str) -> dict[str, list[str]]:
+        cells = [[cell.strip() for cell in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("|")]
+        return {row[0]: row[1:] for row in cells[2:]}
+
+    rows = table_rows(part_e)
     assert list(rows) == ["in-process, plain", "step protocol, plain", "in-process, async sched.",
                           "step protocol, async sched., 1 ahead", "step protocol, async sched., 2 ahead"]
     for name in ("plain", "async sched., 1 ahead", "async sched., 2 ahead"):
         _, tok_s, ratio, outputs = rows[f"step protocol, {name}"]
         assert outputs == "equal" and float(tok_s) > 0 and float(ratio) > 0
+    # The worker's timeline: every path ran the same plans (one step each per plan with rows),
+    # with host times only on CPU.
+    steps = table_rows(timeline)
+    assert set(steps) == set(rows)
+    assert len({row[0] for row in steps.values()}) == 1 and int(next(iter(steps.values()))[0]) > 0
+    for steps_, host_ms, between_ms, device_ms, idle_ms, idle_share in steps.values():
+        assert float(host_ms) > 0 and float(between_ms) > 0 and device_ms == idle_ms == idle_share == "-"
 
 
 def test_outputs_that_differ_from_in_process_fail_naming_the_request_and_token() -> None:
