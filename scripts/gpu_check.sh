@@ -75,7 +75,7 @@ for shape in 8b 1b; do
         parts=$([[ $shape == 8b ]] && echo "$SERVING_PARTS" || echo "$SERVING_PARTS_1B")
         timeout "$([[ $shape == 8b ]] && echo 270 || echo 180)" "$PYTHON" -m kvserve.bench.gpu_serving --shape "$name" \
             --parts "$parts" >"$OUT/serving_$shape.txt" 2>&1 || status=1
-        grep -v "^Loading weights" "$OUT/serving_$shape.txt" | tail -$([[ $parts == *e* ]] && echo 70 || echo 58)
+        grep -v "^Loading weights" "$OUT/serving_$shape.txt" | tail -$([[ $parts == *e* ]] && echo 82 || echo 58)
     fi
 done
 

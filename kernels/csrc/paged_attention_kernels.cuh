@@ -30,6 +30,15 @@
 //                    and V loads of step s + 1 are issued before step s is computed
 //                    (software pipelining: a warp always has a step in flight).
 //
+// Scores (p.transposed_scores, template kTransposed): each lane holds kUnroll * kRows
+// partial dot products, summed over its thread group either by a butterfly per value (every
+// lane ends with every score, and runs the online softmax for all of them) or transposed
+// (transpose_reduce below: each lane ends owning 1-2 scores, runs the softmax on those, and
+// the lanes then fetch the weights they need from the owners).  The transposed path permutes
+// each lane's query rows and unroll slots by its lane (perm below), so a load instruction
+// reads kUnroll keys' quarter (or half) rows per thread group: the same sectors, each read
+// once, in whole 32-byte runs.  See NOTES.md.
+//
 // Everything accumulates in float32.  Positions at or beyond seq_len are never read, so
 // NaN in unwritten slots of the cache cannot leak into the output.  A prefill tile reads
 // the keys up to its last row's position for all of its rows, with weight 0 for the rows
@@ -148,6 +157,51 @@ __device__ __forceinline__ float finite_or_zero(float running_max) {
   return running_max == -INFINITY ? 0.f : running_max;
 }
 
+// Transposed sum of kCount values over the kLanes lanes of a thread group (both powers of 2):
+// at each xor level, while a lane holds more than one value, it keeps the lower half of its
+// slots and adds the partner's copy of them, sending the upper half.  Level k costs
+// kCount >> (k + 1) shuffles: 15 in all for 16 values over 16 lanes, where a butterfly per
+// value costs 64.  A lane ends with max(kCount / kLanes, 1) sums in values[0, ...); with
+// fewer values than lanes, the last levels are butterflies on the one value (replicated).
+//
+// Which sums a lane ends with: the caller lays its slots out XOR-permuted, slot s holding
+// value s ^ perm with perm = (chunk / replicas) * owned (the kernel's transposed layout), so
+// that "keep the lower half" is the same slots in every lane and the partner, whose perm
+// differs only in the level's bit, sends exactly those values.  Lane chunk then owns values
+// perm + j, j < owned: the top bits of the value index are the lane's bits, high to low.
+//
+//   16 values (key u, row r at v = u * 4 + r), 16 lanes:   lane c ends with v = c
+//   level 1 (offset 8): lanes 0-7 keep v 0-7, 8-15 keep v 8-15     (8 shuffles)
+//   level 2 (offset 4): then v 0-3 / 4-7 / 8-11 / 12-15             (4)
+//   levels 3, 4 (offsets 2, 1)                                       (2, 1)
+//
+// NOTE: one template instance per level, so that each level's slot count is a constant:
+// with a loop over levels, nvcc unrolled the inner loop first, by a factor of 4, and kept the
+// first level as a loop that indexed the register array through predicated moves.
+template <int kHalf, int kOffset, int kCount>
+__device__ __forceinline__ void transpose_reduce_level(float (&values)[kCount]) {
+  if constexpr (kHalf >= 1 && kOffset >= 1) {
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) values[i] += __shfl_xor_sync(0xffffffffu, values[i + kHalf], kOffset);
+    transpose_reduce_level<kHalf / 2, kOffset / 2>(values);
+  } else if constexpr (kOffset >= 1) {  // one value left, lanes left: a butterfly
+#pragma unroll
+    for (int offset = kOffset; offset >= 1; offset /= 2) {
+      values[0] += __shfl_xor_sync(0xffffffffu, values[0], offset);
+    }
+  }
+}
+
+template <int kCount, int kLanes>
+__device__ __forceinline__ void transpose_reduce(float (&values)[kCount]) {
+  transpose_reduce_level<kCount / 2, kLanes / 2>(values);
+}
+
+// value from the lane at xor distance lane_xor (its own value at distance 0: no shuffle).
+__device__ __forceinline__ float from_lane_xor(float value, int lane_xor) {
+  return lane_xor == 0 ? value : __shfl_xor_sync(0xffffffffu, value, lane_xor);
+}
+
 // ---------------------------------------------------------------------------------------
 // Which request, query rows and context range a CTA owns
 
@@ -218,7 +272,8 @@ __device__ __forceinline__ int split_tokens_of(const AttentionParams& p, int seq
 
 // decode: grid (num_kv_heads * head_tiles, num_reqs, splits), the requests with one new
 // token; else grid (prefill tiles, num_kv_heads, splits), the requests with several.
-template <typename T, int kHeadDim, int kBlockSize, int kRows>
+// kTransposed: the transposed score reduction (p.transposed_scores; see transpose_reduce).
+template <typename T, int kHeadDim, int kBlockSize, int kRows, bool kTransposed>
 __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
     paged_attention_kernel(const AttentionParams p, const bool decode) {
   constexpr int kElems = VecTraits<T>::kElems;
@@ -228,6 +283,13 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   constexpr int kKeysPerWarpStep = kKeysPerLoad * kUnroll;
   constexpr int kKeysPerStep = kKeysPerWarpStep * kNumWarps;
   constexpr int kMaxBlocksPerSplit = kMaxSplitTokens / kBlockSize;
+  // Transposed: scores (key u, row r) at v = u * kRows + r; each lane owns kOwned of them
+  // (rows perm_row + j, j < kOwned, of key perm_key), each score held by kReplicas lanes.
+  constexpr int kScores = kUnroll * kRows;
+  constexpr int kOwned = kScores > kThreadsPerKey ? kScores / kThreadsPerKey : 1;
+  constexpr int kReplicas = kThreadsPerKey > kScores ? kThreadsPerKey / kScores : 1;
+  // The lanes that hold one row's scores of the step: xor distances kRowLanes, 2 * kRowLanes, ...
+  constexpr int kRowLanes = kReplicas * kRows / kOwned;
   static_assert(kHeadDim % kElems == 0 && kWarpSize % kThreadsPerKey == 0, "head_dim must tile a warp");
   static_assert(kSplitTokensMultiple % kBlockSize == 0, "splits must start on a block boundary");
 
@@ -291,6 +353,12 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   const int key_in_load = lane / kThreadsPerKey;  // which of the warp's keys this lane reads
   const int chunk = lane % kThreadsPerKey;        // which 16 bytes of the row
   const int dim0 = chunk * kElems;
+  // Transposed layout: this lane's query row slot r holds row r ^ perm_row, its K/V slot u
+  // key u ^ perm_key (a whole 32-byte-aligned run of a row's bytes is loaded by consecutive
+  // lanes, see NOTES.md), so that score slot s holds value s ^ perm.  0 in the butterfly path.
+  const int perm = kTransposed ? chunk / kReplicas * kOwned : 0;
+  const int perm_row = perm % kRows;
+  const int perm_key = perm / kRows;
 
   // Query rows in registers, pre-scaled so that scores come out in log2 units.
   const float q_scale = p.scale * kLog2e;
@@ -298,7 +366,7 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   int row_position[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const RowInfo row = s_rows[r];
+    const RowInfo row = s_rows[r ^ perm_row];
     row_position[r] = row.position;
     if (row.token >= 0) {
       const T* src = static_cast<const T*>(p.query) + row.token * p.query_token_stride +
@@ -321,6 +389,14 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
 #pragma unroll
     for (int e = 0; e < kElems; ++e) acc[r][e] = 0.f;
   }
+  // Transposed: the running max of the rows of the lane's owned scores (the same in every
+  // lane that holds the row), and the sum of the lane's own weights only (rescaled with it).
+  float owned_max[kOwned], owned_sum[kOwned];
+#pragma unroll
+  for (int j = 0; j < kOwned; ++j) {
+    owned_max[j] = -INFINITY;
+    owned_sum[j] = 0.f;
+  }
 
   const int64_t slot_stride = static_cast<int64_t>(p.num_kv_heads) * kHeadDim;
   const T* key_base = static_cast<const T*>(p.key_cache) + kv_head * kHeadDim + dim0;
@@ -329,7 +405,7 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   auto load_step = [&](int step, uint4 (&key_raw)[kUnroll], uint4 (&value_raw)[kUnroll]) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int t = step + u * kKeysPerLoad + key_in_load;
+      const int t = step + (u ^ perm_key) * kKeysPerLoad + key_in_load;
       if (t < kv_end) {
         // NOTE: unsigned, so that the division and modulo by the block size are shifts.
         const unsigned in_split = static_cast<unsigned>(t - kv_begin);
@@ -352,7 +428,7 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
     load_step(step + kKeysPerStep, next_key, next_value);  // all zeros past kv_end: no loads
 
     // Scores: partial dot products, summed over the lanes of each thread group.
-    float score[kUnroll][kRows];
+    float score[kScores];  // key slot u, row slot r at u * kRows + r
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float k[kElems];
@@ -362,39 +438,78 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
         float dot = 0.f;
 #pragma unroll
         for (int e = 0; e < kElems; ++e) dot = fmaf(q[r][e], k[e], dot);
-        score[u][r] = dot;
+        score[u * kRows + r] = dot;
       }
     }
-#pragma unroll
-    for (int offset = kThreadsPerKey / 2; offset >= 1; offset /= 2) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) score[u][r] += __shfl_xor_sync(0xffffffffu, score[u][r], offset);
-      }
-    }
-
-    // Online softmax: one rescale of the running state per step.
     float weight[kUnroll][kRows];
+    if constexpr (kTransposed) {
+      transpose_reduce<kScores, kThreadsPerKey>(score);
+      // Online softmax of the owned scores: (key perm_key, row perm_row + j) in slot j.
+      const int t = step + perm_key * kKeysPerLoad + key_in_load;
+      float owned_weight[kOwned], owned_rescale[kOwned];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float step_max = row_max[r];
+      for (int j = 0; j < kOwned; ++j) {
+        const float s = t >= kv_end || t > row_position[j] ? -INFINITY : score[j];
+        float step_max = fmaxf(owned_max[j], s);
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int t = step + u * kKeysPerLoad + key_in_load;
-        if (t >= kv_end || t > row_position[r]) score[u][r] = -INFINITY;
-        step_max = fmaxf(step_max, score[u][r]);
+        for (int offset = kRowLanes; offset < kThreadsPerKey; offset *= 2) {
+          step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, offset));
+        }
+        const float reference = finite_or_zero(step_max);
+        owned_rescale[j] = exp2f(owned_max[j] - reference);
+        owned_max[j] = step_max;
+        owned_weight[j] = exp2f(s - reference);
+        owned_sum[j] = fmaf(owned_sum[j], owned_rescale[j], owned_weight[j]);
       }
-      const float reference = finite_or_zero(step_max);
-      const float rescale = exp2f(row_max[r] - reference);
-      row_max[r] = step_max;
-      row_sum[r] *= rescale;
+      // Every lane's slots from their owners: value s ^ perm is at xor distance (s / kOwned)
+      // * kReplicas, in the owner's slot s % kOwned.
 #pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[r][e] *= rescale;
+      for (int r = 0; r < kRows; ++r) {
+        const float rescale = from_lane_xor(owned_rescale[r % kOwned], r / kOwned * kReplicas);
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[r][e] *= rescale;
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        weight[u][r] = exp2f(score[u][r] - reference);
-        row_sum[r] += weight[u][r];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const int s = u * kRows + r;
+          weight[u][r] = from_lane_xor(owned_weight[s % kOwned], s / kOwned * kReplicas);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int offset = kThreadsPerKey / 2; offset >= 1; offset /= 2) {
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            score[u * kRows + r] += __shfl_xor_sync(0xffffffffu, score[u * kRows + r], offset);
+          }
+        }
+      }
+
+      // Online softmax: one rescale of the running state per step.
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        float step_max = row_max[r];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int t = step + u * kKeysPerLoad + key_in_load;
+          if (t >= kv_end || t > row_position[r]) score[u * kRows + r] = -INFINITY;
+          step_max = fmaxf(step_max, score[u * kRows + r]);
+        }
+        const float reference = finite_or_zero(step_max);
+        const float rescale = exp2f(row_max[r] - reference);
+        row_max[r] = step_max;
+        row_sum[r] *= rescale;
+#pragma unroll
+        for (int e = 0; e < kElems; ++e) acc[r][e] *= rescale;
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          weight[u][r] = exp2f(score[u * kRows + r] - reference);
+          row_sum[r] += weight[u][r];
+        }
       }
     }
 #pragma unroll
@@ -414,7 +529,24 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
     }
   }
 
-  // Merge the thread groups of each warp (they hold the same dims of different keys).
+  if constexpr (kTransposed) {
+    // Back to the butterfly path's state: every lane holds every row (of its slots) max and sum.
+#pragma unroll
+    for (int j = 0; j < kOwned; ++j) {
+#pragma unroll
+      for (int offset = kRowLanes; offset < kThreadsPerKey; offset *= 2) {
+        owned_sum[j] += __shfl_xor_sync(0xffffffffu, owned_sum[j], offset);
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = from_lane_xor(owned_max[r % kOwned], r / kOwned * kReplicas);
+      row_sum[r] = from_lane_xor(owned_sum[r % kOwned], r / kOwned * kReplicas);
+    }
+  }
+
+  // Merge the thread groups of each warp (they hold the same dims of different keys, and
+  // the same perm).
 #pragma unroll
   for (int offset = kThreadsPerKey; offset < kWarpSize; offset *= 2) {
 #pragma unroll
@@ -438,8 +570,8 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-      for (int e = 0; e < kElems; ++e) s_acc[warp][r][dim0 + e] = acc[r][e];
-      if (chunk == 0) {
+      for (int e = 0; e < kElems; ++e) s_acc[warp][r ^ perm_row][dim0 + e] = acc[r][e];
+      if (chunk == 0) {  // perm 0
         s_max[warp][r] = row_max[r];
         s_sum[warp][r] = row_sum[r];
       }
