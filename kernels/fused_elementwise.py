@@ -26,8 +26,6 @@ import os
 
 import torch
 
-from kvserve.kernels.triton_launch import CachedLauncher
-
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -106,12 +104,6 @@ def _kernels():
     return add_rms_norm_kernel, rotate_half_kernel, silu_and_mul_kernel
 
 
-@functools.cache
-def _launchers() -> tuple[CachedLauncher, CachedLauncher, CachedLauncher]:
-    """The kernels behind :class:`CachedLauncher`: an eager step launches each once per layer."""
-    return tuple(CachedLauncher(kernel) for kernel in _kernels())  # type: ignore[return-value]
-
-
 def _next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -128,8 +120,9 @@ def add_rms_norm(
     out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else None
     if n:
-        _launchers()[0](
-            (n,), x, residual if residual is not None else x, weight, out,
+        kernel = _kernels()[0]
+        kernel[(n,)](
+            x, residual if residual is not None else x, weight, out,
             residual_out if residual_out is not None else out,
             x.stride(0), residual.stride(0) if residual is not None else 0, hidden, hidden, eps,
             HAS_RESIDUAL=residual is not None, BLOCK=_next_power_of_2(hidden),
@@ -148,8 +141,8 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         raise ValueError("rotate_half needs unit stride within each head and like cos/sin")
     out = torch.empty((n, heads, head_dim), dtype=x.dtype, device=x.device)
     if n:
-        _launchers()[1](
-            (n, heads), x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), heads,
+        _kernels()[1][(n, heads)](
+            x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), heads,
             HALF=half, BLOCK=_next_power_of_2(half),
         )
     return out
@@ -164,5 +157,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     block = min(1024, _next_power_of_2(d))
     if n:
-        _launchers()[2]((n, -(-d // block)), x, out, x.stride(0), d, BLOCK=block)
+        _kernels()[2][(n, -(-d // block))](x, out, x.stride(0), d, BLOCK=block)
     return out

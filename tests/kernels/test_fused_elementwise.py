@@ -73,9 +73,9 @@ def check_against_torch(device: str, exact_bf16: bool) -> None:
         gate, up = gate_up.chunk(2, dim=-1)
         _assert_close(fused.silu_and_mul(gate_up), F.silu(gate) * up, exact=False)
 
-        # other specialisations of the same kernels (the cached launcher keys on them): a base
-        # pointer off 16-byte alignment, then an aligned one again; a single head (an integer
-        # argument of 1, which Triton compiles as a constant); each against torch
+        # other specialisations of the same kernels: a base pointer off 16-byte alignment, then an
+        # aligned one again; a single head (an integer argument of 1, which Triton compiles as a
+        # constant); each against torch
         for view in (randn(7, 101, dtype=dtype)[:, 1:97], x):
             out, summed = fused.add_rms_norm(view, weight, 1e-5, residual)
             _assert_close(summed, view + residual, exact)
@@ -92,9 +92,7 @@ def check_against_torch(device: str, exact_bf16: bool) -> None:
 
 def test_kernels_match_torch_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    code = ("from tests.kernels.test_fused_elementwise import check_against_torch; check_against_torch('cpu', False)\n"
-            "from kvserve.kernels.fused_elementwise import _launchers\n"
-            "assert [launcher.num_compiled for launcher in _launchers()] == [0, 0, 0]")
+    code = "from tests.kernels.test_fused_elementwise import check_against_torch; check_against_torch('cpu', False)"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -110,19 +108,6 @@ def test_layers_keep_torch_ops_off_cuda_and_in_float32():
 @pytest.mark.gpu
 def test_kernels_match_torch_on_cuda():
     check_against_torch("cuda", exact_bf16=True)
-
-
-@pytest.mark.gpu
-def test_cached_launches_match_torch_on_cuda():
-    """The second pass launches every kernel through the compiled kernels the first pass kept
-    (no new specialisation), with the same results against torch."""
-    from kvserve.kernels import fused_elementwise as fused
-
-    check_against_torch("cuda", exact_bf16=True)
-    kept = [launcher.num_compiled for launcher in fused._launchers()]
-    assert all(kept), kept
-    check_against_torch("cuda", exact_bf16=True)
-    assert [launcher.num_compiled for launcher in fused._launchers()] == kept
 
 
 @pytest.mark.gpu
