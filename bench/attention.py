@@ -17,16 +17,8 @@ they do not fit in L2.  Every case also checks the kernel against the baseline.
 Targets on an H100: >= 75% of copy bandwidth at batch >= 16 with 4k context, and >= 3x
 the baseline.  ``--prefill`` adds chunked-prefill cases against the torch reference backend.
 
-``--variants`` times the decode kernel's two score paths instead, on the same inputs in the
-same run: the butterfly reduction and the transposed one (the default)
-(``CudaAttentionBackend(transposed_scores=True)``, see ``kernels/csrc/NOTES.md``).  Their
-graphs are replayed alternately, so that both see the same clocks; the table gives both
-times, both as % of the read rate, and new / old.  Both outputs are checked against the
-torch baseline, whose timing is skipped.
-
     python -m kvserve.bench.attention [--batches 1,16,64,256] [--contexts 512,4096,16384]
-                                      [--replays N] [--prefill] [--variants] [--json PATH]
-    python -m kvserve.bench.attention --variants --batches 16,64,256 --contexts 1024,4096 --replays 20
+                                      [--replays N] [--prefill] [--json PATH]
 """
 
 from __future__ import annotations
@@ -76,21 +68,6 @@ class DecodeResult:
     graphs: bool
 
 
-@dataclass(frozen=True, slots=True)
-class VariantsResult:
-    """One decode case timed with the butterfly ("old") and the transposed ("new") score reduction."""
-
-    batch: int
-    context: int
-    old_us: float
-    new_us: float
-    old_read_fraction: float
-    new_read_fraction: float
-    old_relative_error: float
-    new_relative_error: float
-    new_vs_old_relative_difference: float
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=positive_ints, default="1,16,64,256",
@@ -99,9 +76,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="context lengths (default 512,4096,16384)")
     parser.add_argument("--replays", type=int_at_least(1), default=30, help="timed replays per case (default 30)")
     parser.add_argument("--prefill", action="store_true", help="also time chunked prefill against the reference")
-    parser.add_argument("--variants", action="store_true",
-                        help="time the butterfly and the transposed score reduction side by side on each decode "
-                             "case (no torch baseline timing; both outputs checked against it)")
     parser.add_argument("--json", help="also write every number to this file")
     args = parser.parse_args(argv)
     if args.json is not None and (reason := unwritable_reason(Path(args.json))) is not None:
@@ -128,8 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{properties.name}: {properties.multi_processor_count} SMs, L2 {l2_bytes / 2**20:.0f} MiB, "
           f"device-to-device copy {copy_gbps:.0f} GB/s (read + write), sum reads {read_gbps:.0f} GB/s; {backend!r}")
 
-    if args.variants:
-        return run_variants(args, l2_bytes, copy_gbps, read_gbps, properties.name)
     results = []
     for batch in args.batches:
         for context in args.contexts:
@@ -146,37 +118,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def time_us_per_call(calls: list[Callable[[], object]], replays: int, *, use_graph: bool = True) -> tuple[float, bool]:
-    """Median µs per call over ``replays`` timed runs of all ``calls``, and whether a CUDA graph ran them."""
-    run, graphed = prepare_runs(calls, use_graph)
-    return median_us(run, replays) / len(calls), graphed
+    """Median µs per call over ``replays`` timed runs of all ``calls``, and whether a CUDA graph ran them.
 
-
-def time_us_per_call_alternating(call_lists: list[list[Callable[[], object]]], replays: int) -> list[float]:
-    """``time_us_per_call`` (graphs) for each list of calls, their timed runs taken in turn: A B A B ..."""
-    prepared = [prepare_runs(calls, True)[0] for calls in call_lists]
-    times: list[list[float]] = [[] for _ in call_lists]
-    for _ in range(replays):
-        for run, samples in zip(prepared, times):
-            samples.append(median_us(run, 1))
-    return [statistics.median(samples) / len(calls) for samples, calls in zip(times, call_lists)]
-
-
-def median_us(run: Callable[[], None], replays: int) -> float:
-    """Median µs of ``replays`` CUDA-event-timed runs of ``run``."""
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def prepare_runs(calls: list[Callable[[], object]], use_graph: bool) -> tuple[Callable[[], None], bool]:
-    """A warmed-up function that runs all ``calls`` (one CUDA graph replay where capture works), and whether
-    it replays a graph."""
+    The runs replay one CUDA graph of all ``calls`` where capture works, else launch them plainly.
+    """
     for _ in range(2):  # warm-up, outside any capture: plans, allocator pools, lazy init
         for call in calls:
             call()
@@ -208,7 +153,15 @@ def prepare_runs(calls: list[Callable[[], object]], use_graph: bool) -> tuple[Ca
 
     for _ in range(3):
         run()
-    return run, graph is not None
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times) / len(calls), graph is not None
 
 
 def memory_bandwidths_gbps(replays: int) -> tuple[float, float]:
@@ -253,22 +206,6 @@ def baseline_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     return F.scaled_dot_product_attention(queries, keys, values, scale=SCALE).view(batch, NUM_HEADS, HEAD_DIM)
 
 
-def decode_case_inputs(
-    batch: int, context: int, l2_bytes: int
-) -> tuple[torch.Tensor, torch.Tensor, list[AttentionMetadata], torch.Tensor, int]:
-    """One decode case's caches, disjoint copies of its batch (together 4x L2, at most 64), query, and K/V bytes."""
-    kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
-    num_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * l2_bytes / kv_bytes)))
-    key_cache, value_cache, sets = decode_sets(batch, context, num_sets)
-    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
-    return key_cache, value_cache, sets, query, kv_bytes
-
-
-def decode_bytes_moved(batch: int, kv_bytes: int) -> int:
-    """K/V read, plus the query read and the output written."""
-    return kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize
-
-
 def relative_error(output: torch.Tensor, expected: torch.Tensor) -> float:
     """‖output − expected‖ / ‖expected‖ in float32; infinite where the output holds NaN."""
     if output.isnan().any():
@@ -277,8 +214,11 @@ def relative_error(output: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def run_decode_case(backend, batch: int, context: int, l2_bytes: int, copy_gbps: float, replays: int) -> DecodeResult:
-    key_cache, value_cache, sets, query, kv_bytes = decode_case_inputs(batch, context, l2_bytes)
-    num_sets = len(sets)
+    kv_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE.itemsize
+    # Disjoint copies of the batch, together 4x L2 (at most 64), so that the timed calls miss in L2.
+    num_sets = max(1, min(MAX_INPUT_SETS, math.ceil(4 * l2_bytes / kv_bytes)))
+    key_cache, value_cache, sets = decode_sets(batch, context, num_sets)
+    query = torch.randn(batch, NUM_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
     num_calls = max(num_sets, MIN_CALLS_PER_GRAPH)
 
     def kernel_call(metadata: AttentionMetadata) -> Callable[[], torch.Tensor]:
@@ -299,7 +239,8 @@ def run_decode_case(backend, batch: int, context: int, l2_bytes: int, copy_gbps:
                                           use_graph=baseline_graph)
     except torch.cuda.OutOfMemoryError:
         baseline_us = None
-    kernel_gbps = decode_bytes_moved(batch, kv_bytes) / (kernel_us * 1e-6) / 1e9
+    # K/V read, plus the query read and the output written.
+    kernel_gbps = (kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * DTYPE.itemsize) / (kernel_us * 1e-6) / 1e9
     result = DecodeResult(
         batch=batch, context=context, kernel_us=kernel_us, kernel_gbps=kernel_gbps,
         copy_fraction=kernel_gbps / copy_gbps, baseline_us=baseline_us,
@@ -338,71 +279,6 @@ def print_decode_table(results: list[DecodeResult], copy_gbps: float) -> None:
               f"{'met' if min(targeted_speedups) >= TARGET_SPEEDUP else 'MISSED'}")
     if any(r.relative_error >= 1e-2 for r in results):
         print("ERROR: the kernel and the baseline disagree (relative error >= 1e-2)")
-
-
-def run_variants(args: argparse.Namespace, l2_bytes: int, copy_gbps: float, read_gbps: float, device: str) -> int:
-    """``--variants``: every decode case with both score reductions; 0 when both match the baseline."""
-    from kvserve.kernels.cuda_backend import CudaAttentionBackend
-
-    old, new = CudaAttentionBackend(transposed_scores=False), CudaAttentionBackend(transposed_scores=True)
-    results = []
-    for batch in args.batches:
-        for context in args.contexts:
-            results.append(run_variants_case(old, new, batch, context, l2_bytes, read_gbps, args.replays))
-            torch.cuda.empty_cache()
-    print_variants_table(results, read_gbps)
-    if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"device": device, "copy_gbps": copy_gbps, "read_gbps": read_gbps,
-                       "variants": [asdict(r) for r in results]}, file, indent=2)
-    ok = all(max(r.old_relative_error, r.new_relative_error) < 1e-2 for r in results)
-    return 0 if ok else 1
-
-
-def run_variants_case(old, new, batch: int, context: int, l2_bytes: int, read_gbps: float,
-                      replays: int) -> VariantsResult:
-    key_cache, value_cache, sets, query, kv_bytes = decode_case_inputs(batch, context, l2_bytes)
-    num_calls = max(len(sets), MIN_CALLS_PER_GRAPH)
-
-    def calls(backend) -> list[Callable[[], torch.Tensor]]:
-        def call(metadata: AttentionMetadata) -> Callable[[], torch.Tensor]:
-            return lambda: backend.paged_attention(query, key_cache, value_cache, metadata, SCALE)
-
-        return [call(sets[i % len(sets)]) for i in range(num_calls)]
-
-    expected = baseline_decode(query, key_cache, value_cache, sets[0], context)
-    old_output, new_output = calls(old)[0](), calls(new)[0]()
-    old_us, new_us = time_us_per_call_alternating([calls(old), calls(new)], replays)
-    moved = decode_bytes_moved(batch, kv_bytes)
-    result = VariantsResult(
-        batch=batch, context=context, old_us=old_us, new_us=new_us,
-        old_read_fraction=moved / (old_us * 1e-6) / 1e9 / read_gbps,
-        new_read_fraction=moved / (new_us * 1e-6) / 1e9 / read_gbps,
-        old_relative_error=relative_error(old_output, expected),
-        new_relative_error=relative_error(new_output, expected),
-        new_vs_old_relative_difference=relative_error(new_output, old_output),
-    )
-    print(f"  batch {batch:4d} context {context:6d}: old {old_us:9.1f} us, new {new_us:9.1f} us, "
-          f"new / old {new_us / old_us:.3f}")
-    return result
-
-
-def print_variants_table(results: list[VariantsResult], read_gbps: float) -> None:
-    rows = [
-        [r.batch, r.context, f"{r.old_us:.1f}", f"{r.new_us:.1f}", f"{100 * r.old_read_fraction:.0f}%",
-         f"{100 * r.new_read_fraction:.0f}%", f"{r.new_us / r.old_us:.3f}", f"{r.old_relative_error:.1e}",
-         f"{r.new_relative_error:.1e}", f"{r.new_vs_old_relative_difference:.1e}"]
-        for r in results
-    ]
-    print(f"\ndecode attention, {NUM_HEADS} query / {NUM_KV_HEADS} KV heads x {HEAD_DIM}, bfloat16, block "
-          f"{BLOCK_SIZE}: butterfly (old) and transposed (new) score reduction; read rate {read_gbps:.0f} GB/s; "
-          f"median us per call, replays alternating")
-    print(format_table(
-        ["batch", "context", "old us", "new us", "old % read", "new % read", "new / old", "old rel. error",
-         "new rel. error", "new vs old"], rows
-    ))
-    if any(max(r.old_relative_error, r.new_relative_error) >= 1e-2 for r in results):
-        print("ERROR: a kernel and the baseline disagree (relative error >= 1e-2)")
 
 
 def run_prefill_cases(backend, replays: int) -> list[dict[str, float]]:

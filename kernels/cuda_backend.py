@@ -14,12 +14,8 @@ K/V gathered from the cache (:mod:`kvserve.kernels.flash_prefill`), where it can
 them (bf16/fp16 on compute capability 8.0+); ``flash_prefill=False`` keeps them on the
 CUDA-core kernel above.
 
-The decode kernel sums each score over its thread group transposed, each lane then running
-the online softmax for the scores it owns only (the default: 0.89-0.96x the time of the
-butterfly on an H200, see ``csrc/NOTES.md``), or by a butterfly per score
-(``transposed_scores=False``, or ``KVSERVE_TRANSPOSED_SCORES=0``): the same results up to
-float32 rounding, kept selectable so that a GPU run can time both
-(``python -m kvserve.bench.attention --variants``).
+The attention kernel sums each score over its thread group transposed, each lane then running
+the online softmax for the scores it owns only (see ``csrc/NOTES.md``).
 
 Shapes the kernels lack (another head_dim or block size, float64) fall back to the torch
 reference, with one warning per shape.  ``KVSERVE_ATTENTION_BACKEND=torch`` forces the
@@ -29,7 +25,6 @@ reference everywhere (see :mod:`kvserve.kernels.backend`).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
@@ -52,7 +47,6 @@ logger = logging.getLogger(__name__)
 KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 KERNEL_HEAD_DIMS = (64, 128)
 KERNEL_BLOCK_SIZES = (16, 32)
-TRANSPOSED_SCORES_ENV_VAR = "KVSERVE_TRANSPOSED_SCORES"
 
 
 class CudaAttentionBackend(AttentionBackend):
@@ -62,27 +56,18 @@ class CudaAttentionBackend(AttentionBackend):
     machine (see :mod:`kvserve.kernels.cuda_build`) and raises
     :class:`~kvserve.kernels.cuda_build.CudaExtensionBuildError` when it cannot.
     ``split_tokens`` fixes the context split size (a multiple of 64 up to 8192) instead
-    of choosing it per batch; tests and benchmarks use it.  ``transposed_scores`` selects
-    the transposed score reduction; ``None`` reads ``KVSERVE_TRANSPOSED_SCORES`` (``"0"``:
-    the butterfly; anything else, or unset: transposed).  Both arguments are checked before the build.
+    of choosing it per batch; tests and benchmarks use it.
     """
 
     __slots__ = (
         "_extension", "_num_sms", "_split_tokens", "_flash_prefill", "_flash_unsupported", "_plan_metadata",
-        "_plans", "_prefill_plan", "_warned", "_transposed_scores",
+        "_plans", "_prefill_plan", "_warned",
     )
     name = "cuda"
 
-    def __init__(
-        self, *, split_tokens: int | None = None, flash_prefill: bool = True, transposed_scores: bool | None = None
-    ) -> None:
+    def __init__(self, *, split_tokens: int | None = None, flash_prefill: bool = True) -> None:
         if split_tokens is not None:
             check_split_tokens(split_tokens)
-        if transposed_scores is None:
-            transposed_scores = transposed_scores_from_env()
-        elif not isinstance(transposed_scores, bool):
-            raise TypeError(f"transposed_scores must be a bool or None, got {transposed_scores!r}")
-        self._transposed_scores = transposed_scores
         self._extension = load_cuda_extension()
         self._num_sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
         self._split_tokens = split_tokens
@@ -189,7 +174,6 @@ class CudaAttentionBackend(AttentionBackend):
             # split count then cuts each request's real context evenly (the kernels'
             # split_tokens_of), so a short context still fills as many CTAs.
             metadata.captured,
-            self._transposed_scores,
         )
 
     def split_plan(
@@ -246,15 +230,7 @@ class CudaAttentionBackend(AttentionBackend):
             logger.warning("CUDA attention kernels: %s", reason)
 
     def __repr__(self) -> str:
-        return (
-            f"CudaAttentionBackend(split_tokens={self._split_tokens}, flash_prefill={self._flash_prefill}, "
-            f"transposed_scores={self._transposed_scores})"
-        )
-
-
-def transposed_scores_from_env() -> bool:
-    """Whether the transposed score reduction is on: unless ``KVSERVE_TRANSPOSED_SCORES`` is ``"0"``."""
-    return os.environ.get(TRANSPOSED_SCORES_ENV_VAR) != "0"
+        return f"CudaAttentionBackend(split_tokens={self._split_tokens}, flash_prefill={self._flash_prefill})"
 
 
 def _unsupported(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor) -> str | None:

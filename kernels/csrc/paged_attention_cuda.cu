@@ -7,21 +7,11 @@
 namespace kvserve {
 namespace {
 
-// The attention kernel of p's score path (p.transposed_scores), decode or prefill rows.
-template <typename T, int kHeadDim, int kBlockSize, int kRows>
-void launch_rows(const AttentionParams& p, const dim3& grid, bool decode, cudaStream_t stream) {
-  if (p.transposed_scores) {
-    paged_attention_kernel<T, kHeadDim, kBlockSize, kRows, true><<<grid, kNumThreads, 0, stream>>>(p, decode);
-  } else {
-    paged_attention_kernel<T, kHeadDim, kBlockSize, kRows, false><<<grid, kNumThreads, 0, stream>>>(p, decode);
-  }
-}
-
 template <typename T, int kHeadDim, int kBlockSize, int kRows>
 void launch_decode(const AttentionParams& p, int group, cudaStream_t stream) {
   const int head_tiles = (group + kRows - 1) / kRows;
   const dim3 grid(p.num_kv_heads * head_tiles, p.num_reqs, p.num_decode_splits);
-  launch_rows<T, kHeadDim, kBlockSize, kRows>(p, grid, true, stream);
+  paged_attention_kernel<T, kHeadDim, kBlockSize, kRows><<<grid, kNumThreads, 0, stream>>>(p, true);
 }
 
 template <typename T, int kHeadDim, int kBlockSize>
@@ -40,7 +30,7 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
     // Enough tiles for every request (see first_prefill_tile); a decode's tiles exit at once.
     const int64_t num_tiles = static_cast<int64_t>(p.num_tokens) * group / kPrefillRows + p.num_reqs;
     const dim3 grid(static_cast<unsigned>(num_tiles), p.num_kv_heads, p.num_prefill_splits);
-    launch_rows<T, kHeadDim, kBlockSize, kPrefillRows>(p, grid, false, stream);
+    paged_attention_kernel<T, kHeadDim, kBlockSize, kPrefillRows><<<grid, kNumThreads, 0, stream>>>(p, false);
     const cudaError_t error = cudaGetLastError();
     if (error != cudaSuccess) return error;
   }

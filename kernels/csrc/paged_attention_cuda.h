@@ -64,11 +64,6 @@ struct AttentionParams {
   // then keeps as many CTAs busy on short ones as a launch planned for them.  The split
   // counts must then cover every context in splits of at most kMaxSplitTokens.
   int32_t even_splits;
-  // 0: each score summed over its thread group by a butterfly, the online softmax run by every
-  // lane for every score.  1: the transposed reduction (transpose_reduce in
-  // paged_attention_kernels.cuh), the softmax run by each score's owning lanes.  Same results
-  // up to float32 rounding; an alternative kept selectable so that a GPU run can time both.
-  int32_t transposed_scores;
   int32_t max_splits;          // max(num_decode_splits, num_prefill_splits)
   int32_t num_decode_splits;   // 0: no request has a single new token
   int32_t num_prefill_splits;  // 0: no request has several new tokens

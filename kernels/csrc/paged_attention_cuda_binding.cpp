@@ -116,8 +116,7 @@ void write_kv_cache(const at::Tensor& key, const at::Tensor& value, const at::Te
 void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
                      const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, double scale, int64_t split_tokens,
-                     int64_t num_decode_splits, int64_t num_prefill_splits, bool even_splits,
-                     bool transposed_scores) {
+                     int64_t num_decode_splits, int64_t num_prefill_splits, bool even_splits) {
   check_cache(key_cache, value_cache);
   require(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
   require(out.sizes() == query.sizes() && out.is_contiguous(), "out must be contiguous with query's shape ",
@@ -201,7 +200,6 @@ void paged_attention(const at::Tensor& out, const at::Tensor& query, const at::T
   params.max_blocks_per_req = static_cast<int32_t>(block_tables.size(1));
   params.split_tokens = static_cast<int32_t>(split_tokens);
   params.even_splits = even_splits ? 1 : 0;
-  params.transposed_scores = transposed_scores ? 1 : 0;
   params.max_splits = static_cast<int32_t>(max_splits);
   params.num_decode_splits = static_cast<int32_t>(num_decode_splits);
   params.num_prefill_splits = static_cast<int32_t>(num_prefill_splits);
@@ -217,12 +215,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Causal attention of a mixed batch over the paged cache, into out.  Requests with one new "
         "token run num_decode_splits context splits of split_tokens, the others num_prefill_splits; "
-        "with even_splits, each request's context is cut into its launch's split count instead.  "
-        "transposed_scores selects the transposed score reduction (same results up to float32 rounding).",
+        "with even_splits, each request's context is cut into its launch's split count instead.",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("block_tables"),
         py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"), py::arg("split_tokens"),
-        py::arg("num_decode_splits"), py::arg("num_prefill_splits"), py::arg("even_splits") = false,
-        py::arg("transposed_scores") = false);
+        py::arg("num_decode_splits"), py::arg("num_prefill_splits"), py::arg("even_splits") = false);
   m.attr("MAX_SPLIT_TOKENS") = kvserve::kMaxSplitTokens;
   m.attr("SPLIT_TOKENS_MULTIPLE") = kvserve::kSplitTokensMultiple;
   m.attr("PREFILL_ROWS") = kvserve::kPrefillRows;

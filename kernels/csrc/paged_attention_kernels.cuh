@@ -30,14 +30,13 @@
 //                    and V loads of step s + 1 are issued before step s is computed
 //                    (software pipelining: a warp always has a step in flight).
 //
-// Scores (p.transposed_scores, template kTransposed): each lane holds kUnroll * kRows
-// partial dot products, summed over its thread group either by a butterfly per value (every
-// lane ends with every score, and runs the online softmax for all of them) or transposed
-// (transpose_reduce below: each lane ends owning 1-2 scores, runs the softmax on those, and
-// the lanes then fetch the weights they need from the owners).  The transposed path permutes
-// each lane's query rows and unroll slots by its lane (perm below), so a load instruction
-// reads kUnroll keys' quarter (or half) rows per thread group: the same sectors, each read
-// once, in whole 32-byte runs.  See NOTES.md.
+// Scores: each lane holds kUnroll * kRows partial dot products, summed over its thread group
+// transposed (transpose_reduce below): each lane ends owning 1-2 scores, runs the online
+// softmax on those, and the lanes then fetch the weights they need from the owners.  (A
+// butterfly per score cost 64 shuffles a step; see NOTES.md.)  Each lane's query rows and
+// unroll slots are permuted by its lane (perm below), so a load instruction reads kUnroll
+// keys' quarter (or half) rows per thread group: the same sectors, each read once, in whole
+// 32-byte runs.
 //
 // Everything accumulates in float32.  Positions at or beyond seq_len are never read, so
 // NaN in unwritten slots of the cache cannot leak into the output.  A prefill tile reads
@@ -272,8 +271,7 @@ __device__ __forceinline__ int split_tokens_of(const AttentionParams& p, int seq
 
 // decode: grid (num_kv_heads * head_tiles, num_reqs, splits), the requests with one new
 // token; else grid (prefill tiles, num_kv_heads, splits), the requests with several.
-// kTransposed: the transposed score reduction (p.transposed_scores; see transpose_reduce).
-template <typename T, int kHeadDim, int kBlockSize, int kRows, bool kTransposed>
+template <typename T, int kHeadDim, int kBlockSize, int kRows>
 __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
     paged_attention_kernel(const AttentionParams p, const bool decode) {
   constexpr int kElems = VecTraits<T>::kElems;
@@ -283,7 +281,7 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   constexpr int kKeysPerWarpStep = kKeysPerLoad * kUnroll;
   constexpr int kKeysPerStep = kKeysPerWarpStep * kNumWarps;
   constexpr int kMaxBlocksPerSplit = kMaxSplitTokens / kBlockSize;
-  // Transposed: scores (key u, row r) at v = u * kRows + r; each lane owns kOwned of them
+  // Scores (key u, row r) at v = u * kRows + r; each lane owns kOwned of them
   // (rows perm_row + j, j < kOwned, of key perm_key), each score held by kReplicas lanes.
   constexpr int kScores = kUnroll * kRows;
   constexpr int kOwned = kScores > kThreadsPerKey ? kScores / kThreadsPerKey : 1;
@@ -353,10 +351,10 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
   const int key_in_load = lane / kThreadsPerKey;  // which of the warp's keys this lane reads
   const int chunk = lane % kThreadsPerKey;        // which 16 bytes of the row
   const int dim0 = chunk * kElems;
-  // Transposed layout: this lane's query row slot r holds row r ^ perm_row, its K/V slot u
-  // key u ^ perm_key (a whole 32-byte-aligned run of a row's bytes is loaded by consecutive
-  // lanes, see NOTES.md), so that score slot s holds value s ^ perm.  0 in the butterfly path.
-  const int perm = kTransposed ? chunk / kReplicas * kOwned : 0;
+  // This lane's query row slot r holds row r ^ perm_row, its K/V slot u key u ^ perm_key (a
+  // whole 32-byte-aligned run of a row's bytes is loaded by consecutive lanes, see NOTES.md),
+  // so that score slot s holds value s ^ perm.
+  const int perm = chunk / kReplicas * kOwned;
   const int perm_row = perm % kRows;
   const int perm_key = perm / kRows;
 
@@ -381,16 +379,17 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
     }
   }
 
+  // row_max, row_sum: each row slot's max and sum, set after the loop for the merges.
+  // NOTE: declared here: declared after the loop, nvcc 13.0 allocates 1-2 registers more or
+  // fewer (16-bit 4 rows at head_dim 128: 165, not 163), and only these counts were timed.
   float row_max[kRows], row_sum[kRows], acc[kRows][kElems];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.f;
 #pragma unroll
     for (int e = 0; e < kElems; ++e) acc[r][e] = 0.f;
   }
-  // Transposed: the running max of the rows of the lane's owned scores (the same in every
-  // lane that holds the row), and the sum of the lane's own weights only (rescaled with it).
+  // The running max of the rows of the lane's owned scores (the same in every lane that
+  // holds the row), and the sum of the lane's own weights only (rescaled with it).
   float owned_max[kOwned], owned_sum[kOwned];
 #pragma unroll
   for (int j = 0; j < kOwned; ++j) {
@@ -441,75 +440,39 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
         score[u * kRows + r] = dot;
       }
     }
+    transpose_reduce<kScores, kThreadsPerKey>(score);
+    // Online softmax of the owned scores: (key perm_key, row perm_row + j) in slot j.
+    const int t = step + perm_key * kKeysPerLoad + key_in_load;
+    float owned_weight[kOwned], owned_rescale[kOwned];
+#pragma unroll
+    for (int j = 0; j < kOwned; ++j) {
+      const float s = t >= kv_end || t > row_position[j] ? -INFINITY : score[j];
+      float step_max = fmaxf(owned_max[j], s);
+#pragma unroll
+      for (int offset = kRowLanes; offset < kThreadsPerKey; offset *= 2) {
+        step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, offset));
+      }
+      const float reference = finite_or_zero(step_max);
+      owned_rescale[j] = exp2f(owned_max[j] - reference);
+      owned_max[j] = step_max;
+      owned_weight[j] = exp2f(s - reference);
+      owned_sum[j] = fmaf(owned_sum[j], owned_rescale[j], owned_weight[j]);
+    }
+    // Every lane's slots from their owners: value s ^ perm is at xor distance (s / kOwned)
+    // * kReplicas, in the owner's slot s % kOwned.
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float rescale = from_lane_xor(owned_rescale[r % kOwned], r / kOwned * kReplicas);
+#pragma unroll
+      for (int e = 0; e < kElems; ++e) acc[r][e] *= rescale;
+    }
     float weight[kUnroll][kRows];
-    if constexpr (kTransposed) {
-      transpose_reduce<kScores, kThreadsPerKey>(score);
-      // Online softmax of the owned scores: (key perm_key, row perm_row + j) in slot j.
-      const int t = step + perm_key * kKeysPerLoad + key_in_load;
-      float owned_weight[kOwned], owned_rescale[kOwned];
 #pragma unroll
-      for (int j = 0; j < kOwned; ++j) {
-        const float s = t >= kv_end || t > row_position[j] ? -INFINITY : score[j];
-        float step_max = fmaxf(owned_max[j], s);
-#pragma unroll
-        for (int offset = kRowLanes; offset < kThreadsPerKey; offset *= 2) {
-          step_max = fmaxf(step_max, __shfl_xor_sync(0xffffffffu, step_max, offset));
-        }
-        const float reference = finite_or_zero(step_max);
-        owned_rescale[j] = exp2f(owned_max[j] - reference);
-        owned_max[j] = step_max;
-        owned_weight[j] = exp2f(s - reference);
-        owned_sum[j] = fmaf(owned_sum[j], owned_rescale[j], owned_weight[j]);
-      }
-      // Every lane's slots from their owners: value s ^ perm is at xor distance (s / kOwned)
-      // * kReplicas, in the owner's slot s % kOwned.
+    for (int u = 0; u < kUnroll; ++u) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
-        const float rescale = from_lane_xor(owned_rescale[r % kOwned], r / kOwned * kReplicas);
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[r][e] *= rescale;
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const int s = u * kRows + r;
-          weight[u][r] = from_lane_xor(owned_weight[s % kOwned], s / kOwned * kReplicas);
-        }
-      }
-    } else {
-#pragma unroll
-      for (int offset = kThreadsPerKey / 2; offset >= 1; offset /= 2) {
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            score[u * kRows + r] += __shfl_xor_sync(0xffffffffu, score[u * kRows + r], offset);
-          }
-        }
-      }
-
-      // Online softmax: one rescale of the running state per step.
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        float step_max = row_max[r];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int t = step + u * kKeysPerLoad + key_in_load;
-          if (t >= kv_end || t > row_position[r]) score[u * kRows + r] = -INFINITY;
-          step_max = fmaxf(step_max, score[u * kRows + r]);
-        }
-        const float reference = finite_or_zero(step_max);
-        const float rescale = exp2f(row_max[r] - reference);
-        row_max[r] = step_max;
-        row_sum[r] *= rescale;
-#pragma unroll
-        for (int e = 0; e < kElems; ++e) acc[r][e] *= rescale;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          weight[u][r] = exp2f(score[u * kRows + r] - reference);
-          row_sum[r] += weight[u][r];
-        }
+        const int s = u * kRows + r;
+        weight[u][r] = from_lane_xor(owned_weight[s % kOwned], s / kOwned * kReplicas);
       }
     }
 #pragma unroll
@@ -529,20 +492,19 @@ __global__ void __launch_bounds__(kNumThreads, min_ctas_per_sm<kRows>())
     }
   }
 
-  if constexpr (kTransposed) {
-    // Back to the butterfly path's state: every lane holds every row (of its slots) max and sum.
+  // Each row slot's max and sum in every lane, for the merges below: first each owner's sum
+  // over the lanes that hold its row, then every lane's slots from their owners.
 #pragma unroll
-    for (int j = 0; j < kOwned; ++j) {
+  for (int j = 0; j < kOwned; ++j) {
 #pragma unroll
-      for (int offset = kRowLanes; offset < kThreadsPerKey; offset *= 2) {
-        owned_sum[j] += __shfl_xor_sync(0xffffffffu, owned_sum[j], offset);
-      }
+    for (int offset = kRowLanes; offset < kThreadsPerKey; offset *= 2) {
+      owned_sum[j] += __shfl_xor_sync(0xffffffffu, owned_sum[j], offset);
     }
+  }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      row_max[r] = from_lane_xor(owned_max[r % kOwned], r / kOwned * kReplicas);
-      row_sum[r] = from_lane_xor(owned_sum[r % kOwned], r / kOwned * kReplicas);
-    }
+  for (int r = 0; r < kRows; ++r) {
+    row_max[r] = from_lane_xor(owned_max[r % kOwned], r / kOwned * kReplicas);
+    row_sum[r] = from_lane_xor(owned_sum[r % kOwned], r / kOwned * kReplicas);
   }
 
   // Merge the thread groups of each warp (they hold the same dims of different keys, and

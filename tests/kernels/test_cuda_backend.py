@@ -121,21 +121,22 @@ def backend():
     return CudaAttentionBackend()
 
 
-def split_backend(split_tokens: int, **kwargs):
-    from kvserve.kernels.cuda_backend import CudaAttentionBackend
-
-    return CudaAttentionBackend(split_tokens=split_tokens, **kwargs)
-
-
 @pytest.fixture(scope="module")
-def butterfly_backend():
-    """The butterfly score reduction (not the default), prefill rows on the CUDA-core kernel (which
-    then uses it too)."""
+def cuda_core_backend():
+    """Prefill rows on the CUDA-core kernel too, where FlashAttention would take the 16-bit ones."""
     from kvserve.kernels.cuda_backend import CudaAttentionBackend
 
-    return CudaAttentionBackend(transposed_scores=False, flash_prefill=False)
+    return CudaAttentionBackend(flash_prefill=False)
 
 
+def split_backend(split_tokens: int):
+    from kvserve.kernels.cuda_backend import CudaAttentionBackend
+
+    return CudaAttentionBackend(split_tokens=split_tokens)
+
+
+# Every dtype x head_dim x group is a different score layout: lanes per key row, and the 1-2
+# scores each lane owns in the transposed reduction (paged_attention_kernels.cuh).
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -155,6 +156,18 @@ def test_mixed_batch_matches_reference(backend, group: int, head_dim: int, block
     batch = make_batch(MIXED_BATCH, block_size=block_size, group=group, head_dim=head_dim, dtype=dtype,
                        seed=7 + group * 1000 + head_dim + block_size)
     assert_matches_reference(attend(backend, batch), batch)
+
+
+# The default backend gives 16-bit prefill rows to FlashAttention; float32 ones run on this kernel anyway.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_mixed_batch_on_the_cuda_core_kernel_matches_reference(
+    cuda_core_backend, group: int, head_dim: int, dtype
+) -> None:
+    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=group, head_dim=head_dim, dtype=dtype,
+                       seed=107 + group * 1000 + head_dim)
+    assert_matches_reference(attend(cuda_core_backend, batch), batch)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -183,6 +196,18 @@ def test_groups_that_do_not_fill_a_tile_match_reference(backend, group: int) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_split_size_gives_the_reference_result(split_tokens: int, dtype) -> None:
     batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=4, dtype=dtype, seed=19 + split_tokens)
+    assert_matches_reference(attend(split_backend(split_tokens), batch), batch)
+
+
+@pytest.mark.parametrize("split_tokens", [64, 128, 512])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_decodes_over_many_splits_and_partial_blocks_match_reference(
+    group: int, head_dim: int, split_tokens: int
+) -> None:
+    # Contexts ending before, on and after block and split boundaries, up to 47 splits of 64.
+    requests = [(context - 1, 1) for context in [1, 63, 64, 65, 127, 129, 500, 1000, 3001]]
+    batch = make_batch(requests, group=group, head_dim=head_dim, dtype=torch.float32, seed=103 + split_tokens)
     assert_matches_reference(attend(split_backend(split_tokens), batch), batch)
 
 
@@ -229,9 +254,10 @@ def test_a_captured_launch_cuts_each_real_context_into_its_planned_splits(backen
     assert_matches_reference(output, batch)
 
 
-def test_a_captured_decode_batch_of_64_in_the_benchmarks_shape_matches_reference(backend) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_captured_decode_batch_of_64_in_the_benchmarks_shape_matches_reference(backend, dtype) -> None:
     contexts = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(71)).tolist()
-    batch = make_batch([(cached, 1) for cached in contexts], num_kv_heads=8, group=4, dtype=torch.bfloat16, seed=71)
+    batch = make_batch([(cached, 1) for cached in contexts], num_kv_heads=8, group=4, dtype=dtype, seed=71)
     output = backend.paged_attention(batch.query, batch.key_cache, batch.value_cache, captured(batch, 8192),
                                      batch.scale)
     assert_matches_reference(output, batch)
@@ -246,114 +272,6 @@ def test_captured_prefill_rows_on_the_cuda_core_kernel_match_reference(group: in
         batch.query, batch.key_cache, batch.value_cache, captured(batch, 8192), batch.scale
     )
     assert_matches_reference(output, batch)
-
-
-# The tests above run the default, transposed score reduction: each lane owns 1-2 scores (float32
-# head_dim 128: 32 lanes per key, each score held by 2 or 8 lanes; 16-bit head_dim 64: 8 lanes, 2
-# scores each), so every dtype x head_dim x group is a different layout.  The butterfly reduction
-# (CudaAttentionBackend(transposed_scores=False), KVSERVE_TRANSPOSED_SCORES=0) stays selectable and
-# is checked here on the same cases.
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_butterfly_scores_decode_batch_matches_reference(
-    butterfly_backend, group: int, head_dim: int, block_size: int, dtype
-) -> None:
-    requests = [(context - 1, 1) for context in DECODE_CONTEXTS]
-    batch = make_batch(requests, block_size=block_size, group=group, head_dim=head_dim, dtype=dtype,
-                       seed=101 + group * 1000 + head_dim + block_size)
-    assert_matches_reference(attend(butterfly_backend, batch), batch)
-
-
-@pytest.mark.parametrize("split_tokens", [64, 128, 512])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_butterfly_scores_over_many_splits_and_partial_blocks_match_reference(
-    group: int, head_dim: int, split_tokens: int
-) -> None:
-    # Contexts ending before, on and after block and split boundaries, up to 47 splits of 64.
-    requests = [(context - 1, 1) for context in [1, 63, 64, 65, 127, 129, 500, 1000, 3001]]
-    batch = make_batch(requests, group=group, head_dim=head_dim, dtype=torch.float32, seed=103 + split_tokens)
-    backend = split_backend(split_tokens, transposed_scores=False)
-    assert_matches_reference(attend(backend, batch), batch)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_butterfly_scores_mixed_batch_on_the_cuda_core_kernel_matches_reference(
-    butterfly_backend, group: int, head_dim: int, dtype
-) -> None:
-    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=group, head_dim=head_dim, dtype=dtype,
-                       seed=107 + group * 1000 + head_dim)
-    assert_matches_reference(attend(butterfly_backend, batch), batch)
-
-
-@pytest.mark.parametrize("group", [2, 3, 5, 6, 12])
-def test_butterfly_scores_with_groups_that_do_not_fill_a_tile_match_reference(butterfly_backend, group: int) -> None:
-    batch = make_batch(MIXED_BATCH, group=group, dtype=torch.float32, seed=109 + group)
-    assert_matches_reference(attend(butterfly_backend, batch), batch)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_butterfly_scores_in_a_captured_launch_match_reference(butterfly_backend, dtype) -> None:
-    contexts = torch.randint(0, 4096, (64,), generator=torch.Generator().manual_seed(113)).tolist()
-    batch = make_batch([(cached, 1) for cached in contexts], num_kv_heads=8, group=4, dtype=dtype, seed=113)
-    output = butterfly_backend.paged_attention(batch.query, batch.key_cache, batch.value_cache,
-                                               captured(batch, 8192), batch.scale)
-    assert_matches_reference(output, batch)
-
-
-def test_transposed_and_butterfly_scores_agree_to_float32_rounding(backend, butterfly_backend) -> None:
-    contexts = torch.randint(0, 5000, (32,), generator=torch.Generator().manual_seed(127)).tolist()
-    batch = make_batch([(cached, 1) for cached in contexts], num_kv_heads=8, group=4, dtype=torch.float32, seed=127)
-    butterfly, transposed = attend(butterfly_backend, batch), attend(backend, batch)
-    # The order of additions differs: float32 rounding apart (about 1e-7 here), the same result.
-    relative = ((transposed.double() - butterfly.double()).norm() / butterfly.double().norm()).item()
-    assert relative < 2e-6, f"relative difference {relative:.2e}"
-    for _ in range(3):
-        assert torch.equal(attend(backend, batch), transposed), "results differ between runs: a race"
-
-
-def test_transposed_scores_write_every_element_of_a_poisoned_output(butterfly_backend) -> None:
-    from kvserve.kernels.cuda_build import load_cuda_extension
-
-    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=8, dtype=torch.float32, seed=131)
-    plan = butterfly_backend.split_plan(batch.metadata, 2, 8, batch.query.shape[2])  # the plan: either path's
-    out = torch.full_like(batch.query, float("nan"))
-    meta = batch.metadata
-    load_cuda_extension().paged_attention(
-        out, batch.query, batch.key_cache, batch.value_cache, meta.block_tables, meta.seq_lens,
-        meta.query_start_loc, batch.scale, plan.split_tokens, plan.num_decode_splits, plan.num_prefill_splits,
-        False, True,
-    )
-    assert not out.isnan().any()
-    assert_matches_reference(out, batch)
-
-
-@pytest.mark.parametrize(("env_value", "expected"), [(None, True), ("1", True), ("0", False), ("false", True)])
-def test_the_transposed_scores_default_comes_from_the_environment(
-    monkeypatch: pytest.MonkeyPatch, env_value: str | None, expected: bool
-) -> None:
-    from kvserve.kernels.cuda_backend import TRANSPOSED_SCORES_ENV_VAR, CudaAttentionBackend
-
-    if env_value is None:
-        monkeypatch.delenv(TRANSPOSED_SCORES_ENV_VAR, raising=False)
-    else:
-        monkeypatch.setenv(TRANSPOSED_SCORES_ENV_VAR, env_value)
-    assert f"transposed_scores={expected}" in repr(CudaAttentionBackend())
-    assert f"transposed_scores={not expected}" in repr(CudaAttentionBackend(transposed_scores=not expected))
-
-
-@pytest.mark.parametrize("value", ["1", 1, 0.0])
-def test_transposed_scores_must_be_a_bool(value: object) -> None:
-    from kvserve.kernels.cuda_backend import CudaAttentionBackend
-
-    with pytest.raises(TypeError, match="transposed_scores must be a bool or None"):
-        CudaAttentionBackend(transposed_scores=value)
 
 
 def test_int64_metadata_built_by_hand_gives_the_int32_result(backend) -> None:
@@ -395,18 +313,20 @@ def test_blocks_past_two_to_the_31_cache_elements_are_read_and_written(backend) 
     assert_matches_reference(output, batch)
 
 
-def test_results_are_bitwise_repeatable(backend) -> None:
-    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=4, dtype=torch.bfloat16, seed=29)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_results_are_bitwise_repeatable(backend, dtype) -> None:
+    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=4, dtype=dtype, seed=29)
     first = attend(backend, batch)
     for _ in range(5):
         assert torch.equal(attend(backend, batch), first), "results differ between runs: a race"
 
 
-def test_kernel_writes_every_element_of_a_poisoned_output(backend) -> None:
+@pytest.mark.parametrize("group", [4, 8])
+def test_kernel_writes_every_element_of_a_poisoned_output(backend, group: int) -> None:
     from kvserve.kernels.cuda_build import load_cuda_extension
 
-    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=4, dtype=torch.float32, seed=31)
-    plan = backend.split_plan(batch.metadata, 2, 4, batch.query.shape[2])
+    batch = make_batch(MIXED_BATCH + CHUNKED_PREFILL, group=group, dtype=torch.float32, seed=31)
+    plan = backend.split_plan(batch.metadata, 2, group, batch.query.shape[2])
     out = torch.full_like(batch.query, float("nan"))
     meta = batch.metadata
     load_cuda_extension().paged_attention(

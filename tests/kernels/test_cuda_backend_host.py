@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
-from kvserve.kernels.cuda_backend import (
-    TRANSPOSED_SCORES_ENV_VAR,
-    _index_tensor,
-    _vector_ready,
-    transposed_scores_from_env,
-)
+from kvserve.kernels.cuda_backend import _index_tensor, _vector_ready
 
 
 def strides_vectorizable(tensor: torch.Tensor) -> bool:
@@ -56,13 +50,3 @@ def test_index_tensors_of_another_width_or_layout_are_converted_and_the_right_on
     assert wide.dtype == torch.int32 and torch.equal(wide, table)
     assert strided.is_contiguous() and torch.equal(strided, table.t())
 
-
-@pytest.mark.parametrize(("env_value", "expected"), [(None, True), ("1", True), ("0", False), ("false", True)])
-def test_the_transposed_score_reduction_is_on_unless_the_environment_says_0(
-    monkeypatch: pytest.MonkeyPatch, env_value: str | None, expected: bool
-) -> None:
-    if env_value is None:
-        monkeypatch.delenv(TRANSPOSED_SCORES_ENV_VAR, raising=False)
-    else:
-        monkeypatch.setenv(TRANSPOSED_SCORES_ENV_VAR, env_value)
-    assert transposed_scores_from_env() is expected

@@ -3,8 +3,8 @@ translation unit for sm_90 and sm_80, and the host compiler on the torch binding
 
 torch's CPU wheel ships most of c10/cuda but not its generated
 ``c10/cuda/impl/cuda_cmake_macros.h``; the binding check supplies a stand-in for it.
-The three compilations run in parallel, about 30 s on 2 idle cores (both score paths of the
-attention kernel are instantiated: 72 attention kernels).
+The three compilations run in parallel, about 30 s on 2 idle cores (36 attention kernels:
+3 dtypes x 2 head_dims x 2 block sizes x tiles of 1, 4 and 8 query rows).
 Skipped only where nvcc is absent.
 """
 
@@ -29,6 +29,8 @@ ARCHITECTURES = ("90", "80")
 # A kernel that indexes a register array at run time moves it to local memory (a stack
 # frame); a few bytes are a spilled scalar, more is a regression of the hot loop.
 MAX_STACK_FRAME_BYTES = 16
+# dtypes x head_dims x block sizes x tiles of 1, 4 and 8 query rows (prefill tiles are the 8-row one).
+ATTENTION_INSTANTIATIONS = 3 * 2 * 2 * 3
 CUDA_CMAKE_MACROS = "c10/cuda/impl/cuda_cmake_macros.h"
 
 
@@ -128,10 +130,8 @@ def test_kernels_compile_with_nvcc(compilations: dict[str, Compilation], arch: s
     returncode, output = compilations[f"sm_{arch}"].wait()
     assert returncode == 0, f"nvcc failed for sm_{arch}:\n{output[-6000:]}"
     frames = stack_frames(output)
-    assert any("paged_attention_kernel" in name for name in frames), output[-3000:]
-    # Both score reductions (the template's last argument: false = butterfly, true = transposed).
-    assert any("paged_attention_kernel" in name and name.endswith("ELb0EEEvNS_15AttentionParamsEb") for name in frames)
-    assert any("paged_attention_kernel" in name and name.endswith("ELb1EEEvNS_15AttentionParamsEb") for name in frames)
+    attention_kernels = [name for name in frames if "paged_attention_kernel" in name]
+    assert len(attention_kernels) == ATTENTION_INSTANTIATIONS, output[-3000:]
     assert any("combine_splits_kernel" in name for name in frames)
     assert any("write_kv_cache_kernel" in name for name in frames)
     too_large = {name: size for name, size in frames.items() if size > MAX_STACK_FRAME_BYTES}
