@@ -83,18 +83,17 @@ def ceilings() -> tuple[float, float]:
 
 
 def run_kvserve(llm, workload: Workload, async_scheduling: bool = False,
-                repeat: int = 1, window: list[float] | None = None) -> tuple[float, list[list[int]]]:
+                repeat: int = 1) -> tuple[float, list[list[int]]]:
     """The median seconds of ``repeat`` runs of ``workload`` through ``llm.generate``, and the first
-    run's output tokens of every request (``window``: as ``_timed_run``)."""
+    run's output tokens of every request."""
     return _timed_run(llm.engine, lambda prompts, params: [o.token_ids for o in llm.generate(prompts, params)],
-                      workload, async_scheduling, repeat, window)
+                      workload, async_scheduling, repeat)
 
 
 def _timed_run(engine, generate, workload: Workload, async_scheduling: bool,
-               repeat: int = 1, window: list[float] | None = None) -> tuple[float, list[list[int]]]:
+               repeat: int = 1) -> tuple[float, list[list[int]]]:
     """The median seconds of ``repeat`` runs of ``generate(prompts, params)`` of ``workload`` on
-    ``engine``, greedy, each from a cold prefix cache; and the first run's outputs.  ``window``
-    gets the runs' first start and last end (``time.time()``)."""
+    ``engine``, greedy, each from a cold prefix cache; and the first run's outputs."""
     from kvserve import SamplingParams
 
     engine.async_scheduling = async_scheduling  # nothing is in flight between runs
@@ -104,11 +103,9 @@ def _timed_run(engine, generate, workload: Workload, async_scheduling: bool,
         # Every run starts from a cold prefix cache: the runs share their prompts.
         if not engine.scheduler.kv_cache_manager.reset_prefix_cache():
             raise RuntimeError("the prefix cache could not be reset: blocks are still in use")
-        start, wall_start = time.perf_counter(), time.time()
+        start = time.perf_counter()
         token_ids = generate(workload.prompts, params)
         seconds.append(time.perf_counter() - start)
-        if window is not None:
-            window[:] = [window[0] if window else wall_start, time.time()]
         if [len(t) for t in token_ids] != workload.max_tokens:
             raise RuntimeError(f"{workload.name}: kvserve generated a different number of tokens than asked")
         outputs = outputs or token_ids
@@ -147,9 +144,10 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
                 for async_scheduling, steps_ahead in ((False, 1), (True, 1), (True, STEPS_AHEAD)):
                     replica.engine.steps_ahead = steps_ahead  # nothing is in flight between runs
                     _timed_run(replica.engine, replica.generate, warm_up(workload), async_scheduling)
-                    window = windows[async_scheduling, steps_ahead] = []
+                    since = time.time()  # the worker's steps of these runs: launched from now on
                     over_grpc[async_scheduling, steps_ahead] = _timed_run(
-                        replica.engine, replica.generate, workload, async_scheduling, repeat, window)
+                        replica.engine, replica.generate, workload, async_scheduling, repeat)
+                    windows[async_scheduling, steps_ahead] = (since, time.time())
             finally:
                 replica.close()  # the worker writes its records as it shuts down
         records = read_records(records_path)
@@ -402,17 +400,18 @@ def main(argv: list[str] | None = None) -> int:
                 timed = TimedRunner(executor.worker) if workload is mixed and hasattr(executor, "worker") else None
                 if timed is not None:
                     executor.worker = timed
-                windows: dict[bool, list[float]] = {False: [], True: []}
+                began = time.time()  # the plain runs' steps are launched from now on, then the async runs'
                 with StepTimes().recording(llm.engine) as times:
-                    plain = run_kvserve(llm, workload, repeat=args.repeat, window=windows[False])
+                    plain = run_kvserve(llm, workload, repeat=args.repeat)
+                between = time.time()
                 roofline += roofline_rows(workload.name, times.steps, args.repeat, plain[0], cost, matmul_rate,
                                           read_rate)
-                overlapped = run_kvserve(llm, workload, async_scheduling=True, repeat=args.repeat,
-                                         window=windows[True])
+                overlapped = run_kvserve(llm, workload, async_scheduling=True, repeat=args.repeat)
                 if timed is not None:
                     executor.worker = timed.runner
                     records = timed.records()
-                    in_process_timeline = {a: summarize(records, *windows[a]) for a in (False, True)}
+                    in_process_timeline = {False: summarize(records, began, between),
+                                           True: summarize(records, between, time.time())}
                 kvserve_s[workload.name], overlapped_s[workload.name] = plain[0], overlapped[0]
                 if workload is mixed:
                     in_process = {False: plain, True: overlapped}

@@ -70,6 +70,8 @@ class TimedRunner:
     def __init__(self, runner: Any, dump_path: str | None = None) -> None:
         self._runner = runner
         self._dump_path = dump_path
+        # Device times where the runner's launch returns before the device ran the step (CUDA).
+        self._on_cuda = torch.cuda.is_available() and bool(getattr(runner, "launches_ahead", False))
         # (at, perf_counter at the start, host s, start event, end event)
         self._launched: list[tuple[float, float, float, Any, Any]] = []
 
@@ -82,15 +84,14 @@ class TimedRunner:
         return getattr(self._runner, name)
 
     def launch(self, plan: StepPlan) -> Any:
-        on_cuda = torch.cuda.is_available() and getattr(self._runner, "launches_ahead", False)
         start = end = None
-        if on_cuda:
+        if self._on_cuda:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
         launched_at, began = time.time(), time.perf_counter()
         launched = self._runner.launch(plan)
         host_s = time.perf_counter() - began
-        if on_cuda:
+        if self._on_cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         if plan.req_ids:
@@ -98,8 +99,7 @@ class TimedRunner:
         return launched
 
     def execute(self, plan: StepPlan) -> Any:
-        launched = self.launch(plan)
-        return launched.result() if hasattr(launched, "result") else launched
+        return self.launch(plan).result()
 
     def records(self) -> list[StepRecord]:
         if any(start is not None for *_, start, _ in self._launched):

@@ -49,4 +49,3 @@ def test_index_tensors_of_another_width_or_layout_are_converted_and_the_right_on
 
     assert wide.dtype == torch.int32 and torch.equal(wide, table)
     assert strided.is_contiguous() and torch.equal(strided, table.t())
-

@@ -3,7 +3,7 @@ translation unit for sm_90 and sm_80, and the host compiler on the torch binding
 
 torch's CPU wheel ships most of c10/cuda but not its generated
 ``c10/cuda/impl/cuda_cmake_macros.h``; the binding check supplies a stand-in for it.
-The three compilations run in parallel, about 30 s on 2 idle cores (36 attention kernels:
+The three compilations run in parallel, about 20 s on 2 idle cores (36 attention kernels:
 3 dtypes x 2 head_dims x 2 block sizes x tiles of 1, 4 and 8 query rows).
 Skipped only where nvcc is absent.
 """
