@@ -1,8 +1,9 @@
 """Just-in-time build of the CUDA kernels in ``kernels/csrc/``.
 
-Two translation units: ``paged_attention_cuda.cu`` (the kernels and their launchers, nvcc,
-CUDA headers only) and ``paged_attention_cuda_binding.cpp`` (the torch binding, host
-compiler).  The extension is compiled once per build directory with
+Two pairs of translation units: ``paged_attention_cuda.cu`` and ``layer_ops_cuda.cu`` (the
+kernels and their launchers, nvcc, CUDA headers only: attention and cache writes; the layer's
+small kernels), and ``paged_attention_cuda_binding.cpp`` and ``layer_ops_binding.cpp`` (their
+torch bindings, host compiler; one module).  The extension is compiled once per build directory with
 ``torch.utils.cpp_extension.load`` (about 15-30 s for one architecture on a few cores);
 later processes reuse it, and a second load in the same process returns the module
 already imported.
@@ -34,9 +35,13 @@ logger = logging.getLogger(__name__)
 
 EXTENSION_NAME = "kvserve_paged_attention_cuda"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC_DIR / "paged_attention_cuda.cu", CSRC_DIR / "paged_attention_cuda_binding.cpp")
+SOURCES = (
+    CSRC_DIR / "paged_attention_cuda.cu", CSRC_DIR / "paged_attention_cuda_binding.cpp",
+    CSRC_DIR / "layer_ops_cuda.cu", CSRC_DIR / "layer_ops_binding.cpp",
+)
 HEADERS = (
-    CSRC_DIR / "check_message.h", CSRC_DIR / "paged_attention_cuda.h", CSRC_DIR / "paged_attention_kernels.cuh"
+    CSRC_DIR / "check_message.h", CSRC_DIR / "paged_attention_cuda.h", CSRC_DIR / "paged_attention_kernels.cuh",
+    CSRC_DIR / "layer_ops_cuda.h", CSRC_DIR / "layer_ops_kernels.cuh", CSRC_DIR / "layer_ops_binding.h",
 )
 # -lineinfo maps profiler samples (ncu) to source lines at no run-time cost.
 EXTRA_CUDA_CFLAGS = ("-O3", "-lineinfo")
@@ -71,6 +76,12 @@ def load_cuda_extension() -> ModuleType:
     if isinstance(outcome, CudaExtensionBuildError):
         raise outcome
     return outcome
+
+
+def loaded_cuda_extension() -> ModuleType | None:
+    """The extension if this process has loaded one already, else ``None``; never builds."""
+    with _lock:
+        return next((outcome for outcome in _outcomes.values() if isinstance(outcome, ModuleType)), None)
 
 
 def check_cuda_runtime() -> None:

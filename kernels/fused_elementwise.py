@@ -1,4 +1,4 @@
-"""The decoder layer's small elementwise steps, each one Triton kernel on the GPU.
+"""The decoder layer's small elementwise steps, each one kernel on the GPU.
 
 In a decode step the matmuls and attention read the weights and the cache; what is
 left is elementwise work on a few hundred KiB, which costs its launch, not its bytes.
@@ -8,25 +8,52 @@ inside a CUDA graph.  Here each is one kernel:
 
 * :func:`add_rms_norm`: ``residual = x + residual``; ``weight * norm(residual)``;
 * :func:`rotate_half`: RoPE (Hugging Face's rotate-half layout) of ``[n, heads, dim]``;
+* :func:`rope_and_write_kv`: RoPE of a packed qkv row's q and k heads, with its k and v
+  heads written into the paged cache in the same kernel (one launch where RoPE and the
+  backend's cache write were two);
 * :func:`silu_and_mul`: ``silu(x[:, :d]) * x[:, d:]``.
 
 Each rounds where torch's ops round (every op's result to the tensor's dtype), so
 the fused and the unfused layer agree to a unit in the last place (the norm's sum
 of squares is added in another order; the compiler may contract a product into a
-sum; ``exp`` may differ in its last float32 bit).  :func:`fused_kernels_apply` says when the layers use them:
-half-precision CUDA tensors with Triton installed (float32 stays on torch's ops,
-bit for bit Hugging Face's, for the parity tests).  ``TRITON_INTERPRET=1`` runs
-the kernels on CPU tensors, which is how CPU-only CI tests them.
+sum; ``exp`` may differ in its last float32 bit).  :func:`fused_kernels_apply` says
+when the layers use them: half-precision CUDA tensors (float32 stays on torch's ops,
+bit for bit Hugging Face's, for the parity tests).
+
+Two implementations, by ``KVSERVE_FUSED_KERNELS``:
+
+* unset or ``1``: the CUDA extension's (``csrc/layer_ops_kernels.cuh``) once this process
+  has loaded it (the CUDA attention backend builds it), else Triton's.  A Triton launch
+  costs tens of microseconds of Python on the host (binding and specialising its
+  arguments), the extension's a C++ call: an eager step launches about four of these a
+  layer, so that is the host's time of eager (mixed) steps.  ``rotate_half`` (the q/k
+  rotation of models that normalise the heads first) is Triton's only.
+* ``triton``: Triton's always;
+* ``0``: neither, torch's ops.
+
+``TRITON_INTERPRET=1`` runs the Triton kernels on CPU tensors, which is how CPU-only CI
+tests them; the CUDA ones are compile-checked there and tested on a GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from types import ModuleType
 
 import torch
 
+MODE_ENV = "KVSERVE_FUSED_KERNELS"
 _HALF = (torch.bfloat16, torch.float16)
+_extension: ModuleType | None = None
+
+
+@functools.cache
+def _mode() -> str:
+    mode = os.environ.get(MODE_ENV, "1").strip().lower()
+    if mode not in ("0", "1", "triton"):
+        raise ValueError(f"{MODE_ENV}={mode!r}: expected 1 (the default), triton or 0")
+    return mode
 
 
 @functools.cache
@@ -35,73 +62,34 @@ def triton_available() -> bool:
         import triton  # noqa: F401
     except ImportError:
         return False
-    return os.environ.get("KVSERVE_FUSED_KERNELS", "1") != "0"
+    return _mode() != "0"
+
+
+def cuda_extension() -> ModuleType | None:
+    """The CUDA extension whose kernels the functions here launch, or ``None`` (Triton's then):
+    the one this process has loaded, unless ``KVSERVE_FUSED_KERNELS`` says otherwise.  It is
+    never built here."""
+    global _extension
+    if _extension is None and _mode() == "1":
+        from kvserve.kernels.cuda_build import loaded_cuda_extension
+
+        _extension = loaded_cuda_extension()
+    return _extension if _mode() == "1" else None
 
 
 def fused_kernels_apply(x: torch.Tensor) -> bool:
-    """Whether the layers run ``x`` through these kernels (half precision on CUDA, Triton
-    installed, ``KVSERVE_FUSED_KERNELS`` not ``0``)."""
-    return x.is_cuda and x.dtype in _HALF and triton_available()
+    """Whether the layers run ``x`` through these kernels: half precision on CUDA, the CUDA
+    extension loaded or Triton installed, ``KVSERVE_FUSED_KERNELS`` not ``0``."""
+    return x.is_cuda and x.dtype in _HALF and (triton_available() or cuda_extension() is not None)
 
 
 @functools.cache
 def _kernels():
-    """The Triton kernels, compiled on first use (``triton.jit`` reads ``TRITON_INTERPRET``
-    when it wraps a function, so they are defined here rather than at import)."""
-    import triton
-    import triton.language as tl
+    """The Triton kernels, imported on first use (see :mod:`kvserve.kernels.triton_elementwise`)."""
+    from kvserve.kernels import triton_elementwise as kernels
 
-    @triton.jit
-    def add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-                            x_stride, residual_stride, out_stride, hidden, eps,
-                            HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < hidden
-        x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(residual_ptr + row * residual_stride + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)
-            tl.store(residual_out_ptr + row * out_stride + cols, x, mask=mask)
-        xf = x.to(tl.float32)
-        variance = tl.sum(xf * xf, axis=0) / hidden
-        normed = (xf * tl.rsqrt(variance + eps)).to(x.dtype)
-        w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * out_stride + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(x.dtype), mask=mask)
-
-    @triton.jit
-    def rotate_half_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, x_token_stride, x_head_stride, cos_stride,
-                           num_heads, HALF: tl.constexpr, BLOCK: tl.constexpr):
-        token = tl.program_id(0)
-        head = tl.program_id(1)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < HALF
-        base = x_ptr + token * x_token_stride + head * x_head_stride
-        x1 = tl.load(base + cols, mask=mask, other=0.0)
-        x2 = tl.load(base + HALF + cols, mask=mask, other=0.0)
-        cos = tl.load(cos_ptr + token * cos_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + token * cos_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dtype = x1.dtype
-        x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
-        # Each product rounded, then the sum: torch's x1 * cos - x2 * sin, op by op.
-        first = ((x1f * cos).to(dtype).to(tl.float32) - (x2f * sin).to(dtype).to(tl.float32)).to(dtype)
-        second = ((x2f * cos).to(dtype).to(tl.float32) + (x1f * sin).to(dtype).to(tl.float32)).to(dtype)
-        out = out_ptr + (token * num_heads + head) * (2 * HALF)
-        tl.store(out + cols, first, mask=mask)
-        tl.store(out + HALF + cols, second, mask=mask)
-
-    @triton.jit
-    def silu_and_mul_kernel(x_ptr, out_ptr, x_stride, d, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < d
-        gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
-        up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0)
-        g = gate.to(tl.float32)
-        silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        tl.store(out_ptr + row * d + cols, (silu.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
-
-    return add_rms_norm_kernel, rotate_half_kernel, silu_and_mul_kernel
+    return (kernels.add_rms_norm_kernel, kernels.rotate_half_kernel, kernels.silu_and_mul_kernel,
+            kernels.rope_and_write_kv_kernel)
 
 
 def _next_power_of_2(n: int) -> int:
@@ -114,6 +102,9 @@ def add_rms_norm(
     """``(weight * norm(x + residual), x + residual)`` for ``x, residual [n, hidden]``; without
     ``residual``, ``(weight * norm(x), None)``.  The norm is Hugging Face's: float32 mean of
     squares, rounded to ``x``'s dtype before the weight."""
+    extension = cuda_extension() if x.is_cuda else None
+    if extension is not None:
+        return extension.add_rms_norm(x, residual, weight, eps)
     n, hidden = x.shape
     if x.stride(-1) != 1 or (residual is not None and residual.stride(-1) != 1):
         raise ValueError("add_rms_norm needs rows with unit stride")
@@ -148,8 +139,55 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out
 
 
+def rope_and_write_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """The rotated query heads ``[n, num_heads, head_dim]`` of a packed ``qkv [n, (num_heads +
+    2 * kv_heads) * head_dim]`` row (q heads, then k, then v), by ``cos, sin`` as in
+    :func:`rotate_half`; its rotated k heads and its v heads are written into the caches
+    ``[num_blocks, block_size, kv_heads, head_dim]`` at ``slot_mapping`` (int64 ``[n]``; a
+    negative slot writes nothing), as ``reference.write_kv_cache`` would write them.
+
+    The same values as :func:`rotate_half` on the q and k heads followed by a cache write.
+    """
+    n = qkv.shape[0]
+    extension = cuda_extension() if qkv.is_cuda else None
+    if extension is not None:
+        half = key_cache.shape[-1] // 2
+        return extension.rope_and_write_kv(
+            qkv, cos.reshape(n, half), sin.reshape(n, half), key_cache, value_cache, slot_mapping, num_heads)
+    head_dim, num_kv_heads = key_cache.shape[-1], key_cache.shape[-2]
+    half = head_dim // 2
+    if qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim or head_dim % 2:
+        raise ValueError(
+            f"qkv rows of {qkv.shape[1]} are not {num_heads} + 2 x {num_kv_heads} heads of {head_dim}")
+    if value_cache.shape != key_cache.shape or slot_mapping.shape != (n,) or slot_mapping.dtype != torch.int64:
+        raise ValueError("rope_and_write_kv needs equal key/value caches and an int64 slot per row")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()) or key_cache.dtype != qkv.dtype:
+        raise ValueError("rope_and_write_kv needs contiguous caches of the rows' dtype")
+    cos, sin = cos.reshape(n, half), sin.reshape(n, half)
+    if qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride() != cos.stride():
+        raise ValueError("rope_and_write_kv needs rows with unit stride and like cos/sin")
+    query = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if n:
+        _kernels()[3][(n, num_heads + num_kv_heads)](
+            qkv, cos, sin, slot_mapping, query, key_cache, value_cache, qkv.stride(0), cos.stride(0),
+            num_heads, num_kv_heads, HALF=half, BLOCK=_next_power_of_2(half),
+        )
+    return query
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(x[:, :d]) * x[:, d:]`` of ``x [n, 2d]``, rounded like torch's two ops."""
+    extension = cuda_extension() if x.is_cuda else None
+    if extension is not None:
+        return extension.silu_and_mul(x)
     n, width = x.shape
     d = width // 2
     if x.stride(-1) != 1:

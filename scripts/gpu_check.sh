@@ -5,11 +5,12 @@
 # prefill attention against dense FlashAttention and the end-to-end workloads against
 # transformers (8B: part (b) does not depend on the shape, and the workload target is
 # the 8B's), and the mixed workload through the step protocol over gRPC against in-process, with
-# where the worker's steps went (1B, where the step protocol's target is unmet).
+# where the worker's steps went (1B, where the step protocol's target is unmet); and the layer's
+# small kernels, the CUDA extension's against Triton's (host and device time per call).
 # Logs go to $OUT (default /tmp/kvserve-gpu-check); the end of each step is printed.
 #
-#   bash scripts/gpu_check.sh              # the default steps: build tests serving8b serving1b
-#   bash scripts/gpu_check.sh "tests"      # some steps: build | sass | tests | serving8b | serving1b
+#   bash scripts/gpu_check.sh              # the default steps: build tests layerops serving8b serving1b
+#   bash scripts/gpu_check.sh "tests"      # some steps: build | sass | tests | layerops | serving8b | serving1b
 #                                          #   | attention | calibrate (sass, attention and calibrate: on request only)
 # Part (d) of gpu_serving (through `kvserve serve` and gRPC) needs Ray on the machine; the
 # serving steps skip it unless SERVING_PARTS (8B) or SERVING_PARTS_1B say otherwise.  Part (e)
@@ -25,7 +26,7 @@ PYTHON="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
 export KVSERVE_CACHE_DIR="${KVSERVE_CACHE_DIR:-/tmp/kvserve-cache}"
 mkdir -p "$OUT"
-steps="${1:-build tests serving8b serving1b}"
+steps="${1:-build tests layerops serving8b serving1b}"
 SERVING_PARTS="${SERVING_PARTS:-abc}"
 SERVING_PARTS_1B="${SERVING_PARTS_1B:-ae}"
 status=0
@@ -71,6 +72,12 @@ if [[ " $steps " == *" tests "* ]]; then
         tests/worker/test_sampler.py tests/worker/test_sampler_min_p.py tests/kernels/test_fused_elementwise.py \
         tests/engine/test_llm_async_scheduling.py tests/cluster/test_step_protocol_cuda.py -q -p no:cacheprovider --timeout 120 -rfE --tb=short --durations=8 >"$OUT/tests.txt" 2>&1 || status=1
     tail -25 "$OUT/tests.txt"
+fi
+
+if [[ " $steps " == *" layerops "* ]]; then
+    echo "== the layer's small kernels: CUDA extension against Triton"
+    timeout 90 "$PYTHON" -m kvserve.bench.layer_ops >"$OUT/layer_ops.txt" 2>&1 || status=1
+    tail -12 "$OUT/layer_ops.txt"
 fi
 
 for shape in 8b 1b; do

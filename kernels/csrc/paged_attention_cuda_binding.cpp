@@ -15,6 +15,7 @@
 #include <limits>
 
 #include "check_message.h"
+#include "layer_ops_binding.h"
 #include "paged_attention_cuda.h"
 
 namespace {
@@ -222,4 +223,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("MAX_SPLIT_TOKENS") = kvserve::kMaxSplitTokens;
   m.attr("SPLIT_TOKENS_MULTIPLE") = kvserve::kSplitTokensMultiple;
   m.attr("PREFILL_ROWS") = kvserve::kPrefillRows;
+  kvserve::register_layer_ops(m);
 }

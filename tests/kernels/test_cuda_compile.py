@@ -1,9 +1,10 @@
 """The CUDA kernels compile, on machines without a GPU too (CI): nvcc on the kernels'
-translation unit for sm_90 and sm_80, and the host compiler on the torch binding.
+translation units (attention; the layer's small kernels) for sm_90 and sm_80, and the host
+compiler on the torch bindings.
 
 torch's CPU wheel ships most of c10/cuda but not its generated
 ``c10/cuda/impl/cuda_cmake_macros.h``; the binding check supplies a stand-in for it.
-The three compilations run in parallel, about 20 s on 2 idle cores (36 attention kernels:
+The compilations run in parallel, about 20 s on 2 idle cores (36 attention kernels:
 3 dtypes x 2 head_dims x 2 block sizes x tiles of 1, 4 and 8 query rows).
 Skipped only where nvcc is absent.
 """
@@ -24,7 +25,8 @@ from torch.utils import cpp_extension
 
 CSRC = Path(__file__).resolve().parents[2] / "kernels" / "csrc"
 KERNELS_SOURCE = CSRC / "paged_attention_cuda.cu"
-BINDING_SOURCE = CSRC / "paged_attention_cuda_binding.cpp"
+LAYER_OPS_SOURCE = CSRC / "layer_ops_cuda.cu"
+BINDING_SOURCES = (CSRC / "paged_attention_cuda_binding.cpp", CSRC / "layer_ops_binding.cpp")
 ARCHITECTURES = ("90", "80")
 # A kernel that indexes a register array at run time moves it to local memory (a stack
 # frame); a few bytes are a spilled scalar, more is a regression of the hot loop.
@@ -72,11 +74,12 @@ def compilations(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
     tmp = tmp_path_factory.mktemp("cuda_compile")
     started = {}
     for arch in ARCHITECTURES:
-        started[f"sm_{arch}"] = start(
-            [str(NVCC), "-std=c++17", "-O3", "-c", str(KERNELS_SOURCE), "-o", str(tmp / f"kernels_sm{arch}.o"),
-             f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
-             *cpp_extension.COMMON_NVCC_FLAGS, *torch_include_flags()]
-        )
+        for name, source in (("kernels", KERNELS_SOURCE), ("layer_ops", LAYER_OPS_SOURCE)):
+            started[f"{name}_sm_{arch}"] = start(
+                [str(NVCC), "-std=c++17", "-O3", "-c", str(source), "-o", str(tmp / f"{name}_sm{arch}.o"),
+                 f"-gencode=arch=compute_{arch},code=sm_{arch}", "-Xptxas", "-v",
+                 *cpp_extension.COMMON_NVCC_FLAGS, *torch_include_flags()]
+            )
     compiler = os.environ.get("CXX", "c++")
     if shutil.which(compiler):
         started["binding"] = start(binding_command(compiler, tmp))
@@ -88,7 +91,7 @@ def compilations(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str,
 
 
 def binding_command(compiler: str, tmp: Path) -> list[str]:
-    """Syntax-only compile of the binding as the GPU build would compile it."""
+    """Syntax-only compile of the bindings as the GPU build would compile them."""
     include_flags = torch_include_flags()
     if not any((Path(path) / CUDA_CMAKE_MACROS).is_file() for path in cpp_extension.include_paths()):
         stub = tmp / "stub_include" / CUDA_CMAKE_MACROS
@@ -99,7 +102,7 @@ def binding_command(compiler: str, tmp: Path) -> list[str]:
         compiler, "-std=c++17", "-fsyntax-only", "-Wall", "-Wno-c++20-extensions",
         "-DTORCH_EXTENSION_NAME=kvserve_compile_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
         f"-I{CSRC}", *include_flags, *cuda_include_flags(), f"-I{sysconfig.get_paths()['include']}",
-        str(BINDING_SOURCE),
+        *map(str, BINDING_SOURCES),
     ]
 
 
@@ -127,7 +130,7 @@ def stack_frames(ptxas_output: str) -> dict[str, int]:
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_kernels_compile_with_nvcc(compilations: dict[str, Compilation], arch: str) -> None:
-    returncode, output = compilations[f"sm_{arch}"].wait()
+    returncode, output = compilations[f"kernels_sm_{arch}"].wait()
     assert returncode == 0, f"nvcc failed for sm_{arch}:\n{output[-6000:]}"
     frames = stack_frames(output)
     attention_kernels = [name for name in frames if "paged_attention_kernel" in name]
@@ -136,6 +139,17 @@ def test_kernels_compile_with_nvcc(compilations: dict[str, Compilation], arch: s
     assert any("write_kv_cache_kernel" in name for name in frames)
     too_large = {name: size for name, size in frames.items() if size > MAX_STACK_FRAME_BYTES}
     assert not too_large, f"kernels with local-memory stack frames on sm_{arch}: {too_large}"
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_layer_ops_compile_with_nvcc(compilations: dict[str, Compilation], arch: str) -> None:
+    """Both dtypes of each small kernel, RMSNorm and SiLU-and-mul in 16-byte and 2-byte accesses."""
+    returncode, output = compilations[f"layer_ops_sm_{arch}"].wait()
+    assert returncode == 0, f"nvcc failed for sm_{arch}:\n{output[-6000:]}"
+    frames = stack_frames(output)
+    for kernel, count in (("add_rms_norm_kernel", 4), ("rope_and_write_kv_kernel", 2), ("silu_and_mul_kernel", 4)):
+        assert sum(kernel in name for name in frames) == count, (kernel, sorted(frames))
+    assert all(size == 0 for size in frames.values()), frames
 
 
 def test_torch_binding_compiles(compilations: dict[str, Compilation]) -> None:

@@ -74,11 +74,17 @@ def check_against_torch(device: str, exact_bf16: bool) -> None:
         _assert_close(fused.silu_and_mul(gate_up), F.silu(gate) * up, exact=False)
 
         # other specialisations of the same kernels: a base pointer off 16-byte alignment, then an
-        # aligned one again; a single head (an integer argument of 1, which Triton compiles as a
-        # constant); each against torch
-        for view in (randn(7, 101, dtype=dtype)[:, 1:97], x):
+        # aligned one again, then contiguous rows (16-byte accesses in the CUDA kernels); a single
+        # head (an integer argument of 1, which Triton compiles as a constant); each against torch
+        for view in (randn(7, 101, dtype=dtype)[:, 1:97], x, randn(7, 96, dtype=dtype)):
             out, summed = fused.add_rms_norm(view, weight, 1e-5, residual)
             _assert_close(summed, view + residual, exact)
+            s = summed.float()
+            expected = weight * (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+            torch.testing.assert_close(out.float(), expected.float(), rtol=2**-6, atol=1e-2)
+        gate_up = randn(3, 2 * 1024, dtype=dtype)
+        gate, up = gate_up.chunk(2, dim=-1)
+        _assert_close(fused.silu_and_mul(gate_up), F.silu(gate) * up, exact=False)
         one_head = qk[:, :1]
         _assert_close(fused.rotate_half(one_head, cos, sin),
                       torch.cat((one_head[..., :16] * cos - one_head[..., 16:] * sin,
@@ -90,9 +96,73 @@ def check_against_torch(device: str, exact_bf16: bool) -> None:
         assert fused.silu_and_mul(randn(0, 64, dtype=dtype)).shape == (0, 32)
 
 
+def check_rope_and_write_kv(device: str, exact: bool) -> None:
+    """RoPE with the cache write in one kernel against ``rotate_half`` and the reference cache
+    write: the same query, the same cache (padding rows and every other slot untouched),
+    then the attention layer's packed path with the fused kernel against its two-call path."""
+    from kvserve.kernels import fused_elementwise as fused
+    from kvserve.kernels import reference
+    from kvserve.kernels.attention_metadata import build_attention_metadata
+    from kvserve.kernels.backend import TorchReferenceBackend
+    from kvserve.worker.layers import Attention, RotaryEmbedding
+    from kvserve.worker.layers import attention as attention_module
+    from kvserve.worker.layers import rotary_embedding as rope_module
+
+    generator = torch.Generator().manual_seed(1)
+
+    def randn(*shape, dtype):
+        return torch.randn(*shape, generator=generator).to(dtype=dtype, device=device)
+
+    heads, kv_heads, head_dim, block_size = 6, 2, 32, 4
+    for dtype in (torch.float16, torch.bfloat16):
+        # 5 tokens' packed rows, each a row of a wider tensor; token 2 is a padding row
+        qkv = randn(5, (heads + 2 * kv_heads) * head_dim + 16, dtype=dtype)[:, : (heads + 2 * kv_heads) * head_dim]
+        slots = torch.tensor([3, 7, -1, 12, 0], device=device)
+        rope = RotaryEmbedding(head_dim, 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)).to(device)
+        cos, sin = rope.cos_sin(torch.tensor([0, 5, 9, 255, 1000], device=device), dtype)
+        key_cache, value_cache = randn(2, 4, block_size, kv_heads, head_dim, dtype=dtype).unbind(0)
+        expected_key_cache, expected_value_cache = key_cache.clone(), value_cache.clone()
+
+        query = fused.rope_and_write_kv(qkv, cos, sin, key_cache, value_cache, slots, heads)
+
+        qk = fused.rotate_half(qkv[:, : (heads + kv_heads) * head_dim].view(5, -1, head_dim), cos, sin)
+        value = qkv[:, (heads + kv_heads) * head_dim :].reshape(5, kv_heads, head_dim)
+        real = slots >= 0
+        reference.write_kv_cache(qk[:, heads:][real], value[real], expected_key_cache, expected_value_cache, slots[real])
+        assert query.shape == (5, heads, head_dim) and query.is_contiguous()
+        _assert_close(query, qk[:, :heads], exact)
+        _assert_close(key_cache, expected_key_cache, exact)
+        assert torch.equal(value_cache, expected_value_cache)
+
+        # the attention layer, fused and not, on a batch of a 3-token chunk and two decodes
+        metadata = build_attention_metadata(
+            query_lens=[3, 1, 1], seq_lens=[3, 6, 2], block_tables=[[0], [2, 1], [3]], block_size=block_size,
+            device=device)
+        positions = torch.tensor([0, 1, 2, 5, 1], device=device)
+        layer = Attention(heads, head_dim, head_dim**-0.5, kv_heads, TorchReferenceBackend())
+        outputs = []
+        for fuse in (True, False):
+            # both paths through Triton's RoPE, so that their values are bit for bit the same
+            attention_module.fused_kernels_apply = lambda x, fuse=fuse: fuse
+            rope_module.fused_kernels_apply = lambda x: True
+            rope.clear_cache()
+            caches = tuple(torch.zeros(4, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv")
+            outputs.append((layer.forward_packed(positions, qkv, rope, caches, metadata), *caches))
+        for fused_result, unfused_result in zip(*outputs):
+            _assert_close(fused_result, unfused_result, exact)
+        assert outputs[0][0].shape == (5, heads * head_dim) and outputs[0][1].abs().sum() > 0
+    attention_module.fused_kernels_apply = rope_module.fused_kernels_apply = fused.fused_kernels_apply
+
+    with pytest.raises(ValueError, match="heads"):
+        fused.rope_and_write_kv(qkv[:, :-head_dim], cos, sin, key_cache, value_cache, slots, heads)
+    with pytest.raises(ValueError, match="int64"):
+        fused.rope_and_write_kv(qkv, cos, sin, key_cache, value_cache, slots.int(), heads)
+
+
 def test_kernels_match_torch_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    code = "from tests.kernels.test_fused_elementwise import check_against_torch; check_against_torch('cpu', False)"
+    code = ("from tests.kernels.test_fused_elementwise import check_against_torch, check_rope_and_write_kv; "
+            "check_against_torch('cpu', False); check_rope_and_write_kv('cpu', True)")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
 
@@ -105,13 +175,53 @@ def test_layers_keep_torch_ops_off_cuda_and_in_float32():
         assert not fused_kernels_apply(torch.zeros(2, 4, device="cuda"))
 
 
+@pytest.fixture(params=["cuda", "triton"])
+def implementation(request, monkeypatch) -> str:
+    """The fused functions on the CUDA extension's kernels, or on Triton's."""
+    from kvserve.kernels import fused_elementwise
+
+    extension = None
+    if request.param == "cuda":
+        from kvserve.kernels.cuda_build import load_cuda_extension
+
+        extension = load_cuda_extension()
+    monkeypatch.setattr(fused_elementwise, "cuda_extension", lambda: extension)
+    return request.param
+
+
 @pytest.mark.gpu
-def test_kernels_match_torch_on_cuda():
+def test_kernels_match_torch_on_cuda(implementation):
     check_against_torch("cuda", exact_bf16=True)
+    check_rope_and_write_kv("cuda", exact=False)
 
 
 @pytest.mark.gpu
-def test_fused_layers_match_unfused_layers_on_cuda(monkeypatch):
+def test_extension_kernels_refuse_what_they_do_not_run():
+    from kvserve.kernels.cuda_build import load_cuda_extension
+
+    extension = load_cuda_extension()
+    rows = torch.randn(4, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        extension.add_rms_norm(rows.float(), None, rows[0].float(), 1e-6)
+    with pytest.raises(RuntimeError, match="weight must be"):
+        extension.add_rms_norm(rows, None, rows[0, :32], 1e-6)
+    with pytest.raises(RuntimeError, match="even width"):
+        extension.silu_and_mul(rows[:, :63])
+    cache = torch.zeros(2, 16, 1, 16, device="cuda", dtype=torch.bfloat16)
+    angles = torch.ones(4, 8, device="cuda", dtype=torch.bfloat16)
+    slots = torch.arange(4, device="cuda")
+    with pytest.raises(RuntimeError, match="are not 3 \\+ 2 x 1 heads of 16"):
+        extension.rope_and_write_kv(rows, angles, angles, cache, cache.clone(), slots, 3)
+    with pytest.raises(RuntimeError, match="slot_mapping must be"):
+        extension.rope_and_write_kv(rows, angles, angles, cache, cache.clone(), slots.int(), 2)
+    # no rows: empty results, nothing launched
+    assert extension.silu_and_mul(rows[:0]).shape == (0, 32)
+    out, residual = extension.add_rms_norm(rows[:0], rows[:0], rows[0], 1e-6)
+    assert out.shape == residual.shape == (0, 64)
+
+
+@pytest.mark.gpu
+def test_fused_layers_match_unfused_layers_on_cuda(monkeypatch, implementation):
     """RMSNorm, RoPE and SiLU-and-mul modules give the same bf16 results with the kernels
     as through torch's ops."""
     from kvserve.worker.layers import RMSNorm, RotaryEmbedding, SiluAndMul
@@ -135,3 +245,33 @@ def test_fused_layers_match_unfused_layers_on_cuda(monkeypatch):
     unfused = run()
     for a, b in zip(fused, unfused):
         torch.testing.assert_close(a.float(), b.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_triton_kernels_compile_for_hopper_without_a_gpu():
+    """Each Triton kernel through Triton's whole compiler (to a cubin for sm_90), as on a GPU: the
+    interpreter runs the kernels' Python, not their compilation (types, closures, constexprs)."""
+    compiler = pytest.importorskip("triton.compiler")
+    from triton.backends.compiler import GPUTarget
+
+    from kvserve.kernels import fused_elementwise as fused
+
+    norm, rotate, silu, rope = fused._kernels()
+    pointers = lambda *names: {name: "*bf16" for name in names}  # noqa: E731
+    integers = lambda *names: {name: "i32" for name in names}  # noqa: E731
+    cases = [
+        (norm, {**pointers("x_ptr", "residual_ptr", "weight_ptr", "out_ptr", "residual_out_ptr"),
+                **integers("x_stride", "residual_stride", "out_stride", "hidden"), "eps": "fp32"},
+         {"HAS_RESIDUAL": True, "BLOCK": 4096}),
+        (rotate, {**pointers("x_ptr", "cos_ptr", "sin_ptr", "out_ptr"),
+                  **integers("x_token_stride", "x_head_stride", "cos_stride", "num_heads")},
+         {"HALF": 64, "BLOCK": 64}),
+        (silu, {**pointers("x_ptr", "out_ptr"), **integers("x_stride", "d")}, {"BLOCK": 1024}),
+        (rope, {**pointers("qkv_ptr", "cos_ptr", "sin_ptr", "query_ptr", "key_cache_ptr", "value_cache_ptr"),
+                "slot_ptr": "*i64", **integers("qkv_stride", "cos_stride", "num_heads", "num_kv_heads")},
+         {"HALF": 64, "BLOCK": 64}),
+    ]
+    for kernel, signature, constexprs in cases:
+        signature = {**signature, **{name: "constexpr" for name in constexprs}}
+        compiled = compiler.compile(compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+                                    target=GPUTarget("cuda", 90, 32))
+        assert compiled.asm["cubin"], kernel

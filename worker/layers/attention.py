@@ -6,6 +6,8 @@ import torch
 from torch import nn
 
 from kvserve.kernels import AttentionBackend, AttentionMetadata
+from kvserve.kernels.fused_elementwise import fused_kernels_apply, rope_and_write_kv
+from kvserve.worker.layers.rotary_embedding import RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -44,18 +46,60 @@ class Attention(nn.Module):
         """``query [n, num_heads * head_dim]`` (or ``[n, num_heads, head_dim]``), ``key``
         and ``value`` likewise with ``num_kv_heads``; returns ``[n, num_heads * head_dim]``.
         """
+        self._check_cache(kv_cache)
+        num_tokens = query.shape[0]
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv_cache(key, value, *kv_cache, attn_metadata.slot_mapping)
+        return self._attend(query, kv_cache, attn_metadata)
+
+    def forward_packed(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        rotary_emb: RotaryEmbedding,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Attention of a fused projection's rows ``qkv [n, (num_heads + 2 * num_kv_heads) *
+        head_dim]`` (q heads, then k, then v): q and k rotated by ``positions``, k and v into
+        the cache, then as :meth:`forward`.
+
+        Where the fused kernels run (half precision on CUDA), the rotation and the cache
+        write are one kernel (``rope_and_write_kv``); elsewhere q and k (adjacent in ``qkv``)
+        are rotated in one call and the backend writes the cache.  Both give the same values.
+        """
+        self._check_cache(kv_cache)
         key_cache, value_cache = kv_cache
+        num_tokens = qkv.shape[0]
+        qk_size = (self.num_heads + self.num_kv_heads) * self.head_dim
+        if (
+            fused_kernels_apply(qkv)
+            and key_cache.dtype == value_cache.dtype == qkv.dtype
+            and key_cache.is_contiguous()
+            and value_cache.is_contiguous()
+        ):
+            cos, sin = rotary_emb.cos_sin(positions, qkv.dtype)
+            query = rope_and_write_kv(qkv, cos, sin, key_cache, value_cache, attn_metadata.slot_mapping, self.num_heads)
+            return self._attend(query, kv_cache, attn_metadata)
+        qk = rotary_emb.rotate(positions, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
+        value = qkv[:, qk_size:]
+        return self.forward(qk[:, : self.num_heads], qk[:, self.num_heads :], value, kv_cache, attn_metadata)
+
+    def _check_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
+        key_cache = kv_cache[0]
         if key_cache.dim() != 4 or tuple(key_cache.shape[2:]) != (self.num_kv_heads, self.head_dim):
             raise ValueError(
                 f"KV cache of shape {tuple(key_cache.shape)} does not hold {self.num_kv_heads} "
                 f"KV heads of {self.head_dim}"
             )
+
+    def _attend(
+        self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = query.shape[0]
         query = query.view(num_tokens, self.num_heads, self.head_dim)
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
-        output = self.backend.paged_attention(query, key_cache, value_cache, attn_metadata, self.scale)
+        output = self.backend.paged_attention(query, *kv_cache, attn_metadata, self.scale)
         return output.view(num_tokens, self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kvserve.kernels.fused_elementwise import fused_kernels_apply, rotate_half
+from kvserve.kernels.fused_elementwise import fused_kernels_apply, rotate_half, triton_available
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -113,7 +113,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x [n, heads, head_dim]`` rotated by ``positions [n]``, as a new contiguous tensor."""
         cos, sin = self.cos_sin(positions, x.dtype)
-        if fused_kernels_apply(x):
+        if fused_kernels_apply(x) and triton_available():  # rotate_half is Triton's only
             return rotate_half(x, cos, sin)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]

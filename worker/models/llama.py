@@ -98,17 +98,13 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
-        v = qkv[:, self.q_size + self.kv_size :]
         if type(self).normalize_qk is LlamaAttention.normalize_qk:
-            # q and k heads are adjacent in qkv: one rotation for both.
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)
-            qk = self.rotary_emb.rotate(positions, qk)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        else:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(num_tokens, self.num_heads, self.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-            q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
+            # No hook between the projection and RoPE: the attention layer takes the packed rows.
+            return self.o_proj(self.attn.forward_packed(positions, qkv, self.rotary_emb, kv_cache, attn_metadata))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, *self.normalize_qk(q, k))
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
 
 
