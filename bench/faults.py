@@ -86,7 +86,13 @@ async def scenario_kill(stub, prompts: list[list[int]], max_tokens: int) -> Scen
     tasks = [asyncio.create_task(one_stream(stub, p, max_tokens, started=e)) for p, e in zip(prompts, started)]
     while sum(e.is_set() for e in started) < len(prompts) // 3:
         await asyncio.sleep(0.01)
-    stats = (await stub.GetStats(generate_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S)).replicas
+    # The kill lands while replica 1 runs streams (so that some have somewhere to move), unless
+    # every stream ends first: on a loaded machine a third may start before it got any.
+    while True:
+        stats = (await stub.GetStats(generate_pb2.GetStatsRequest(), timeout=RPC_TIMEOUT_S)).replicas
+        if any(s.replica == 1 and s.num_running for s in stats) or all(task.done() for task in tasks):
+            break
+        await asyncio.sleep(0.01)
     print(f"  killing replica 1 rank 0 while replicas run {[s.num_running for s in stats]} requests", flush=True)
     kill_worker(1, 0)
     killed_at = time.monotonic()

@@ -25,9 +25,11 @@ from kvserve.worker.tiny_model import create_tiny_model
 
 @pytest.mark.slow
 def test_a_killed_worker_loses_no_stream_and_cancels_leave_no_block() -> None:
-    # Its own process: the benchmark starts (and stops) a Ray instance of its own.
+    # Its own process: the benchmark starts (and stops) a Ray instance of its own.  Streams of 32
+    # tokens: with 8, on a loaded machine (the suite on two workers) the killed replica's streams
+    # could all end before the kill landed, leaving none to move.
     result = subprocess.run(
-        [sys.executable, "-m", "kvserve.bench.faults", "--streams", "9", "--max-tokens", "8", "--scenarios", "ac"],
+        [sys.executable, "-m", "kvserve.bench.faults", "--streams", "9", "--max-tokens", "32", "--scenarios", "ac"],
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -35,7 +37,7 @@ def test_a_killed_worker_loses_no_stream_and_cancels_leave_no_block() -> None:
             for line in result.stdout.splitlines() if line.startswith("|") and ". " in line}
     sent, correct, moved, ended, blocks, recovery = rows["a. kill a worker rank"][:6]
     assert (sent, correct, ended, blocks) == ("9", "9", "OK 9", "0")
-    assert int(moved) >= 1 and float(recovery) < 60
+    assert int(moved) >= 1 and float(recovery) < 60, result.stdout[-3000:]
     sent, correct, _, ended, blocks = rows["c. cancels and deadlines"][:5]
     assert blocks == "0" and int(correct) == sum(int(part.split()[1]) for part in ended.split(", ") if part.startswith("OK"))
 
