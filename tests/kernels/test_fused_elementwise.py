@@ -141,17 +141,21 @@ def check_rope_and_write_kv(device: str, exact: bool) -> None:
         positions = torch.tensor([0, 1, 2, 5, 1], device=device)
         layer = Attention(heads, head_dim, head_dim**-0.5, kv_heads, TorchReferenceBackend())
         outputs = []
-        for fuse in (True, False):
-            # both paths through Triton's RoPE, so that their values are bit for bit the same
-            attention_module.fused_kernels_apply = lambda x, fuse=fuse: fuse
-            rope_module.fused_kernels_apply = lambda x: True
-            rope.clear_cache()
-            caches = tuple(torch.zeros(4, block_size, kv_heads, head_dim, dtype=dtype, device=device) for _ in "kv")
-            outputs.append((layer.forward_packed(positions, qkv, rope, caches, metadata), *caches))
+        try:
+            for fuse in (True, False):
+                # the two-call path's RoPE through Triton too (on CPU the fused path is Triton's):
+                # bit for bit the same values under the interpreter
+                attention_module.fused_kernels_apply = lambda x, fuse=fuse: fuse
+                rope_module.fused_kernels_apply = lambda x: True
+                rope.clear_cache()
+                caches = tuple(torch.zeros(4, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+                               for _ in "kv")
+                outputs.append((layer.forward_packed(positions, qkv, rope, caches, metadata), *caches))
+        finally:
+            attention_module.fused_kernels_apply = rope_module.fused_kernels_apply = fused.fused_kernels_apply
         for fused_result, unfused_result in zip(*outputs):
             _assert_close(fused_result, unfused_result, exact)
         assert outputs[0][0].shape == (5, heads * head_dim) and outputs[0][1].abs().sum() > 0
-    attention_module.fused_kernels_apply = rope_module.fused_kernels_apply = fused.fused_kernels_apply
 
     with pytest.raises(ValueError, match="heads"):
         fused.rope_and_write_kv(qkv[:, :-head_dim], cos, sin, key_cache, value_cache, slots, heads)
