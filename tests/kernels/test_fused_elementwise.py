@@ -128,7 +128,8 @@ def check_rope_and_write_kv(device: str, exact: bool) -> None:
         qk = fused.rotate_half(qkv[:, : (heads + kv_heads) * head_dim].view(5, -1, head_dim), cos, sin)
         value = qkv[:, (heads + kv_heads) * head_dim :].reshape(5, kv_heads, head_dim)
         real = slots >= 0
-        reference.write_kv_cache(qk[:, heads:][real], value[real], expected_key_cache, expected_value_cache, slots[real])
+        reference.write_kv_cache(
+            qk[:, heads:][real], value[real], expected_key_cache, expected_value_cache, slots[real])
         assert query.shape == (5, heads, head_dim) and query.is_contiguous()
         _assert_close(query, qk[:, :heads], exact)
         _assert_close(key_cache, expected_key_cache, exact)
