@@ -78,8 +78,10 @@ __device__ __forceinline__ float block_sum(float value) {
   return value;
 }
 
-// One CTA per row.  The summed row is written to residual_out in the first pass and read back
-// by the same thread in the second (each thread handles the same packs in both).
+// One CTA per row.  The summed row is written to residual_out in the first pass; the second
+// pass reuses each thread's first pack from registers (a thread's only one while the row has
+// at most one pack per thread: hidden <= 8192 with 16-byte packs) and reads any others back
+// (each thread handles the same packs in both passes).
 template <typename T, int kVec>
 __global__ void add_rms_norm_kernel(const RmsNormParams p) {
   const int64_t row = blockIdx.x;
@@ -87,6 +89,7 @@ __global__ void add_rms_norm_kernel(const RmsNormParams p) {
   const T* x = static_cast<const T*>(p.x) + row * p.x_stride;
   const T* residual = p.residual != nullptr ? static_cast<const T*>(p.residual) + row * p.residual_stride : nullptr;
   T* residual_out = p.residual != nullptr ? static_cast<T*>(p.residual_out) + row * p.hidden : nullptr;
+  Pack<T, kVec> first{};
   float sum_sq = 0.f;
   for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
     Pack<T, kVec> summed = load_pack<T, kVec>(x, i);
@@ -96,6 +99,7 @@ __global__ void add_rms_norm_kernel(const RmsNormParams p) {
       for (int j = 0; j < kVec; ++j) summed.v[j] = from_float<T>(to_float(summed.v[j]) + to_float(r.v[j]));
       store_pack<T, kVec>(residual_out, i, summed);
     }
+    if (i == static_cast<int>(threadIdx.x)) first = summed;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const float value = to_float(summed.v[j]);
@@ -107,7 +111,7 @@ __global__ void add_rms_norm_kernel(const RmsNormParams p) {
   const T* weight = static_cast<const T*>(p.weight);
   T* out = static_cast<T*>(p.out) + row * p.hidden;
   for (int i = threadIdx.x; i < num_packs; i += blockDim.x) {
-    const Pack<T, kVec> summed = load_pack<T, kVec>(summed_row, i);
+    const Pack<T, kVec> summed = i == static_cast<int>(threadIdx.x) ? first : load_pack<T, kVec>(summed_row, i);
     const Pack<T, kVec> w = load_pack<T, kVec>(weight, i);
     Pack<T, kVec> result;
 #pragma unroll
