@@ -70,11 +70,11 @@ def cuda_extension() -> ModuleType | None:
     the one this process has loaded, unless ``KVSERVE_FUSED_KERNELS`` says otherwise.  It is
     never built here."""
     global _extension
-    if _extension is None and _mode() == "1":
+    if _extension is None and _mode() == "1":  # found once, then kept (set only in mode 1)
         from kvserve.kernels.cuda_build import loaded_cuda_extension
 
         _extension = loaded_cuda_extension()
-    return _extension if _mode() == "1" else None
+    return _extension
 
 
 def fused_kernels_apply(x: torch.Tensor) -> bool:
@@ -83,13 +83,11 @@ def fused_kernels_apply(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in _HALF and (triton_available() or cuda_extension() is not None)
 
 
-@functools.cache
-def _kernels():
-    """The Triton kernels, imported on first use (see :mod:`kvserve.kernels.triton_elementwise`)."""
-    from kvserve.kernels import triton_elementwise as kernels
+def _triton() -> ModuleType:
+    """The Triton kernels' module, imported on first use (see :mod:`kvserve.kernels.triton_elementwise`)."""
+    from kvserve.kernels import triton_elementwise
 
-    return (kernels.add_rms_norm_kernel, kernels.rotate_half_kernel, kernels.silu_and_mul_kernel,
-            kernels.rope_and_write_kv_kernel)
+    return triton_elementwise
 
 
 def _next_power_of_2(n: int) -> int:
@@ -111,8 +109,7 @@ def add_rms_norm(
     out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
     residual_out = torch.empty_like(out) if residual is not None else None
     if n:
-        kernel = _kernels()[0]
-        kernel[(n,)](
+        _triton().add_rms_norm_kernel[(n,)](
             x, residual if residual is not None else x, weight, out,
             residual_out if residual_out is not None else out,
             x.stride(0), residual.stride(0) if residual is not None else 0, hidden, hidden, eps,
@@ -132,7 +129,7 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
         raise ValueError("rotate_half needs unit stride within each head and like cos/sin")
     out = torch.empty((n, heads, head_dim), dtype=x.dtype, device=x.device)
     if n:
-        _kernels()[1][(n, heads)](
+        _triton().rotate_half_kernel[(n, heads)](
             x, cos, sin, out, x.stride(0), x.stride(1), cos.stride(0), heads,
             HALF=half, BLOCK=_next_power_of_2(half),
         )
@@ -176,7 +173,7 @@ def rope_and_write_kv(
         raise ValueError("rope_and_write_kv needs rows with unit stride and like cos/sin")
     query = torch.empty((n, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if n:
-        _kernels()[3][(n, num_heads + num_kv_heads)](
+        _triton().rope_and_write_kv_kernel[(n, num_heads + num_kv_heads)](
             qkv, cos, sin, slot_mapping, query, key_cache, value_cache, qkv.stride(0), cos.stride(0),
             num_heads, num_kv_heads, HALF=half, BLOCK=_next_power_of_2(half),
         )
@@ -195,5 +192,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((n, d), dtype=x.dtype, device=x.device)
     block = min(1024, _next_power_of_2(d))
     if n:
-        _kernels()[2][(n, -(-d // block))](x, out, x.stride(0), d, BLOCK=block)
+        _triton().silu_and_mul_kernel[(n, -(-d // block))](x, out, x.stride(0), d, BLOCK=block)
     return out

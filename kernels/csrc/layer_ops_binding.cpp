@@ -44,8 +44,8 @@ void check_like(const at::Tensor& tensor, const at::Tensor& like, const char* na
 void check_rows(const at::Tensor& tensor, const char* name) {
   require(tensor.dim() == 2, name, " must be [rows, width], got ", tensor.sizes());
   require(tensor.is_cuda(), name, " must be on a CUDA device, got ", tensor.device());
-  require(tensor.stride(-1) == 1 || tensor.size(1) <= 1, name,
-          " must be contiguous in its last dimension, got strides ", tensor.strides());
+  require(tensor.stride(-1) == 1, name, " must be contiguous in its last dimension, got strides ",
+          tensor.strides());
   require(tensor.size(0) <= std::numeric_limits<int32_t>::max() &&
               tensor.size(1) <= std::numeric_limits<int32_t>::max(),
           name, " is too large: ", tensor.sizes());

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -141,8 +142,10 @@ def check_rope_and_write_kv(device: str, exact: bool) -> None:
             device=device)
         positions = torch.tensor([0, 1, 2, 5, 1], device=device)
         layer = Attention(heads, head_dim, head_dim**-0.5, kv_heads, TorchReferenceBackend())
-        outputs = []
+        outputs, fused_calls = [], []
         try:
+            # the layer's one-kernel path, seen to run
+            attention_module.rope_and_write_kv = lambda *args: fused_calls.append(1) or fused.rope_and_write_kv(*args)
             for fuse in (True, False):
                 # the two-call path's RoPE through Triton too (on CPU the fused path is Triton's):
                 # bit for bit the same values under the interpreter
@@ -152,8 +155,10 @@ def check_rope_and_write_kv(device: str, exact: bool) -> None:
                 caches = tuple(torch.zeros(4, block_size, kv_heads, head_dim, dtype=dtype, device=device)
                                for _ in "kv")
                 outputs.append((layer.forward_packed(positions, qkv, rope, caches, metadata), *caches))
+                assert len(fused_calls) == 1, fuse  # once with fuse, not again without
         finally:
             attention_module.fused_kernels_apply = rope_module.fused_kernels_apply = fused.fused_kernels_apply
+            attention_module.rope_and_write_kv = fused.rope_and_write_kv
         for fused_result, unfused_result in zip(*outputs):
             _assert_close(fused_result, unfused_result, exact)
         assert outputs[0][0].shape == (5, heads * head_dim) and outputs[0][1].abs().sum() > 0
@@ -180,24 +185,42 @@ def test_layers_keep_torch_ops_off_cuda_and_in_float32():
         assert not fused_kernels_apply(torch.zeros(2, 4, device="cuda"))
 
 
+class CountingExtension:
+    """The CUDA extension, counting the calls of each of its functions."""
+
+    def __init__(self, extension) -> None:
+        self._extension, self.calls = extension, Counter()
+
+    def __getattr__(self, name: str):
+        function = getattr(self._extension, name)
+
+        def counted(*args):
+            self.calls[name] += 1
+            return function(*args)
+
+        return counted
+
+
 @pytest.fixture(params=["cuda", "triton"])
-def implementation(request, monkeypatch) -> str:
-    """The fused functions on the CUDA extension's kernels, or on Triton's."""
+def implementation(request, monkeypatch) -> CountingExtension | None:
+    """The fused functions on the CUDA extension's kernels (counted), or on Triton's (``None``)."""
     from kvserve.kernels import fused_elementwise
 
     extension = None
     if request.param == "cuda":
         from kvserve.kernels.cuda_build import load_cuda_extension
 
-        extension = load_cuda_extension()
+        extension = CountingExtension(load_cuda_extension())
     monkeypatch.setattr(fused_elementwise, "cuda_extension", lambda: extension)
-    return request.param
+    return extension
 
 
 @pytest.mark.gpu
 def test_kernels_match_torch_on_cuda(implementation):
     check_against_torch("cuda", exact_bf16=True)
     check_rope_and_write_kv("cuda", exact=False)
+    if implementation is not None:
+        assert set(implementation.calls) == {"add_rms_norm", "rope_and_write_kv", "silu_and_mul"}
 
 
 @pytest.mark.gpu
@@ -245,6 +268,8 @@ def test_fused_layers_match_unfused_layers_on_cuda(monkeypatch, implementation):
         return (*norm(x, residual), norm(x), rope.rotate(positions, heads), act(x))
 
     fused = run()
+    if implementation is not None:
+        assert set(implementation.calls) == {"add_rms_norm", "silu_and_mul"}  # RoPE alone is Triton's only
     for module in ("layernorm", "rotary_embedding", "activation"):
         monkeypatch.setattr(f"kvserve.worker.layers.{module}.fused_kernels_apply", lambda tensor: False)
     unfused = run()
@@ -260,7 +285,9 @@ def test_triton_kernels_compile_for_hopper_without_a_gpu():
 
     from kvserve.kernels import fused_elementwise as fused
 
-    norm, rotate, silu, rope = fused._kernels()
+    kernels = fused._triton()
+    norm, rotate, silu, rope = (kernels.add_rms_norm_kernel, kernels.rotate_half_kernel, kernels.silu_and_mul_kernel,
+                                kernels.rope_and_write_kv_kernel)
     pointers = lambda *names: {name: "*bf16" for name in names}  # noqa: E731
     integers = lambda *names: {name: "i32" for name in names}  # noqa: E731
     cases = [

@@ -47,11 +47,7 @@ class Attention(nn.Module):
         and ``value`` likewise with ``num_kv_heads``; returns ``[n, num_heads * head_dim]``.
         """
         self._check_cache(kv_cache)
-        num_tokens = query.shape[0]
-        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
-        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
-        self.backend.write_kv_cache(key, value, *kv_cache, attn_metadata.slot_mapping)
-        return self._attend(query, kv_cache, attn_metadata)
+        return self._write_and_attend(query, key, value, kv_cache, attn_metadata)
 
     def forward_packed(
         self,
@@ -83,8 +79,8 @@ class Attention(nn.Module):
             query = rope_and_write_kv(qkv, cos, sin, key_cache, value_cache, attn_metadata.slot_mapping, self.num_heads)
             return self._attend(query, kv_cache, attn_metadata)
         qk = rotary_emb.rotate(positions, qkv[:, :qk_size].view(num_tokens, -1, self.head_dim))
-        value = qkv[:, qk_size:]
-        return self.forward(qk[:, : self.num_heads], qk[:, self.num_heads :], value, kv_cache, attn_metadata)
+        return self._write_and_attend(
+            qk[:, : self.num_heads], qk[:, self.num_heads :], qkv[:, qk_size:], kv_cache, attn_metadata)
 
     def _check_cache(self, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> None:
         key_cache = kv_cache[0]
@@ -93,6 +89,20 @@ class Attention(nn.Module):
                 f"KV cache of shape {tuple(key_cache.shape)} does not hold {self.num_kv_heads} "
                 f"KV heads of {self.head_dim}"
             )
+
+    def _write_and_attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        key = key.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_dim)
+        self.backend.write_kv_cache(key, value, *kv_cache, attn_metadata.slot_mapping)
+        return self._attend(query, kv_cache, attn_metadata)
 
     def _attend(
         self, query: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn_metadata: AttentionMetadata
