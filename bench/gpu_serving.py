@@ -129,7 +129,7 @@ def run_step_protocol(llm_config, model_config, num_kv_blocks: int, workload: Wo
     from kvserve.bench.grpc_replica import StepProtocolReplica, worker_server
     from kvserve.bench.worker_timeline import read_records, timed_worker
     from kvserve.cluster.replica_client import STEPS_AHEAD
-    from kvserve.worker.worker import WorkerConfig
+    from kvserve.worker.worker_config import WorkerConfig
 
     worker_config = dataclasses.replace(WorkerConfig.for_engine(llm_config, model_config.max_model_len),
                                         num_blocks=num_kv_blocks)

@@ -23,11 +23,11 @@ from kvserve.scheduler.engine_config import EngineConfig, ParallelConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, make_policy, policy_factory, policy_parameters
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig, SimulationConfig
+from kvserve.worker.worker_config import WorkerConfig
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.cluster.tls import TlsFiles
-    from kvserve.worker.worker import WorkerConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 # NOTE: generous: a GPU replica's first steps may compile kernels, and one step may prefill
@@ -264,10 +264,6 @@ class ClusterConfig:
                 num_blocks=self.engine.cache.num_blocks,  # type: ignore[arg-type]  # required with simulation
                 tp_size=self.engine.parallel.tensor_parallel_size,
             )
-        # NOTE: imported here: the worker module pulls in torch, which the
-        # front end and `kvserve --help` do not need.
-        from kvserve.worker.worker import WorkerConfig
-
         return WorkerConfig.for_engine(self.engine, max_model_len)
 
 

@@ -21,7 +21,6 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import ray
 from ray.actor import ActorHandle
@@ -40,11 +39,7 @@ from kvserve.cluster.worker_actor import (
 )
 from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig
-
-if TYPE_CHECKING:
-    # NOTE: for annotations only: kvserve.worker.worker imports torch, which
-    # the scheduler actor of a simulated cluster never needs.
-    from kvserve.worker.worker import WorkerConfig
+from kvserve.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -17,15 +17,12 @@ import asyncio
 import logging
 import socket
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import ray.util
 
 from kvserve.cluster.step_servicer import StepRunner, StepServer, join_host_port, start_step_server
 from kvserve.scheduler.simulation.simulated_worker import SimulatedWorker, SimulatedWorkerConfig
-
-if TYPE_CHECKING:
-    from kvserve.worker.worker import WorkerConfig
+from kvserve.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

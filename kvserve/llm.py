@@ -23,7 +23,7 @@ from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.chat_template import conversation_of, render_conversation, template_of
 from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tokenizer import load_tokenizer
-from kvserve.worker.worker import WorkerConfig
+from kvserve.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

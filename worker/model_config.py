@@ -7,8 +7,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig
-
 
 def _as_ids(value: object) -> tuple[int, ...]:
     if value is None:
@@ -56,6 +54,10 @@ class ModelConfig:
         path = Path(model_dir)
         if not (path / "config.json").is_file():
             raise ValueError(f"{model_dir} is not a model directory: config.json is missing")
+        # NOTE: imported here, not at the top: transformers brings torch (2.3 s, hundreds of MB),
+        # and the scheduler actor, which receives a ModelConfig and never reads a directory, needs neither.
+        from transformers import AutoConfig
+
         try:
             hf = AutoConfig.from_pretrained(path)
         except Exception as exc:  # noqa: BLE001 - transformers' own errors: OSError, its validation errors

@@ -32,7 +32,8 @@ from multiprocessing.connection import Connection
 
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
-from kvserve.worker.worker import Worker, WorkerConfig
+from kvserve.worker.worker import Worker
+from kvserve.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,8 @@ import torch
 
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
-from kvserve.worker.worker import LaunchedStep, Worker, WorkerConfig
+from kvserve.worker.worker import LaunchedStep, Worker
+from kvserve.worker.worker_config import WorkerConfig
 
 
 class UniprocExecutor:

@@ -143,7 +143,7 @@ def test_serve_help_names_the_worker_resource_of_cpu_nodes(capsys):
 
 def test_serve_help_gives_the_cpu_kv_cache_budget_the_worker_uses(capsys):
     # It said "as many as fit": on CPU the cache is a fixed budget.
-    from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES
+    from kvserve.worker.worker_config import DEFAULT_CPU_KV_CACHE_BYTES
 
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
@@ -837,7 +837,7 @@ def test_serve_help_spells_out_the_defaults_of_modules_it_does_not_import() -> N
     from kvserve.cluster import cli_serve, cli_serve_engine
     from kvserve.cluster.config import DEFAULT_MAX_MESSAGE_BYTES
     from kvserve.cluster.worker_actor import WORKER_CPU_RESOURCE
-    from kvserve.worker.worker import DEFAULT_CPU_KV_CACHE_BYTES
+    from kvserve.worker.worker_config import DEFAULT_CPU_KV_CACHE_BYTES
 
     assert cli_serve._MAX_MESSAGE_BYTES == DEFAULT_MAX_MESSAGE_BYTES
     assert cli_serve._WORKER_CPU_RESOURCE == WORKER_CPU_RESOURCE

@@ -7,6 +7,7 @@ the tests that kill a worker and shut the cluster down run last.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -337,6 +338,20 @@ def test_the_clusters_actors_leave_no_record_of_their_calls_in_rays_gcs(served: 
     events = ray_state._get_all_task_events()
     assert events  # the driver's own calls are recorded: the query itself works
     assert [e.task_info.name for e in events if e.task_info.actor_id in ids] == []
+
+
+def test_the_scheduler_actor_serves_without_torch_or_transformers_which_its_workers_load(served: Served):
+    """The scheduler actor plans steps and builds its workers' configs; with torch and transformers
+    loaded it took 2.3 s longer to start and held 328 MB instead of 120 (one CPU replica, session 48)."""
+    params = generate_pb2.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    assert sum(len(m.token_ids) for m in collect(served.stub.Generate(request("light", params)))) == 2
+
+    def loaded(actor) -> list[str]:
+        return ray.get(actor.__ray_call__.remote(lambda _: sorted({"torch", "transformers"} & set(sys.modules))))
+
+    assert loaded(served.handle.scheduler) == []
+    worker = ray.get_actor(worker_actor_name(0, 0), namespace=RAY_NAMESPACE)
+    assert loaded(worker) == ["torch", "transformers"]  # the check itself can see them
 
 
 def test_a_stream_interval_sends_the_tokens_of_several_steps_per_message(served: Served):

@@ -22,7 +22,7 @@ from kvserve.scheduler.executor import ReplicaFailedError
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.scheduler import Scheduler
 from kvserve.worker.tiny_model import create_tiny_model
-from kvserve.worker.worker import WorkerConfig
+from kvserve.worker.worker_config import WorkerConfig
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64

@@ -17,7 +17,7 @@ import pytest
 from kvserve import LLM, SamplingParams
 from kvserve.bench.grpc_replica import StepProtocolReplica, worker_server
 from kvserve.worker.tiny_model import create_tiny_model
-from kvserve.worker.worker import WorkerConfig
+from kvserve.worker.worker_config import WorkerConfig
 from tests.engine.test_llm_parity import random_prompts
 
 

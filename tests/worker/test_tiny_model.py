@@ -288,7 +288,8 @@ def test_a_worker_actor_on_another_node_creates_the_default_model_the_front_end_
     import ray.util
 
     from kvserve.cluster.worker_actor import WorkerActor
-    from kvserve.worker.worker import Worker, WorkerConfig
+    from kvserve.worker.worker import Worker
+    from kvserve.worker.worker_config import WorkerConfig
 
     monkeypatch.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")

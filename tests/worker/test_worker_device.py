@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.worker.worker import WorkerConfig, resolve_device
+from kvserve.worker.worker import resolve_device
+from kvserve.worker.worker_config import WorkerConfig
 
 
 def with_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
