@@ -19,20 +19,30 @@ its launch and the previous step's end; tokens are the simulator's synthetic one
 * over the step protocol (real gRPC to a spawned worker process, the cluster's
   ``GrpcReplicaExecutor`` and ``StepWorkerServicer``), one step ahead and two.
 
-It prints output tokens/s, each against in process, and the floor
-max(host, device) per step.  Outputs must be equal token for token in every mode.
+It prints output tokens/s, each against in process, and the floor: the larger of the
+steps' host times summed and their device times summed (each runs one step after another).  Outputs must be equal token for token in every mode.
+
+``--workload mixed`` is ``bench.gpu_serving``'s mixed workload instead (prompts of 128-1,024
+tokens, chunked in steps of 2,048 tokens): its steps with prompt tokens run eagerly on a GPU,
+with a host time of their own (a case's third number) and a device time that grows with
+their tokens (its fourth, us per token).  Session 45 measured the 1B shape's mixed workload
+over the step protocol at 0.78-0.80x in process on an H200, where the decode-only emulation
+gave 1.02x; this asks whether the eager prefill steps explain it.
 
     python -m kvserve.bench.step_pipeline [--requests 64] [--output-tokens 256]
-        [--cases 1.6:1.3,0.5:2.0,2.0:1.0] [--repeat 3]
+        [--workload decode|mixed] [--cases 1.6:1.3,0.5:2.0,2.0:1.0] [--repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import random
 import statistics
 import time
+from dataclasses import dataclass
 
 from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.emulated_gpu_worker import VOCAB_SIZE, EmulatedGpu, EmulatedGpuWorker
@@ -49,16 +59,46 @@ BLOCK_SIZE = 16
 PROMPT_TOKENS = 128
 
 
-def _requests(num_requests: int, output_tokens: int, run: int) -> list[Request]:
-    params = SamplingParams(max_tokens=output_tokens, ignore_eos=True, temperature=0.0)
+# The mixed workload's prompt lengths (bench.serving_workloads) and its step budget (the engine's default).
+MIXED_PROMPT_TOKENS = (128, 1024)
+MIXED_STEP_TOKENS = 2048
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Prompt lengths, tokens to generate per request, and the step's token budget."""
+
+    prompt_lens: tuple[int, ...]
+    output_tokens: int
+    step_tokens: int
+
+    @classmethod
+    def decode(cls, num_requests: int, output_tokens: int) -> Workload:
+        """Prompts of ``PROMPT_TOKENS``, all prefilled in the first step."""
+        return cls((PROMPT_TOKENS,) * num_requests, output_tokens, max(8192, num_requests * PROMPT_TOKENS))
+
+    @classmethod
+    def mixed(cls, num_requests: int, output_tokens: int, seed: int = 0) -> Workload:
+        rng = random.Random(seed)
+        return cls(tuple(rng.randint(*MIXED_PROMPT_TOKENS) for _ in range(num_requests)), output_tokens,
+                   MIXED_STEP_TOKENS)
+
+    @property
+    def num_blocks(self) -> int:
+        """Room for every request at once, twice over (the prefix cache's blocks stay)."""
+        return 1 + 2 * sum(-(-(n + self.output_tokens) // BLOCK_SIZE) for n in self.prompt_lens)
+
+
+def _requests(workload: Workload, run: int) -> list[Request]:
+    params = SamplingParams(max_tokens=workload.output_tokens, ignore_eos=True, temperature=0.0)
     # Distinct prompts per run: no run hits the prefix cache filled by another.
-    return [Request(f"run{run}-req{i}", [(7 * i + j + 1000 * run) % VOCAB_SIZE for j in range(PROMPT_TOKENS)], params)
-            for i in range(num_requests)]
+    return [Request(f"run{run}-req{i}", [(7 * i + j + 1000 * run) % VOCAB_SIZE for j in range(n)], params)
+            for i, n in enumerate(workload.prompt_lens)]
 
 
-def _scheduler(num_requests: int, num_blocks: int) -> Scheduler:
+def _scheduler(workload: Workload, num_blocks: int) -> Scheduler:
     return Scheduler(
-        SchedulerConfig(max_num_batched_tokens=max(8192, num_requests * PROMPT_TOKENS), max_num_seqs=num_requests,
+        SchedulerConfig(max_num_batched_tokens=workload.step_tokens, max_num_seqs=len(workload.prompt_lens),
                         max_model_len=4096),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
     )
@@ -68,27 +108,39 @@ def _outputs(requests: list[Request]) -> list[list[int]]:
     return [list(r.output_token_ids) for r in requests]
 
 
-def run_in_process(gpu: EmulatedGpu, num_requests: int, output_tokens: int, run: int) -> tuple[float, list]:
-    """Seconds for the workload with ``EngineCore`` and the worker in this process, and its outputs."""
-    engine = EngineCore(_scheduler(num_requests, gpu.num_blocks), EmulatedGpuWorker(gpu), async_scheduling=True,
-                        steps_ahead=1)
-    requests = _requests(num_requests, output_tokens, run)
+@dataclass(frozen=True, slots=True)
+class InProcessRun:
+    """The in-process run: its seconds, outputs, steps, and floor (its host or its device milliseconds
+    summed, the larger)."""
+
+    seconds: float
+    outputs: list[list[int]]
+    steps: int
+    floor_s: float
+
+
+def run_in_process(gpu: EmulatedGpu, workload: Workload, run: int) -> InProcessRun:
+    """The workload with ``EngineCore`` and the worker in this process."""
+    worker = EmulatedGpuWorker(gpu)
+    engine = EngineCore(_scheduler(workload, gpu.num_blocks), worker, async_scheduling=True, steps_ahead=1)
+    requests = _requests(workload, run)
     for request in requests:
         engine.add_request(request)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         engine.step()
-    return time.perf_counter() - start, _outputs(requests)
+    seconds = time.perf_counter() - start
+    return InProcessRun(seconds, _outputs(requests), worker.num_launched, max(worker.host_ms, worker.device_ms) / 1e3)
 
 
-async def _run_over_grpc(address: str, secret: str, gpu: EmulatedGpu, num_requests: int, output_tokens: int,
-                         steps_ahead: int, run: int) -> tuple[float, list]:
+async def _run_over_grpc(address: str, secret: str, workload: Workload, steps_ahead: int,
+                         run: int) -> tuple[float, list]:
     executor = GrpcReplicaExecutor(0, [address], secret=secret)
     try:
         num_blocks = await executor.initialize_cache()
-        engine = EngineCore(_scheduler(num_requests, num_blocks), executor, async_scheduling=True,
+        engine = EngineCore(_scheduler(workload, num_blocks), executor, async_scheduling=True,
                             steps_ahead=steps_ahead)
-        requests = _requests(num_requests, output_tokens, run)
+        requests = _requests(workload, run)
         for request in requests:
             engine.add_request(request)
         start = time.perf_counter()
@@ -99,38 +151,48 @@ async def _run_over_grpc(address: str, secret: str, gpu: EmulatedGpu, num_reques
         await executor.shutdown()
 
 
-def measure(gpu: EmulatedGpu, num_requests: int, output_tokens: int, repeat: int,
-            steps_ahead_modes: tuple[int, ...]) -> dict[str, float]:
-    """Median seconds per mode ("in process", "gRPC, k ahead"); ``RuntimeError`` if outputs differ."""
+def measure(gpu: EmulatedGpu, workload: Workload, repeat: int,
+            steps_ahead_modes: tuple[int, ...]) -> tuple[dict[str, float], InProcessRun]:
+    """Median seconds per mode ("in process", "gRPC, k ahead"), and the last in-process run;
+    ``RuntimeError`` if outputs differ."""
     seconds: dict[str, list[float]] = {}
     with worker_server(gpu, runner=EmulatedGpuWorker) as (address, secret):
         for run in range(repeat + 1):  # run 0 warms both paths up
-            took, reference = run_in_process(gpu, num_requests, output_tokens, run)
-            timed = {"in process": took}
+            in_process = run_in_process(gpu, workload, run)
+            timed = {"in process": in_process.seconds}
             for k in steps_ahead_modes:
-                took, outputs = asyncio.run(_run_over_grpc(address, secret, gpu, num_requests, output_tokens, k, run))
+                took, outputs = asyncio.run(_run_over_grpc(address, secret, workload, k, run))
                 # The same requests: their tokens depend on (request id, position) alone.
-                if outputs != reference:
+                if outputs != in_process.outputs:
                     raise RuntimeError(f"gRPC, {k} ahead: outputs differ from in process's")
                 timed[f"gRPC, {k} ahead"] = took
             if run:
                 for name, took in timed.items():
                     seconds.setdefault(name, []).append(took)
-    return {name: statistics.median(values) for name, values in seconds.items()}
+    return {name: statistics.median(values) for name, values in seconds.items()}, in_process
 
 
-def _parse_cases(text: str) -> list[tuple[float, float]]:
+def _parse_cases(text: str) -> list[EmulatedGpu]:
+    """``HOST_MS:DEVICE_MS[:PREFILL_HOST_MS:DEVICE_US_PER_TOKEN]`` cases, comma-separated (pools of 0 blocks)."""
     cases = []
     for item in text.split(","):
-        host, sep, device = item.partition(":")
+        parts = item.split(":")
         try:
-            case = (float(host), float(device))
+            numbers = [float(part) for part in parts]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"a case is HOST_MS:DEVICE_MS, got {item!r}") from None
-        if not sep or min(case) < 0:
-            raise argparse.ArgumentTypeError(f"a case is HOST_MS:DEVICE_MS with both >= 0, got {item!r}")
-        cases.append(case)
+            raise argparse.ArgumentTypeError(
+                f"a case is HOST_MS:DEVICE_MS[:PREFILL_HOST_MS:DEVICE_US_PER_TOKEN], got {item!r}") from None
+        if len(numbers) not in (2, 4) or min(numbers) < 0:
+            raise argparse.ArgumentTypeError(
+                f"a case is HOST_MS:DEVICE_MS[:PREFILL_HOST_MS:DEVICE_US_PER_TOKEN], all >= 0, got {item!r}")
+        prefill_host_ms, us_per_token = numbers[2:] or (None, 0.0)
+        cases.append(EmulatedGpu(numbers[0], numbers[1], 0, prefill_host_ms, us_per_token))
     return cases
+
+
+def _case_name(gpu: EmulatedGpu) -> str:
+    name = f"{gpu.host_ms:g}:{gpu.device_ms:g}"
+    return name if gpu.prefill_host_ms is None else f"{name}:{gpu.prefill_host_ms:g}:{gpu.device_us_per_token:g}"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,33 +201,42 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__.split("\n\n")[0],
         epilog="Each case is HOST_MS:DEVICE_MS: the stand-in worker's host time to launch a step and its "
                "device time to run it. 1.6:1.3 is near the 1B shape's decode step on an H200: session 43 "
-               "measured a 1.6 ms host launch, and a 1.1 ms step at batch 64 (1.93x its 0.58 ms floor).",
+               "measured a 1.6 ms host launch, and a 1.1 ms step at batch 64 (1.93x its 0.58 ms floor). "
+               "Two more numbers, PREFILL_HOST_MS:DEVICE_US_PER_TOKEN, give a step with prompt tokens its "
+               "own host time (an eager launch) and every step a device time per token on top of DEVICE_MS; "
+               "1.3:1.0:10:3 is near the 1B shape's mixed workload on an H200 (session 46: eager steps "
+               "10-11 ms of host, about 3 us of device per token at 700 TFLOP/s).",
     )
     parser.add_argument("--requests", type=int_at_least(1), default=64, help="decoding requests (default 64)")
     parser.add_argument("--output-tokens", type=int_at_least(2), default=256,
                         help="tokens each request generates (default 256)")
+    parser.add_argument("--workload", choices=("decode", "mixed"), default="decode",
+                        help="decode: prompts of 128 tokens prefilled at once, then decode steps; mixed: "
+                             "bench.gpu_serving's mixed workload, prompts of 128-1,024 tokens in steps of "
+                             "2,048 (default decode)")
     parser.add_argument("--cases", type=_parse_cases, default=_parse_cases("1.6:1.3,0.5:2.0,2.0:1.0"),
-                        help="comma-separated HOST_MS:DEVICE_MS cases (default 1.6:1.3,0.5:2.0,2.0:1.0)")
+                        help="comma-separated HOST_MS:DEVICE_MS[:PREFILL_HOST_MS:DEVICE_US_PER_TOKEN] cases "
+                             "(default 1.6:1.3,0.5:2.0,2.0:1.0)")
     parser.add_argument("--repeat", type=int_at_least(1), default=3, help="timed runs per mode, median (default 3)")
     args = parser.parse_args(argv)
     modes = tuple(sorted({1, STEPS_AHEAD}))
-    num_blocks = 1 + args.requests * -(-(PROMPT_TOKENS + args.output_tokens) // BLOCK_SIZE) * 2
-    steps = args.output_tokens  # one prefill step that samples, then one decode step per further token
+    make = Workload.mixed if args.workload == "mixed" else Workload.decode
+    workload = make(args.requests, args.output_tokens)
     tokens = args.requests * args.output_tokens
     rows = []
-    for host_ms, device_ms in args.cases:
-        print(f"case host {host_ms} ms, device {device_ms} ms ...", flush=True)
-        gpu = EmulatedGpu(host_ms, device_ms, num_blocks)
-        seconds = measure(gpu, args.requests, args.output_tokens, args.repeat, modes)
-        floor_s = steps * max(host_ms, device_ms) / 1e3
+    for case in args.cases:
+        gpu = dataclasses.replace(case, num_blocks=workload.num_blocks)
+        print(f"case {_case_name(gpu)} ...", flush=True)
+        seconds, in_process = measure(gpu, workload, args.repeat, modes)
         base = seconds["in process"]
         for name, took in seconds.items():
-            rows.append([f"{host_ms:g}", f"{device_ms:g}", name, f"{took * 1e3 / steps:.2f}",
-                         f"{tokens / took:.0f}", f"{base / took:.2f}", f"{floor_s / took:.2f}"])
-    print(f"{args.requests} requests x {args.output_tokens} tokens, {args.repeat} timed runs each (median); "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
-    print(format_table(["host ms", "device ms", "mode", "ms / step", "tok/s", "vs in process", "of floor"], rows))
-    print("floor: max(host, device) per step; outputs equal in every mode")
+            rows.append([_case_name(gpu), name, f"{took * 1e3 / in_process.steps:.2f}", f"{tokens / took:.0f}",
+                         f"{base / took:.2f}", f"{in_process.floor_s / took:.2f}"])
+    print(f"{args.workload} workload: {args.requests} requests x {args.output_tokens} tokens, {args.repeat} timed "
+          f"runs each (median); {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    print(format_table(["case", "mode", "ms / step", "tok/s", "vs in process", "of floor"], rows))
+    print("case: HOST_MS:DEVICE_MS[:PREFILL_HOST_MS:DEVICE_US_PER_TOKEN]; floor: the in-process run's steps' "
+          "host or device times summed, the larger; outputs equal in every mode")
 
 
 if __name__ == "__main__":
