@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.worker.worker import resolve_device
-from kvserve.worker.worker_config import WorkerConfig
+from kvserve.worker.worker import resolve_device, resolve_dtype
+from kvserve.worker.worker_config import DTYPE_NAMES, WorkerConfig
 
 
 def with_gpus(monkeypatch: pytest.MonkeyPatch, count: int) -> None:
@@ -43,3 +43,14 @@ def test_cpu_is_chosen_without_a_gpu_and_cuda_is_refused(monkeypatch: pytest.Mon
     assert resolve_device(WorkerConfig("m", device="cpu")) == torch.device("cpu")
     with pytest.raises(ValueError, match="'cuda' was asked for, but no CUDA device is visible"):
         resolve_device(WorkerConfig("m", device="cuda"))
+
+
+@pytest.mark.parametrize("name", DTYPE_NAMES)
+def test_every_dtype_a_worker_config_accepts_is_a_torch_dtype_of_that_name(name: str) -> None:
+    # WorkerConfig checks the names without torch; the worker maps them to torch's dtypes.
+    assert resolve_dtype(WorkerConfig("m", dtype=name), torch.device("cpu")) == getattr(torch, name)
+
+
+def test_a_dtype_torch_has_but_workers_do_not_run_is_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"dtype must be 'auto' or one of \['bfloat16', 'float16', 'float32'\]"):
+        WorkerConfig("m", dtype="float64")
