@@ -12,14 +12,14 @@ from kvserve.scheduler.logprobs import TokenLogprobs
 from kvserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from kvserve.llm import LLM, GenerationOutput
+    from kvserve.llm import LLM, CompletionOutput, GenerationOutput
 
-__all__ = ["LLM", "GenerationOutput", "SamplingParams", "TokenLogprobs"]
+__all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams", "TokenLogprobs"]
 
 
 def __getattr__(name: str):
     # The engine pulls in torch and transformers: import it only when asked for.
-    if name in ("LLM", "GenerationOutput"):
+    if name in ("LLM", "CompletionOutput", "GenerationOutput"):
         from kvserve import llm
 
         return getattr(llm, name)

@@ -7,7 +7,8 @@ import logging
 import numbers
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,18 @@ Prompt = str | Sequence[int]
 
 
 @dataclass(frozen=True, slots=True)
+class CompletionOutput:
+    """One of a prompt's ``n`` completions (vLLM's ``CompletionOutput``): ``index`` in ``0..n-1``,
+    and the fields :class:`GenerationOutput` describes."""
+
+    index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationOutput:
     """The result of one prompt.
 
@@ -43,6 +56,11 @@ class GenerationOutput:
     ``finish_reason`` is ``"stop"`` (a stop or EOS token, included in ``token_ids``; or a
     stop string, whose last token ends ``token_ids`` and which ``text`` stops before)
     or ``"length"`` (``max_tokens`` or ``max_model_len``).
+
+    ``outputs`` holds the prompt's ``SamplingParams.n`` completions, as vLLM's
+    ``RequestOutput.outputs`` (``output.outputs[0].text``); ``token_ids``, ``text``,
+    ``finish_reason`` and ``logprobs`` are the first one's, and ``num_cached_tokens``
+    is its request's (the other completions' requests find the prompt in the cache).
     """
 
     prompt_token_ids: list[int]
@@ -52,6 +70,7 @@ class GenerationOutput:
     num_cached_tokens: int
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
 
 class LLM:
@@ -200,6 +219,8 @@ class LLM:
         for params in params_list:
             check_token_ids_in_vocabulary(params, vocab_size)  # as the cluster checks them
         requests: dict[str, Request] = {}
+        # Each prompt's requests, one per completion (SamplingParams.n).
+        choices: list[list[Request]] = []
         stops = StopWatch(self.tokenizer)
         try:
             for prompt, params in zip(prompt_list, params_list):
@@ -210,16 +231,19 @@ class LLM:
                         f"prompt has {len(token_ids)} tokens, more than max_model_len="
                         f"{self.model_config.max_model_len} ({cap})"
                     )
-                request = Request(
-                    f"llm-{next(self._request_counter)}",
-                    token_ids,
-                    params,
-                    eos_token_ids=self.model_config.eos_token_ids,
-                    cache_salt=cache_salt,
-                )
-                stops.watch(request)
-                self.engine.add_request(request)
-                requests[request.req_id] = request
+                choices.append([])
+                for choice_params in _choices(params):
+                    request = Request(
+                        f"llm-{next(self._request_counter)}",
+                        token_ids,
+                        choice_params,
+                        eos_token_ids=self.model_config.eos_token_ids,
+                        cache_salt=cache_salt,
+                    )
+                    stops.watch(request)
+                    self.engine.add_request(request)
+                    requests[request.req_id] = request
+                    choices[-1].append(request)
             logprobs: dict[str, list[TokenLogprobs]] = {
                 req_id: [] for req_id, request in requests.items() if request.sampling_params.logprobs is not None
             }
@@ -242,7 +266,7 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(requests)
             raise
-        return [self._result(request, logprobs.get(request.req_id), stops) for request in requests.values()]
+        return [self._result(prompt_requests, logprobs, stops) for prompt_requests in choices]
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -256,7 +280,27 @@ class LLM:
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
         return token_ids
 
-    def _result(self, request: Request, logprobs: list[TokenLogprobs] | None, stops: StopWatch) -> GenerationOutput:
+    def _result(
+        self, requests: list[Request], logprobs: dict[str, list[TokenLogprobs]], stops: StopWatch
+    ) -> GenerationOutput:
+        """One prompt's result, from its completions' ``requests``."""
+        completions = [self._completion(i, request, logprobs.get(request.req_id), stops)
+                       for i, request in enumerate(requests)]
+        first, request = completions[0], requests[0]
+        return GenerationOutput(
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=first.token_ids,
+            text=first.text,
+            finish_reason=first.finish_reason,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            logprobs=first.logprobs,
+            prompt_logprobs=first_output_prompt_logprobs(request),
+            outputs=completions,
+        )
+
+    def _completion(
+        self, index: int, request: Request, logprobs: list[TokenLogprobs] | None, stops: StopWatch
+    ) -> CompletionOutput:
         token_ids = list(request.output_token_ids)
         # A stop string's request was aborted at the token that completed it (or ended there anyway).
         finish_reason = FinishReason.STOP if stops.stopped(request.req_id) else request.finish_reason
@@ -266,15 +310,7 @@ class LLM:
         text = stops.text(request.req_id)
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return GenerationOutput(
-            prompt_token_ids=request.prompt_token_ids,
-            token_ids=token_ids,
-            text=text,
-            finish_reason=finish_reason.value,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            logprobs=logprobs,
-            prompt_logprobs=first_output_prompt_logprobs(request),
-        )
+        return CompletionOutput(index, token_ids, text, finish_reason.value, logprobs)
 
     def shutdown(self) -> None:
         """Stop the workers and give back their memory: the weights, the KV cache, the CUDA graphs.
@@ -294,6 +330,15 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _choices(params: SamplingParams) -> list[SamplingParams]:
+    """The sampling parameters of each of ``params.n`` completions: ``n`` 1, and completion ``i``'s
+    seed ``seed + i`` when there is a seed (as the servers' OpenAI API seeds its choices)."""
+    if params.n == 1:
+        return [params]
+    return [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
 
 
 # Iterables of integers that are no prompt: unordered, or text in bytes.

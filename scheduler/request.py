@@ -98,6 +98,10 @@ class Request:
         if tenant is not None and not isinstance(tenant, str):
             raise ValueError(f"tenant must be a string or None, got {tenant!r}")
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if params.n != 1:
+            raise ValueError(
+                f"n={params.n}: a request runs one sequence (LLM.generate makes a request of each of n completions)"
+            )
         self.req_id = req_id
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.all_token_ids)

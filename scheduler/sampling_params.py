@@ -81,6 +81,11 @@ class SamplingParams:
     ``min_p`` times the most likely token's (which always stays; 1 keeps only
     the most likely tokens).  Greedy requests ignore it, as they do top-k and
     top-p.
+
+    ``n`` (vLLM's): completions of the prompt that ``LLM.generate`` returns, each
+    a request of its own; with a ``seed``, completion ``i`` samples with ``seed + i``
+    (as the servers' OpenAI API does).  The scheduler runs one sequence a request:
+    it refuses a request whose ``n`` is not 1.
     """
 
     max_tokens: int = 16
@@ -99,9 +104,13 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     stop: tuple[str, ...] = field(default_factory=tuple)
+    n: int = 1
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
+        n = _integer("n", self.n)
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
         temperature = _real("temperature", self.temperature)
@@ -168,6 +177,7 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", logit_bias)
         object.__setattr__(self, "min_tokens", min_tokens)
         object.__setattr__(self, "prompt_logprobs", prompt_logprobs)
+        object.__setattr__(self, "n", n)
 
     @property
     def is_greedy(self) -> bool:
