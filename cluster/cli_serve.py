@@ -338,11 +338,15 @@ def run_serve(args: argparse.Namespace) -> int:
             progress(f"WARNING: {warning}")
         model_dir = args.model
         if model_dir is None:
-            from kvserve.worker.tiny_model import default_tiny_model_path, ensure_default_tiny_model
+            from kvserve.worker.tiny_model import default_tiny_model_path, ensure_default_tiny_model_in_a_child
 
             if not (default_tiny_model_path() / "config.json").is_file():
                 progress(f"creating the default tiny model in {default_tiny_model_path()}")
-            model_dir = ensure_default_tiny_model()
+            try:
+                model_dir = ensure_default_tiny_model_in_a_child()
+            except RuntimeError as exc:
+                print(f"kvserve serve: error: {exc}", file=sys.stderr)
+                return 1
         simulation = _simulation_config(args)
         chat_template = _read_chat_template(args.chat_template)
         config = ClusterConfig(

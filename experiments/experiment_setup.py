@@ -116,9 +116,12 @@ def live_model(args: argparse.Namespace) -> LiveModel:
 
     model_dir = args.model
     if model_dir is None:
-        from kvserve.worker.tiny_model import ensure_default_tiny_model
+        from kvserve.worker.tiny_model import ensure_default_tiny_model_in_a_child
 
-        model_dir = ensure_default_tiny_model()
+        try:
+            model_dir = ensure_default_tiny_model_in_a_child()
+        except RuntimeError as exc:
+            raise ExperimentError(str(exc)) from None
     try:
         model = ModelConfig.from_pretrained(model_dir)
     except (ValueError, OSError) as exc:

@@ -22,6 +22,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
@@ -200,6 +202,28 @@ def ensure_default_tiny_model(cache_dir: str | os.PathLike[str] | None = None) -
     with staged_model_directory(final_path, is_complete=_is_current_default_model) as staging:
         create_tiny_model(staging, DEFAULT_FAMILY, seed=0)
         (staging / FORMAT_FILE).write_text(f"{DEFAULT_MODEL_FORMAT}\n", encoding="utf-8")
+    return final_path
+
+
+def ensure_default_tiny_model_in_a_child(cache_dir: str | os.PathLike[str] | None = None) -> Path:
+    """:func:`ensure_default_tiny_model`, its creation (when one is needed) run in a child process.
+
+    For processes that serve a model and never run one (``kvserve serve``'s front end, a live
+    experiment's driver): building the model imports transformers' modeling code, which brings
+    in torch.compile's and Triton's modules (hundreds of MB), and Triton's bindings then print a
+    report of "leaked" objects when the interpreter exits, after ``kvserve serve: stopped``.
+    ``RuntimeError`` with the child's last line if it fails.
+    """
+    final_path = default_tiny_model_path(cache_dir)
+    if _is_current_default_model(final_path):
+        return final_path
+    script = "import sys; from kvserve.worker.tiny_model import ensure_default_tiny_model as e; e(sys.argv[1])"
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(final_path.parent.parent)], capture_output=True, text=True, check=False
+    )
+    if result.returncode != 0:
+        last = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
+        raise RuntimeError(f"cannot create the default tiny model in {final_path}: {last}")
     return final_path
 
 
