@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import numbers
 import threading
 from collections.abc import Mapping, Sequence
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

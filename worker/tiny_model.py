@@ -210,7 +210,7 @@ def ensure_default_tiny_model_in_a_child(cache_dir: str | os.PathLike[str] | Non
 
     For processes that serve a model and never run one (``kvserve serve``'s front end, a live
     experiment's driver): building the model imports transformers' modeling code, which brings
-    in torch.compile's and Triton's modules (hundreds of MB), and Triton's bindings then print a
+    in torch.compile's and Triton's modules, and Triton's bindings then print a
     report of "leaked" objects when the interpreter exits, after ``kvserve serve: stopped``.
     ``RuntimeError`` with the child's last line if it fails.
     """
