@@ -75,8 +75,8 @@ class EmulatedGpuWorker:
         # Steps launched, and their host and device milliseconds summed (the host's and the
         # device's work each run one step after another: the larger sum is the run's floor).
         self.num_launched = 0
-        self.host_ms = 0.0
-        self.device_ms = 0.0
+        self.launched_host_ms = 0.0
+        self.launched_device_ms = 0.0
 
     @property
     def num_kv_blocks(self) -> int:
@@ -92,8 +92,8 @@ class EmulatedGpuWorker:
         start = time.perf_counter()
         host_ms, device_ms = self.gpu.costs_ms(plan)
         self.num_launched += 1
-        self.host_ms += host_ms
-        self.device_ms += device_ms
+        self.launched_host_ms += host_ms
+        self.launched_device_ms += device_ms
         host_end = start + host_ms / 1e3
         result = synthetic_step_result(plan, VOCAB_SIZE)
         # The host's work to queue the step: torch's op bindings let go of the GIL around each

@@ -20,10 +20,12 @@ its launch and the previous step's end; tokens are the simulator's synthetic one
   ``GrpcReplicaExecutor`` and ``StepWorkerServicer``), one step ahead and two.
 
 It prints output tokens/s, each against in process, and the floor: the larger of the
-steps' host times summed and their device times summed (each runs one step after another).  Outputs must be equal token for token in every mode.
+steps' host times summed and their device times summed (each runs one step after another).
+Outputs must be equal token for token in every mode.
 
-``--workload mixed`` is ``bench.gpu_serving``'s mixed workload instead (prompts of 128-1,024
-tokens, chunked in steps of 2,048 tokens): its steps with prompt tokens run eagerly on a GPU,
+``--workload mixed`` is ``bench.gpu_serving``'s mixed workload instead (``bench.serving_workloads``
+made with this stand-in's vocabulary: its first ``--requests`` of 256 prompts of 128-1,024
+tokens, chunked in steps of 2,048; a model's vocabulary draws other lengths alike): its steps with prompt tokens run eagerly on a GPU,
 with a host time of their own (a case's third number) and a device time that grows with
 their tokens (its fourth, us per token).  Session 45 measured the 1B shape's mixed workload
 over the step protocol at 0.78-0.80x in process on an H200, where the decode-only emulation
@@ -39,11 +41,11 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import random
 import statistics
 import time
 from dataclasses import dataclass
 
+from kvserve.bench import serving_workloads
 from kvserve.bench.arg_types import int_at_least
 from kvserve.bench.emulated_gpu_worker import VOCAB_SIZE, EmulatedGpu, EmulatedGpuWorker
 from kvserve.bench.grpc_replica import worker_server
@@ -57,11 +59,6 @@ from kvserve.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 128
-
-
-# The mixed workload's prompt lengths (bench.serving_workloads) and its step budget (the engine's default).
-MIXED_PROMPT_TOKENS = (128, 1024)
-MIXED_STEP_TOKENS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,10 +75,15 @@ class Workload:
         return cls((PROMPT_TOKENS,) * num_requests, output_tokens, max(8192, num_requests * PROMPT_TOKENS))
 
     @classmethod
-    def mixed(cls, num_requests: int, output_tokens: int, seed: int = 0) -> Workload:
-        rng = random.Random(seed)
-        return cls(tuple(rng.randint(*MIXED_PROMPT_TOKENS) for _ in range(num_requests)), output_tokens,
-                   MIXED_STEP_TOKENS)
+    def mixed(cls, num_requests: int, output_tokens: int) -> Workload:
+        """The prompt lengths of the first ``num_requests`` of ``bench.serving_workloads``' mixed
+        workload made with ``VOCAB_SIZE`` (256 prompts of 128-1,024 tokens), in steps of the engine's
+        default budget."""
+        prompts = serving_workloads.make_workloads(VOCAB_SIZE)[0].prompts
+        if not 1 <= num_requests <= len(prompts):
+            raise ValueError(f"the mixed workload has {len(prompts)} requests, got {num_requests}")
+        return cls(tuple(len(p) for p in prompts[:num_requests]), output_tokens,
+                   SchedulerConfig().max_num_batched_tokens)
 
     @property
     def num_blocks(self) -> int:
@@ -130,7 +132,7 @@ def run_in_process(gpu: EmulatedGpu, workload: Workload, run: int) -> InProcessR
     while engine.has_unfinished_requests():
         engine.step()
     seconds = time.perf_counter() - start
-    return InProcessRun(seconds, _outputs(requests), worker.num_launched, max(worker.host_ms, worker.device_ms) / 1e3)
+    return InProcessRun(seconds, _outputs(requests), worker.num_launched, max(worker.launched_host_ms, worker.launched_device_ms) / 1e3)
 
 
 async def _run_over_grpc(address: str, secret: str, workload: Workload, steps_ahead: int,
@@ -212,8 +214,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="tokens each request generates (default 256)")
     parser.add_argument("--workload", choices=("decode", "mixed"), default="decode",
                         help="decode: prompts of 128 tokens prefilled at once, then decode steps; mixed: "
-                             "bench.gpu_serving's mixed workload, prompts of 128-1,024 tokens in steps of "
-                             "2,048 (default decode)")
+                             "bench.gpu_serving's mixed workload (its first --requests of 256 prompts of "
+                             "128-1,024 tokens) in steps of 2,048 (default decode)")
     parser.add_argument("--cases", type=_parse_cases, default=_parse_cases("1.6:1.3,0.5:2.0,2.0:1.0"),
                         help="comma-separated HOST_MS:DEVICE_MS[:PREFILL_HOST_MS:DEVICE_US_PER_TOKEN] cases "
                              "(default 1.6:1.3,0.5:2.0,2.0:1.0)")
@@ -221,7 +223,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     modes = tuple(sorted({1, STEPS_AHEAD}))
     make = Workload.mixed if args.workload == "mixed" else Workload.decode
-    workload = make(args.requests, args.output_tokens)
+    try:
+        workload = make(args.requests, args.output_tokens)
+    except ValueError as exc:
+        parser.error(f"--requests: {exc}")
     tokens = args.requests * args.output_tokens
     rows = []
     for case in args.cases:

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from kvserve.bench import step_pipeline
-from kvserve.bench.emulated_gpu_worker import EmulatedGpu, EmulatedGpuWorker
+from kvserve.bench.emulated_gpu_worker import VOCAB_SIZE, EmulatedGpu, EmulatedGpuWorker
+from kvserve.bench.serving_workloads import make_workloads
 from kvserve.scheduler.step_plan import StepPlan
 
 
@@ -42,7 +43,7 @@ def test_a_step_with_prompt_tokens_costs_its_eager_host_time_and_every_token_its
     worker = EmulatedGpuWorker(gpu)
     worker.launch(decode_plan(0))
     worker.launch(mixed)
-    assert (worker.num_launched, worker.host_ms, worker.device_ms) == (2, 11.0, 6.5)
+    assert (worker.num_launched, worker.launched_host_ms, worker.launched_device_ms) == (2, 11.0, 6.5)
 
 
 @pytest.mark.parametrize(
@@ -63,15 +64,24 @@ def test_the_benchmark_prints_every_mode_with_equal_outputs(capsys, args: list[s
     assert "outputs equal in every mode" in out
 
 
-def test_the_mixed_workload_chunks_prompts_of_128_to_1024_tokens_in_steps_of_2048() -> None:
+def test_the_mixed_workload_is_gpu_servings_own_chunked_in_steps_of_2048() -> None:
     workload = step_pipeline.Workload.mixed(64, 8)
-    assert min(workload.prompt_lens) >= 128 and max(workload.prompt_lens) <= 1024
-    assert len(set(workload.prompt_lens)) > 32 and workload.step_tokens == 2048
+    served = make_workloads(VOCAB_SIZE)[0]
+    assert served.name == "mixed" and len(served.prompts) == 256
+    assert workload.prompt_lens == tuple(len(p) for p in served.prompts[:64])
+    assert min(workload.prompt_lens) >= 128 and max(workload.prompt_lens) <= 1024 and workload.step_tokens == 2048
     gpu = EmulatedGpu(0.0, 0.0, workload.num_blocks, 0.0, 0.0)
     run = step_pipeline.run_in_process(gpu, workload, run=0)
     # Every prompt token is computed once, 2,048 at most a step, then one step per further output token.
     assert run.steps >= -(-sum(workload.prompt_lens) // 2048) + 7
     assert [len(tokens) for tokens in run.outputs] == [8] * 64
+
+
+def test_more_requests_than_the_mixed_workload_has_is_a_usage_error(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        step_pipeline.main(["--workload", "mixed", "--requests", "257"])
+    assert info.value.code == 2
+    assert "--requests: the mixed workload has 256 requests, got 257" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text", ["1.6", "a:1", "1:-2", "1:2,3", "1:2:3", "1:2:3:4:5", "1:2:-3:4"])
