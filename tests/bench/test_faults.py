@@ -23,6 +23,7 @@ from kvserve.worker.model_config import ModelConfig
 from kvserve.worker.tiny_model import create_tiny_model
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_a_killed_worker_loses_no_stream_and_cancels_leave_no_block() -> None:
     # Its own process: the benchmark starts (and stops) a Ray instance of its own.  Streams of 32
@@ -94,6 +95,7 @@ def fuzzed_then_killed(model_dir: Path):
     return fuzzed, killed
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_every_fuzzed_bad_request_is_refused_clearly_and_the_server_still_serves_good_ones(fuzzed_then_killed) -> None:
     (rows, outcome, requests), _ = fuzzed_then_killed
@@ -115,6 +117,7 @@ def test_every_fuzzed_bad_request_is_refused_clearly_and_the_server_still_serves
     assert good.blocks_in_use == 0
 
 
+@pytest.mark.timing
 @pytest.mark.slow
 def test_a_killed_scheduler_ends_every_stream_and_serve_exits_non_zero_without_saying_serving(
     fuzzed_then_killed,

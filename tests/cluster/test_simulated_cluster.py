@@ -70,6 +70,7 @@ def figures(records) -> tuple[float, float]:  # noqa: ANN001
     return hit_rate, float(np.percentile([r.ttft for r in records], 50))
 
 
+@pytest.mark.timing
 def test_the_live_cluster_agrees_with_the_simulator_on_hit_rate_and_ttft(ray_cluster, model_dir, vocab_size):
     stream = shared_prefix_stream(vocab_size, num_requests=80, qps=16.0)
     fleet = FleetConfig(
@@ -190,6 +191,7 @@ def test_a_stream_still_running_when_the_server_stops_is_told_so_and_its_request
     assert running == 0  # aborted, not left to run out its 1000 tokens
 
 
+@pytest.mark.timing
 def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_rate(
     ray_cluster, model_dir, vocab_size, tmp_path, capsys
 ):

@@ -152,6 +152,7 @@ def test_help_gives_every_csv_column_and_its_unit(capsys) -> None:  # noqa: ANN0
     assert "throughput           output tokens/s" in text
 
 
+@pytest.mark.timing
 def test_a_quick_experiment_prints_no_progress_lines(tmp_path, capsys) -> None:  # noqa: ANN001
     assert run_experiment(parse([*SMALL, "--num-requests", "40", "--qps", "5,10", "--policies", "round_robin",
                                  "--kv-fraction", "2", "--out", str(tmp_path / "run")])) == 0
@@ -159,6 +160,7 @@ def test_a_quick_experiment_prints_no_progress_lines(tmp_path, capsys) -> None: 
     assert capsys.readouterr().err.splitlines() == ["2 runs"]
 
 
+@pytest.mark.timing
 def test_a_stage_is_said_only_once_it_has_taken_a_while(monkeypatch, capsys) -> None:  # noqa: ANN001
     monkeypatch.setattr(experiment_runs, "QUIET_SECONDS", 0.05)
     with experiment_runs.stage("computing something quick"):

@@ -178,6 +178,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.timing
 @pytest.mark.parametrize("all_at_once", [False, True])
 def test_progress_counts_every_process_s_finished_requests_up_to_all_of_them(all_at_once: bool) -> None:
     # All at once: nothing finishes before the last arrival, so every count comes from the drain.
