@@ -3,114 +3,22 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import os
-import queue
 import re
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 
 from kvserve import cli
 from kvserve.cli import main
-from kvserve.kernels.extension_build import CACHE_DIR_ENV, build_root
 from kvserve.worker.tiny_model import create_tiny_model
-
-STARTUP_TIMEOUT_S = 180.0
-COMMAND_TIMEOUT_S = 60.0
-
-
-def kvserve(*args: str) -> list[str]:
-    return [sys.executable, "-m", "kvserve.cli", *args]
-
-
-class ServeProcess:
-    """``kvserve serve`` in a child process, its output read line by line."""
-
-    def __init__(
-        self, args: list[str], env: dict[str, str], *, new_session: bool = False, command: str = "serve"
-    ) -> None:
-        self.proc = subprocess.Popen(
-            kvserve(command, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=new_session,
-        )
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
-        deadline = time.monotonic() + timeout_s
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                line = self._queue.get(timeout=remaining)
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.lines.append(line)
-            if match := re.search(pattern, line):
-                return match
-        pytest.fail(f"kvserve serve never printed {pattern!r}; it printed:\n{''.join(self.lines)}")
-
-    def printed_so_far(self) -> str:
-        while True:
-            try:
-                line = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.lines.append(line)
-        return "".join(self.lines)
-
-    def output(self) -> str:
-        while (line := self._queue.get(timeout=COMMAND_TIMEOUT_S)) is not None:
-            self.lines.append(line)
-        return "".join(self.lines)
-
-
-def serve_env(cache_dir: Path) -> dict[str, str]:
-    """The environment of a `kvserve` subprocess whose cache is ``cache_dir``.
-
-    NOTE: the kernels' builds stay shared with the rest of the suite (the build
-    root this process uses): in a fresh cache each served replica's worker
-    compiled the C++ kernel again, and the module's server took 33 s instead of
-    9.5 s to get its replica ready on a 2-core machine.
-    """
-    env = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
-    env[CACHE_DIR_ENV] = str(cache_dir)
-    shared = build_root().parent
-    shared.mkdir(parents=True, exist_ok=True)
-    with mock.patch.dict(os.environ, {CACHE_DIR_ENV: str(cache_dir)}):
-        link = build_root().parent  # where the subprocess's builds go
-    if not link.exists():
-        link.parent.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(shared, target_is_directory=True)
-    return env
-
-
-def session_processes(session_id: int) -> list[str]:
-    """The processes left in session ``session_id``: Ray's daemons stay in the session of whoever started them."""
-    # NOTE: -ww, or ps cuts each line at 80 columns when not writing to a terminal,
-    # and a long install path hid "raylet" in CI.
-    listing = subprocess.run(["ps", "-ww", "-e", "-o", "sid=,pid=,args="], capture_output=True, text=True, check=True)
-    return [line.strip() for line in listing.stdout.splitlines() if int(line.split()[0]) == session_id]
+from tests.cluster.serve_subprocess import COMMAND_TIMEOUT_S, STARTUP_TIMEOUT_S, ServeProcess, kvserve, serve_env
 
 
 @pytest.fixture(scope="module")
@@ -320,136 +228,6 @@ def test_serve_on_cuda_without_a_gpu_says_so_at_once(capsys, model_dir):
     captured = capsys.readouterr()
     assert "--device cuda needs 2 GPU(s) (2 replica(s) x TP 1), and this machine has 0" in captured.err
     assert "Ray" not in captured.out
-
-
-def wait_for_session_process(process: ServeProcess, name: str, timeout_s: float) -> None:
-    """Until a process whose command line holds ``name`` runs in ``process``'s session."""
-    deadline = time.monotonic() + timeout_s
-    while not any(name in line for line in session_processes(process.proc.pid)):
-        if process.proc.poll() is not None or time.monotonic() > deadline:
-            pytest.fail(f"no {name} process in the session of kvserve serve, which printed:\n{process.printed_so_far()}")
-        time.sleep(0.05)
-
-
-def assert_nothing_left(session_id: int) -> None:
-    deadline = time.monotonic() + 20.0
-    while (left := session_processes(session_id)) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, "left running:\n" + "\n".join(left)
-
-
-def kill_what_is_left(session_id: int) -> None:
-    for line in session_processes(session_id):
-        with contextlib.suppress(ProcessLookupError):  # it may have exited since the listing
-            os.kill(int(line.split()[1]), signal.SIGKILL)
-
-
-def simulated_serve(tmp_path: Path, model_dir: Path) -> ServeProcess:
-    return ServeProcess(
-        ["--model", str(model_dir), "--port", "0", "--http-port", "0", "--simulated", "--num-blocks", "64"],
-        serve_env(tmp_path),
-        new_session=True,
-    )
-
-
-# NOTE: "raylet" is the moment that mattered: a Ctrl-C inside ray.init then left
-# Ray's agents running after `serve` had exited.  SIGTERM (systemd, Kubernetes,
-# kill) goes to the serve process alone; after ray.init it met Ray's own handler,
-# which printed a stack and aborted.
-@pytest.mark.parametrize(
-    "when, sig",
-    [("raylet", signal.SIGINT), ("serving model", signal.SIGINT), ("raylet", signal.SIGTERM),
-     ("serving model", signal.SIGTERM),
-     # while the replicas' actors start, and between the last replica's start and the listening port
-     ("starting 1 replica", signal.SIGTERM), ("replica 0 ready", signal.SIGINT)],
-)
-def test_ctrl_c_or_sigterm_during_start_up_stops_everything_it_started(tmp_path, model_dir, when, sig):
-    process = simulated_serve(tmp_path, model_dir)
-    session_id = process.proc.pid
-    try:
-        if when == "raylet":
-            wait_for_session_process(process, "raylet", STARTUP_TIMEOUT_S)
-        else:
-            process.wait_for(when, STARTUP_TIMEOUT_S)
-        if sig == signal.SIGINT:
-            # As Ctrl-C in a terminal: SIGINT to the whole process group, Ray's daemons included.
-            os.killpg(session_id, signal.SIGINT)
-        else:
-            os.kill(session_id, sig)
-        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
-        output = process.output()
-        assert returncode == 0, output
-        assert "stopped" in output
-        assert "Traceback" not in output and "SIGTERM received" not in output
-        assert_nothing_left(session_id)
-    finally:
-        kill_what_is_left(session_id)
-
-
-def test_sigterm_to_the_whole_process_group_stops_without_waiting_for_rays_gcs(tmp_path, model_dir):
-    # As `timeout`, `kill -- -PGID` or a service manager send it: Ray's daemons
-    # stop at once too.  serve waited 20 s on the scheduler, then its core
-    # worker 40 s more for the GCS, and ended with exit status 1 ("Failed to
-    # connect to GCS within 60 seconds ... The program will terminate").
-    process = simulated_serve(tmp_path, model_dir)
-    session_id = process.proc.pid
-    try:
-        process.wait_for("listening on", STARTUP_TIMEOUT_S)
-        start = time.monotonic()
-        os.killpg(session_id, signal.SIGTERM)
-        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
-        elapsed = time.monotonic() - start
-        output = process.output()
-        assert returncode == 0, output
-        assert elapsed < 30.0, output  # the raylet's own shutdown takes about 10 s of it
-        assert "Ray's own processes have stopped" in output and "stopped" in output
-        assert "Traceback" not in output and "Failed to connect to GCS" not in output
-        assert_nothing_left(session_id)
-    finally:
-        kill_what_is_left(session_id)
-
-
-def test_sigterm_during_a_live_experiments_replay_stops_it_as_ctrl_c_does(tmp_path, model_dir):
-    # SIGTERM raised KeyboardInterrupt wherever the main thread was, inside gRPC's and
-    # Ray's machinery under the replay's event loop: the process died of SIGSEGV (5 of 6
-    # tries) and left Ray's processes running.
-    process = ServeProcess(
-        ["--workload", "shared_prefix", "--replicas", "1", "--qps", "8", "--live", "--time-scale", "1",
-         "--num-requests", "60", "--policies", "round_robin", "--model", str(model_dir), "--no-plots",
-         "--out", str(tmp_path / "run")],
-        serve_env(tmp_path), new_session=True, command="experiment",
-    )
-    session_id = process.proc.pid
-    try:
-        process.wait_for(r"round_robin @ 8 qps: +\d+% \(", STARTUP_TIMEOUT_S)  # replaying
-        os.kill(session_id, signal.SIGTERM)
-        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
-        output = process.output()
-        assert returncode == 130, output
-        assert output.rstrip().endswith("kvserve experiment: interrupted"), output
-        assert "SIGSEGV" not in output and "Traceback" not in output
-        assert not (tmp_path / "run" / "summary.md").exists()
-        assert_nothing_left(session_id)
-    finally:
-        kill_what_is_left(session_id)
-
-
-def test_a_second_sigterm_while_shutting_down_leaves_nothing_behind(tmp_path, model_dir):
-    process = simulated_serve(tmp_path, model_dir)
-    session_id = process.proc.pid
-    try:
-        process.wait_for("listening on", STARTUP_TIMEOUT_S)
-        os.kill(session_id, signal.SIGTERM)
-        process.wait_for("shutting down the replicas", COMMAND_TIMEOUT_S)
-        os.kill(session_id, signal.SIGTERM)
-        # It either cut the shutdown short or had finished it: nothing may be left either way.
-        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
-        output = process.output()
-        assert returncode in (0, 130), output
-        assert "SIGTERM received" not in output
-        assert_nothing_left(session_id)
-    finally:
-        kill_what_is_left(session_id)
 
 
 def test_generate_without_a_server_says_unavailable():
@@ -842,22 +620,3 @@ def test_serve_help_spells_out_the_defaults_of_modules_it_does_not_import() -> N
     assert cli_serve._MAX_MESSAGE_BYTES == DEFAULT_MAX_MESSAGE_BYTES
     assert cli_serve._WORKER_CPU_RESOURCE == WORKER_CPU_RESOURCE
     assert cli_serve_engine.CPU_KV_CACHE_MIB * 2**20 == DEFAULT_CPU_KV_CACHE_BYTES
-
-
-def test_serve_exits_non_zero_at_once_when_the_scheduler_actor_dies(tmp_path, model_dir):
-    # A supervisor (systemd, Kubernetes) then starts it again; health said SERVING while nothing could serve.
-    process = simulated_serve(tmp_path, model_dir)
-    session_id = process.proc.pid
-    try:
-        process.wait_for("listening on", STARTUP_TIMEOUT_S)
-        scheduler = next(line for line in session_processes(session_id) if "SchedulerActor" in line)
-        start = time.monotonic()
-        os.kill(int(scheduler.split()[1]), signal.SIGKILL)
-        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
-        output = process.output()
-        assert returncode == 1, output
-        assert time.monotonic() - start < 30.0, output
-        assert "the scheduler actor died" in output and "Traceback" not in output
-        assert_nothing_left(session_id)
-    finally:
-        kill_what_is_left(session_id)
