@@ -6,6 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 
+# The files run on two worker processes (pytest-xdist; each file's tests on one worker, so that
+# module fixtures such as a served cluster are set up once), one on a single-core machine;
+# KVSERVE_TEST_WORKERS=N sets the number, 1 for none.  Tests marked `timing` (their assertions
+# bound a time) run while no other test does: see tests/timing_lock.py.  On two cores: about
+# 8 minutes instead of 11 (the Ray and server tests mostly wait).
+cores="$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
+workers="${KVSERVE_TEST_WORKERS:-$(( cores >= 2 ? 2 : 1 ))}"
+if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
+    echo "scripts/test.sh: KVSERVE_TEST_WORKERS must be a positive integer, got '$workers'" >&2
+    exit 2
+fi
+
 # torch comes first and only when it is missing: `torch==2.13.0` is the CPU wheel
 # that CPU-only development machines carry locally (pip finds it via find-links),
 # and an ordinary build from the index elsewhere.  Once installed, kvserve's own
@@ -14,16 +26,6 @@ if ! "$PYTHON" -c "import torch" >/dev/null 2>&1; then
     "$PYTHON" -m pip install --progress-bar off "torch==2.13.0"
 fi
 "$PYTHON" -m pip install --progress-bar off -e ".[test]"
-# The files run on two worker processes (pytest-xdist; each file's tests on one worker, so that
-# module fixtures such as a served cluster are set up once), one on a single-core machine;
-# KVSERVE_TEST_WORKERS=N sets the number, 1 for none.  Tests marked `timing` (their assertions
-# bound a time) run while no other test does: see tests/timing_lock.py.  On two cores: about
-# 8 minutes instead of 11 (the Ray and server tests mostly wait).
-workers="${KVSERVE_TEST_WORKERS:-$(( $(nproc) >= 2 ? 2 : 1 ))}"
-if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
-    echo "scripts/test.sh: KVSERVE_TEST_WORKERS must be a positive integer, got '$workers'" >&2
-    exit 2
-fi
 xdist=()
 if (( workers > 1 )); then
     xdist=(-n "$workers" --dist loadfile)
