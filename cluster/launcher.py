@@ -333,8 +333,8 @@ def local_ray_lost() -> bool:
     ``kill -- -PGID``, a service manager stopping a unit) reaches the Ray
     processes ``ray.init`` started too, and SIGTERM stops them: Ray's agents
     at once, the raylet some 10 s later while this driver is still connected
-    (measured on Ray 2.60; a driver that stays connected and never calls back
-    keeps the raylet and GCS up past 40 s).  Nothing can then be stopped
+    (measured on Ray 2.60; under a driver that ignored SIGTERM and slept, the
+    raylet and GCS were still up 40 s later).  Nothing can then be stopped
     through Ray (the actors go with the raylet), and the driver's core worker
     waits 60 s for the GCS before it ends the process with an error.  ``False`` for a joined cluster (this
     process started none of it), or where Ray's private node handle is not
