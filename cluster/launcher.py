@@ -336,9 +336,9 @@ def local_ray_lost() -> bool:
     (measured on Ray 2.60; under a driver that ignored SIGTERM and slept, the
     raylet and GCS were still up 40 s later).  Nothing can then be stopped
     through Ray (the actors go with the raylet), and the driver's core worker
-    waits 60 s for the GCS before it ends the process with an error.  ``False`` for a joined cluster (this
-    process started none of it), or where Ray's private node handle is not
-    where Ray 2 keeps it.
+    waits 60 s for the GCS before it ends the process with an error.
+    ``False`` for a joined cluster (this process started none of it), or
+    where Ray's private node handle is not where Ray 2 keeps it.
     """
     import ray._private.worker as ray_worker
     from ray._private import ray_constants
