@@ -9,8 +9,8 @@ PYTHON="${PYTHON:-python3}"
 # The files run on two worker processes (pytest-xdist; each file's tests on one worker, so that
 # module fixtures such as a served cluster are set up once), one on a single-core machine;
 # KVSERVE_TEST_WORKERS=N sets the number, 1 for none.  Tests marked `timing` (their assertions
-# bound a time) run while no other test does: see tests/timing_lock.py.  On two cores: about
-# 8 minutes instead of 11 (the Ray and server tests mostly wait).
+# bound a time) run while no other test does: see tests/timing_lock.py.  On two cores: 8.5-10
+# minutes instead of 11-12 (the Ray and server tests mostly wait).
 cores="$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)"
 workers="${KVSERVE_TEST_WORKERS:-$(( cores >= 2 ? 2 : 1 ))}"
 if ! [[ "$workers" =~ ^[1-9][0-9]*$ ]]; then
