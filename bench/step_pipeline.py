@@ -132,7 +132,8 @@ def run_in_process(gpu: EmulatedGpu, workload: Workload, run: int) -> InProcessR
     while engine.has_unfinished_requests():
         engine.step()
     seconds = time.perf_counter() - start
-    return InProcessRun(seconds, _outputs(requests), worker.num_launched, max(worker.launched_host_ms, worker.launched_device_ms) / 1e3)
+    floor_s = max(worker.launched_host_ms, worker.launched_device_ms) / 1e3
+    return InProcessRun(seconds, _outputs(requests), worker.num_launched, floor_s)
 
 
 async def _run_over_grpc(address: str, secret: str, workload: Workload, steps_ahead: int,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import fcntl
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -110,3 +112,37 @@ def test_a_process_of_a_run_that_set_no_lock_folder_locks_nothing(monkeypatch: p
 def test_the_suite_names_a_lock_folder_that_exists_while_it_runs() -> None:
     folder = os.environ.get(timing_lock.LOCK_DIR_ENV)
     assert folder and Path(folder).is_dir()
+
+
+def test_under_two_workers_a_timing_test_runs_while_no_other_test_does(tmp_path: Path) -> None:
+    # The suite's hooks (tests/conftest.py) in a pytest run of their own on two workers: a file of
+    # plain tests, and one whose timing test would otherwise start beside them.
+    log = tmp_path / "log"
+    record = (
+        "import time\nimport pytest\n\n"
+        "def record(name, seconds):\n"
+        f"    with open({str(log)!r}, 'a') as f: f.write(f'{{name}} {{time.monotonic()}}\\n')\n"
+        "    time.sleep(seconds)\n"
+        f"    with open({str(log)!r}, 'a') as f: f.write(f'{{name}} {{time.monotonic()}}\\n')\n\n"
+    )
+    (tmp_path / "conftest.py").write_text(
+        "from tests.conftest import pytest_configure, pytest_runtest_protocol, pytest_unconfigure  # noqa: F401\n"
+    )
+    (tmp_path / "test_plain.py").write_text(
+        record + "@pytest.mark.parametrize('i', range(4))\ndef test_plain(i):\n    record(f'plain{i}', 0.5)\n"
+    )
+    (tmp_path / "test_timed.py").write_text(record + "@pytest.mark.timing\ndef test_timed():\n    record('timed', 0.5)\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist", "loadfile",
+         "-W", "ignore::pytest.PytestUnknownMarkWarning", str(tmp_path)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    spans: dict[str, list[float]] = {}
+    for line in log.read_text().splitlines():
+        name, when = line.split()
+        spans.setdefault(name, []).append(float(when))
+    assert sorted(spans) == ["plain0", "plain1", "plain2", "plain3", "timed"]
+    start, end = spans.pop("timed")
+    assert all(other_end <= start or other_start >= end for other_start, other_end in spans.values()), spans
