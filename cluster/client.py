@@ -63,7 +63,7 @@ from kvserve.cluster.client_messages import (
     to_generate_request,
     to_replica_stats,
 )
-from kvserve.cluster.host_port import GRPC_SCHEMES, check_grpc_target
+from kvserve.cluster.host_port import check_grpc_target
 from kvserve.cluster.tls import check_ca_file, check_key_pair
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 
@@ -321,12 +321,11 @@ def _check_target(target: str) -> str:
     """
     if not isinstance(target, str):
         raise TypeError(f"target must be a str such as '127.0.0.1:50051', got {type(target).__name__}")
-    if "://" in target and not target.startswith(GRPC_SCHEMES):  # dns:///host:port is a gRPC target
-        raise ValueError(f"target is the server's HOST:PORT, not a URL: got {target!r} (tls_ca=... for TLS)")
     try:
         return check_grpc_target(target)
     except ValueError as exc:
-        raise ValueError(f"target: {exc}") from None
+        hint = " (tls_ca=... for TLS)" if "://" in target else ""
+        raise ValueError(f"target: {exc}{hint}") from None
 
 
 def _check_open(client: Client | AsyncClient) -> None:

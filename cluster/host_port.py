@@ -8,9 +8,16 @@ GRPC_SCHEMES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:", "
 
 def check_grpc_target(target: str) -> str:
     """``target`` if it is ``HOST:PORT`` or starts with a resolver's scheme (``GRPC_SCHEMES``), passed on
-    as is; ``ValueError`` (``split_host_port``'s) otherwise."""
-    if not target.startswith(GRPC_SCHEMES):
-        split_host_port(target)
+    as is; ``ValueError`` otherwise, a URL's (``http://HOST:PORT``) saying so.
+
+    NOTE: a URL would pass ``split_host_port`` (its host "http://HOST"), and grpc took it for a host
+    name, failing only at the first call, as an unreachable server.
+    """
+    if target.startswith(GRPC_SCHEMES):  # dns:///host:port is a gRPC target
+        return target
+    if "://" in target:
+        raise ValueError(f"expected the server's HOST:PORT, not a URL: got {target!r}")
+    split_host_port(target)
     return target
 
 

@@ -195,7 +195,15 @@ def test_serve_rejects_a_bad_http_port_before_starting_anything(capsys, model_di
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("content, message", [(None, "No such file or directory"), ("  \n", "the file is empty")])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "No such file or directory"),
+        ("  \n", "the file is empty"),
+        # Accepted before, and then every chat request got a 400 blaming its messages.
+        ("{% for m in messages %}{{ m.content }}\n{% endfor", "the chat template does not compile: line 2: "),
+    ],
+)
 def test_serve_refuses_an_unusable_chat_template_before_starting(capsys, tmp_path, model_dir, content, message):
     path = tmp_path / "chat.jinja"
     if content is not None:
@@ -246,6 +254,17 @@ def test_generate_refuses_a_port_out_of_range(capsys):
         main(["generate", "--target", "127.0.0.1:99999", "hello"])
     assert exit_info.value.code == 2
     assert "expected HOST:PORT with a port in 1..65535, got '127.0.0.1:99999'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:50051", "https://example.com:443", "grpc://127.0.0.1:50051"])
+def test_generate_refuses_a_url_as_its_target_naming_the_argument(capsys, url):
+    # A URL's host ("http://127.0.0.1") passed the HOST:PORT check; Client refused it later, in a traceback.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--target", url, "hello"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --target: expected the server's HOST:PORT, not a URL: got '{url}'" in err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(

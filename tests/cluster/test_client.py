@@ -344,7 +344,7 @@ def test_a_ca_file_without_a_certificate_is_a_clear_error(tmp_path):
         ("", ValueError, "target: expected HOST:PORT with a port in 1..65535, got ''"),
         # grpc would take port 443.
         ("127.0.0.1", ValueError, "target: expected HOST:PORT with a port in 1..65535, got '127.0.0.1'"),
-        ("http://127.0.0.1:50051", ValueError, "target is the server's HOST:PORT, not a URL"),
+        ("http://127.0.0.1:50051", ValueError, "target: expected the server's HOST:PORT, not a URL"),
         (None, TypeError, "target must be a str such as '127.0.0.1:50051', got NoneType"),
     ],
 )
