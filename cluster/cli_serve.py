@@ -438,7 +438,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def _read_chat_template(path: Path | None) -> str | None:
-    """``--chat-template``'s text; ``ValueError`` for a file that cannot be read or is empty."""
+    """``--chat-template``'s text; ``ValueError`` for a file that cannot be read, is empty or does not
+    compile."""
     if path is None:
         return None
     try:
@@ -447,6 +448,12 @@ def _read_chat_template(path: Path | None) -> str | None:
         raise ValueError(f"--chat-template {path}: {getattr(exc, 'strerror', None) or exc}") from None
     if not template.strip():
         raise ValueError(f"--chat-template {path}: the file is empty")
+    from kvserve.worker.chat_template import check_chat_template
+
+    try:
+        check_chat_template(template)
+    except ValueError as exc:
+        raise ValueError(f"--chat-template {path}: {exc}") from None
     return template
 
 

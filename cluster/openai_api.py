@@ -41,6 +41,7 @@ from kvserve.cluster.openai_chat import (
     check_text_bytes,
     render_prompt,
     rest_of_context,
+    warn_of_a_broken_template,
 )
 from kvserve.cluster.openai_echo import echoed_prompt
 from kvserve.cluster.openai_errors import FieldNames, error_response, frontend_error_response
@@ -49,11 +50,11 @@ from kvserve.cluster.openai_protocol import (
     CompletionRequest,
     Model,
     ModelList,
-    TextCompletionShape,
     to_generate_requests,
-    token_text_of,
 )
 from kvserve.cluster.openai_respond import MEASURED, respond
+from kvserve.cluster.openai_text_completion import TextCompletionShape
+from kvserve.cluster.openai_tokens import TokenNames
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,10 @@ def create_app(
     model_dir = frontend.model_info.model_dir
     model_name = served_model_name(model_dir)
     created = int(time.time())
-    token_text = token_text_of(frontend.tokenizer)
-    text_completions = TextCompletionShape(model_name, token_text)
-    chat_completions = ChatCompletionShape(model_name, token_text)
+    warn_of_a_broken_template(frontend.tokenizer, chat_template)
+    token_names = TokenNames(frontend.tokenizer)
+    text_completions = TextCompletionShape(model_name, token_names)
+    chat_completions = ChatCompletionShape(model_name, token_names)
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.router.route_class = TextCheckedRoute
     app.add_middleware(BodyLimit, max_body_bytes=max_body_bytes)
@@ -172,7 +174,7 @@ def create_app(
                 body, prompt, output_limit, body.num_logprobs, request_id=request_id, max_choices=max_choices,
                 prompt_logprobs=num_prompt_logprobs,
             )
-        except InvalidRequestError as exc:
+        except FrontendError as exc:  # the request's fault (400), or the chat template's (500)
             return frontend_error_response(exc, fields)
         return await respond(
             frontend, request_id, generates, chat_completions,
@@ -212,7 +214,7 @@ def create_app(
         ids (one the pipeline refuses) has none."""
         if num_top is None:
             return None
-        return PromptLogprobsEncoder(token_ids or (), num_top, token_text)
+        return PromptLogprobsEncoder(token_ids or (), num_top, token_names.text)
 
     return app
 

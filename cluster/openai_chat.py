@@ -20,25 +20,35 @@ comes once per answer, beside ``choices``, as vLLM gives it (``openai_prompt_log
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, Field
 
-from kvserve.cluster.frontend import InvalidRequestError
+from kvserve.cluster.frontend import FrontendError, InvalidRequestError
+from kvserve.cluster.openai_echo import EchoedPrompt
 from kvserve.cluster.openai_protocol import (
     REQUEST_CONFIG,
     ChoiceOutput,
     CompletionUsage,
     SamplingRequest,
-    TokenText,
     one_of,
 )
 from kvserve.cluster.openai_prompt_logprobs import PromptLogprobs
+from kvserve.cluster.openai_tokens import TokenNames
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
-from kvserve.worker.chat_template import conversation_of, render_conversation, template_of
+from kvserve.worker.chat_template import (
+    ChatTemplateSyntaxError,
+    check_chat_template,
+    conversation_of,
+    render_conversation,
+    template_of,
+)
+
+logger = logging.getLogger(__name__)
 
 NO_TEMPLATE = (
     "messages: this model has no chat template; start the server with --chat-template FILE, "
@@ -163,8 +173,24 @@ def render_prompt(tokenizer: Any | None, template: str | None, messages: list[Ch
     try:
         conversation = conversation_of([m.model_dump(exclude_none=True) for m in messages])
         return render_conversation(tokenizer, template, conversation)
+    except ChatTemplateSyntaxError as exc:
+        # NOTE: the server's fault, not the request's: a 500, and the details in the log (start-up warned).
+        logger.error("a chat completion failed: %s", exc)
+        raise FrontendError("the server's chat template does not compile") from None
     except ValueError as exc:
         raise InvalidRequestError(f"messages: {exc}") from None
+
+
+def warn_of_a_broken_template(tokenizer: Any | None, template: str | None) -> None:
+    """At start-up: a WARNING when the chat template to serve (``template``, else the tokenizer's own)
+    does not compile, as every chat completion would then fail."""
+    template = template_of(tokenizer, template) if tokenizer is not None else None
+    if not template:
+        return
+    try:
+        check_chat_template(template)
+    except ChatTemplateSyntaxError as exc:
+        logger.warning("/v1/chat/completions will answer every request with an error: %s", exc)
 
 
 def _text(content: str | list[TextPart]) -> str:
@@ -196,20 +222,21 @@ class ChatLogprobs(BaseModel):
 class ChatLogprobsEncoder:
     """A chat answer's logprobs, message by message."""
 
-    def __init__(self, token_text: TokenText) -> None:
-        self._token_text = token_text
+    def __init__(self, names: TokenNames) -> None:
+        self._names = names
 
     def encode(self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs]) -> ChatLogprobs:
-        token_text = self._token_text
+        text, token_bytes = self._names.text, self._names.bytes
         content = []
         for token_id, token_logprobs in zip(token_ids, logprobs, strict=True):
-            token = token_text(token_id)
-            top = []
-            for alternative in token_logprobs.top_logprobs:
-                text = token_text(alternative.token_id)
-                top.append(TopLogprob(token=text, logprob=alternative.logprob, bytes=list(text.encode())))
+            top = [
+                TopLogprob(token=text(alternative.token_id), logprob=alternative.logprob,
+                           bytes=token_bytes(alternative.token_id))
+                for alternative in token_logprobs.top_logprobs
+            ]
             content.append(
-                TokenLogprob(token=token, logprob=token_logprobs.logprob, bytes=list(token.encode()), top_logprobs=top)
+                TokenLogprob(token=text(token_id), logprob=token_logprobs.logprob, bytes=token_bytes(token_id),
+                             top_logprobs=top)
             )
         return ChatLogprobs(content=content)
 
@@ -259,12 +286,13 @@ class ChatCompletionChunk(BaseModel):
 class ChatCompletionShape:
     """The messages of ``/v1/chat/completions``: the whole answer, its chunks (each choice's first says the role)."""
 
-    def __init__(self, model: str, token_text: TokenText) -> None:
+    def __init__(self, model: str, names: TokenNames) -> None:
         self.model = model
-        self._token_text = token_text
+        self._names = names
 
-    def logprobs_encoder(self) -> ChatLogprobsEncoder:
-        return ChatLogprobsEncoder(self._token_text)
+    def logprobs_encoder(self, echo: EchoedPrompt | None = None) -> ChatLogprobsEncoder:
+        """``echo``: always ``None``, chat completions echo nothing."""
+        return ChatLogprobsEncoder(self._names)
 
     def whole(self, request_id: str, choices: Sequence[ChoiceOutput], usage: CompletionUsage) -> ChatCompletion:
         return ChatCompletion(

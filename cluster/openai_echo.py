@@ -23,9 +23,10 @@ a completion's text is then).  Streamed, the prompt comes in each choice's
 first chunk; with ``n`` choices each echoes it.
 
 NOTE: the logprobs name every prompt token, a BOS the tokenizer added
-included (as vLLM's do), and ``text_offset`` runs over the tokens' own texts:
-such a token's text (``"<s>"``) is not in the echoed text, so the offsets
-after it are shifted by its length.
+included (as vLLM's do).  Its text (``"<s>"``) is not in the echoed text, so
+its ``text_offset`` is the next token's: offsets are where each token's text
+begins in the text (``openai_tokens``), not a sum of the tokens' own texts
+(vLLM's, which shifts every later offset by the BOS's length).
 """
 
 from __future__ import annotations

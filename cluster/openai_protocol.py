@@ -6,10 +6,11 @@ served exactly as a gRPC call is, and each ``GenerateResponse`` becomes a
 completion chunk.  This is the only module that knows both shapes.
 
 ``logprobs`` come back in OpenAI's shapes: the legacy one for completions
-(``{tokens, token_logprobs, top_logprobs, text_offset}``; ``top_logprobs`` maps
-each alternative's text, and the sampled token's, to its log-probability), and
-the chat one (``openai_chat``).  A token's text is its own decoding, which for
-a token holding part of a UTF-8 character is a replacement character.
+(``openai_text_completion``: ``{tokens, token_logprobs, top_logprobs,
+text_offset}``; ``top_logprobs`` maps each alternative's text, and the sampled
+token's, to its log-probability), and the chat one (``openai_chat``).  A token's
+text is its own decoding, which for a token holding part of a UTF-8 character
+is a replacement character; its bytes and text offset are ``openai_tokens``'.
 
 ``presence_penalty`` and ``frequency_penalty`` (each in [-2, 2]) and
 ``logit_bias`` (an object of token ids spelled as decimal strings, ``{"50256":
@@ -42,10 +43,9 @@ A batch of prompts is refused, with ``n`` or without.
 
 from __future__ import annotations
 
-import functools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -400,88 +400,3 @@ class ChoiceOutput:
     finish_reason: str | None
     logprobs: BaseModel | None = None
     prompt_logprobs: PromptLogprobs | None = None
-
-
-TokenText = Callable[[int], str]
-
-
-def token_text_of(tokenizer: Any | None) -> TokenText:
-    """Each token's own text, as logprobs name tokens (cached); ``token_id:N`` without a tokenizer."""
-    if tokenizer is None:
-        return lambda token_id: f"token_id:{token_id}"
-
-    @functools.lru_cache(maxsize=1 << 16)
-    def token_text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
-
-    return token_text
-
-
-class CompletionLogprobsEncoder:
-    """One completion's logprobs in the legacy shape, message by message (``text_offset`` runs on)."""
-
-    def __init__(self, token_text: TokenText) -> None:
-        self._token_text = token_text
-        self._text_offset = 0
-
-    def encode(
-        self, token_ids: Sequence[int], logprobs: Sequence[generate_pb2.TokenLogprobs | None]
-    ) -> CompletionLogprobs:
-        """``None`` logprobs (an echoed prompt's first token) are nulls."""
-        token_text = self._token_text
-        tokens = [token_text(token_id) for token_id in token_ids]
-        text_offset = []
-        for token in tokens:
-            text_offset.append(self._text_offset)
-            self._text_offset += len(token)
-        top_logprobs: list[dict[str, float] | None] = []
-        for token, token_logprobs in zip(tokens, logprobs, strict=True):
-            if token_logprobs is None:
-                top_logprobs.append(None)
-                continue
-            top = {token_text(alternative.token_id): alternative.logprob for alternative in token_logprobs.top_logprobs}
-            top.setdefault(token, token_logprobs.logprob)
-            top_logprobs.append(top)
-        return CompletionLogprobs(
-            tokens=tokens,
-            token_logprobs=[None if token_logprobs is None else token_logprobs.logprob for token_logprobs in logprobs],
-            top_logprobs=top_logprobs,
-            text_offset=text_offset,
-        )
-
-
-class TextCompletionShape:
-    """The messages of ``/v1/completions``: the whole completion, its chunks, its usage chunk."""
-
-    def __init__(self, model: str, token_text: TokenText) -> None:
-        self.model = model
-        self._token_text = token_text
-
-    def logprobs_encoder(self) -> CompletionLogprobsEncoder:
-        return CompletionLogprobsEncoder(self._token_text)
-
-    def whole(self, request_id: str, choices: Sequence[ChoiceOutput], usage: CompletionUsage) -> Completion:
-        return Completion(
-            id=f"cmpl-{request_id}",
-            model=self.model,
-            choices=[
-                CompletionChoice(index=index, text=c.text, logprobs=c.logprobs, finish_reason=c.finish_reason,
-                                 prompt_logprobs=c.prompt_logprobs)
-                for index, c in enumerate(choices)
-            ],
-            usage=usage,
-        )
-
-    def chunk(
-        self, request_id: str, created: int, index: int, text: str, reason: str | None, first: bool,
-        logprobs: CompletionLogprobs | None = None, prompt_logprobs: PromptLogprobs | None = None,
-    ) -> Completion | None:
-        if not text and reason is None and logprobs is None and prompt_logprobs is None:
-            return None
-        choice = CompletionChoice(
-            index=index, text=text, logprobs=logprobs, finish_reason=reason, prompt_logprobs=prompt_logprobs
-        )
-        return Completion(id=f"cmpl-{request_id}", created=created, model=self.model, choices=[choice])
-
-    def usage_chunk(self, request_id: str, created: int, usage: CompletionUsage) -> Completion:
-        return Completion(id=f"cmpl-{request_id}", created=created, model=self.model, choices=[], usage=usage)

@@ -59,9 +59,9 @@ class LogprobsEncoder(Protocol):
 class ResponseShape(Protocol):
     """How one endpoint's answers look: the whole completion of its choices, a choice's chunk (``None``: send
     none; ``prompt_logprobs`` on its first only), the usage chunk, and the logprobs (of the requests that
-    ask), encoded by a new ``logprobs_encoder()`` per choice."""
+    ask), encoded by a new ``logprobs_encoder(echo)`` per choice (``echo``: the prompt its text begins with)."""
 
-    def logprobs_encoder(self) -> LogprobsEncoder: ...
+    def logprobs_encoder(self, echo: EchoedPrompt | None = None) -> LogprobsEncoder: ...
 
     def whole(self, request_id: str, choices: Sequence[ChoiceOutput], usage: CompletionUsage) -> BaseModel: ...
 
@@ -142,7 +142,7 @@ async def _complete(
             text, token_ids, logprobs = echo.prepend(text, token_ids, logprobs, choice.prompt_logprobs)
         # A choice that asks for logprobs gets them, empty when a stop string cut all its text.
         asks = logprobs or kept_of_choice is not None
-        encoded = shape.logprobs_encoder().encode(token_ids, logprobs) if asks else None
+        encoded = shape.logprobs_encoder(echo).encode(token_ids, logprobs) if asks else None
         prompt = prompt_logprobs.encode(choice.prompt_logprobs) if prompt_logprobs is not None else None
         outputs.append(ChoiceOutput(text, finish_reason(choice.last), encoded, prompt))
     whole = shape.whole(request_id, outputs, to_usage([choice.last for choice in collected]))
@@ -229,7 +229,7 @@ async def _events(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     num_choices = len(kept)
-    encoders = [shape.logprobs_encoder() for _ in range(num_choices)]
+    encoders = [shape.logprobs_encoder(echo) for _ in range(num_choices)]
     started = [False] * num_choices
     lasts: dict[int, generate_pb2.GenerateResponse] = {}  # each ended choice's last message
     async with aclosing(choices):

@@ -19,6 +19,23 @@ from typing import Any
 Conversation = list[dict[str, str]]
 
 
+class ChatTemplateSyntaxError(ValueError):
+    """A chat template that does not compile: the fault of whoever chose the template, never of a
+    conversation rendered with it."""
+
+
+def check_chat_template(template: str) -> None:
+    """``ChatTemplateSyntaxError`` naming the line, unless ``template`` compiles as transformers
+    compiles it to render (its Jinja environment and extensions)."""
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatTemplateSyntaxError(f"the chat template does not compile: line {exc.lineno}: {exc.message}") from None
+
+
 def conversation_of(messages: Sequence[Mapping[str, Any]]) -> Conversation:
     """``messages`` as a template reads them; ``ValueError`` naming the first malformed one."""
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
@@ -53,8 +70,9 @@ def render_conversation(tokenizer: Any, template: str, conversation: Conversatio
     """The token ids of ``conversation`` as ``template`` renders it, ready for the assistant's turn.
 
     ``ValueError`` when the template refuses the conversation (its ``raise_exception``, or a
-    type error inside it).
+    type error inside it); ``ChatTemplateSyntaxError`` when it does not compile.
     """
+    check_chat_template(template)
     try:
         text = tokenizer.apply_chat_template(
             conversation, chat_template=template, tokenize=False, add_generation_prompt=True

@@ -6,6 +6,7 @@ The server: ``openai_served`` (one replica of the tiny model, its gRPC and HTTP 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 from pathlib import Path
@@ -331,6 +332,20 @@ def test_chat_without_a_template_is_a_400_that_says_how_to_give_one(served: Serv
 
     assert response.status_code == 400
     assert "this model has no chat template; start the server with --chat-template FILE" in response.text
+
+
+def test_a_chat_template_that_does_not_compile_is_the_servers_error_not_the_requests(served: Served, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvserve.cluster.openai_chat"):
+        response = chat_on_a_server_of_its_own(served, "{{ messages[0].content }")
+
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "internal_error" and error["param"] is None
+    assert error["message"] == "the server's chat template does not compile"
+    said = [record.getMessage() for record in caplog.records]
+    assert any("will answer every request with an error: the chat template does not compile: line 1" in line
+               for line in said), said  # at start-up
+    assert any("a chat completion failed: the chat template does not compile" in line for line in said), said
 
 
 # -- metrics -----------------------------------------------------------------------
@@ -713,8 +728,12 @@ def test_chat_logprobs_come_in_openais_chat_shape(served: Served, sdk: openai.Op
 
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 6
+    # Each token's own bytes: together the answer's (a part of a character is its bytes, not U+FFFD's).
+    answer = b"".join(bytes(entry.bytes) for entry in content)
+    assert answer.decode(errors="replace") == chat.choices[0].message.content
     for entry in content:
-        assert entry.bytes == list(entry.token.encode())
+        if "\ufffd" not in entry.token:
+            assert entry.bytes == list(entry.token.encode())
         assert [top.logprob for top in entry.top_logprobs] == sorted((top.logprob for top in entry.top_logprobs),
                                                                      reverse=True)
         assert len(entry.top_logprobs) == 2

@@ -82,3 +82,9 @@ def test_a_template_that_refuses_the_conversation_says_why(llm: LLM) -> None:
     template = "{{ raise_exception('only users may speak') }}"
     with pytest.raises(ValueError, match="the chat template refused them: only users may speak"):
         llm.chat(CONVERSATION, GREEDY, chat_template=template)
+
+
+def test_a_template_that_does_not_compile_says_so_and_where(llm: LLM) -> None:
+    with pytest.raises(ValueError, match="the chat template does not compile: line 2: ") as info:
+        llm.chat(CONVERSATION, GREEDY, chat_template="{% for m in messages %}\n{{ m.content }")
+    assert "refused them" not in str(info.value)
