@@ -33,7 +33,8 @@ rate found is added to it) at the start; once every run has finished, ``requests
 per request and run), ``summary.csv`` (their columns and units: at the end of --help),
 ``hit_rate_vs_qps.png`` and ``ttft_p99_vs_qps.png``, then ``summary.md`` (the setup printed at
 the start and the table printed at the end, with the infinite-cache hit rate) last.  The result
-files of an earlier run in ``--out`` are removed at the start, and each file is written under a
+files of an earlier run in ``--out`` (its seeds' folders included) are removed at the start, once
+the settings have passed their checks (a refused command leaves them), and each file is written under a
 temporary name and renamed when complete: a folder without ``summary.md`` holds no finished run.
 With ``--seeds``, each seed's run writes these to ``--out``/seed-N/, then ``aggregate.csv`` and ``aggregate.md``
 (each figure's mean, min and max over the seeds: see the end of --help) go to ``--out``, and its table is printed.
@@ -48,7 +49,7 @@ import csv
 import dataclasses
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvserve.cluster.cli_values import add_cost_model_flag
@@ -81,6 +82,7 @@ from kvserve.experiments import experiment_runs
 from kvserve.experiments.experiment_knee import KneeNotFound, find_knee_qps
 from kvserve.experiments.experiment_seeds import AGGREGATE_CSV_HELP, AGGREGATE_FILES, ExperimentOutcome, run_each_seed
 from kvserve.experiments.experiment_runs import Run, print_progress, stage
+from kvserve.experiments.experiment_output import check_output_dir, prepare_output, record_in_config
 from kvserve.experiments.experiment_setup import (
     DEFAULT_BASELINE,
     DEFAULT_BURSTINESS,
@@ -92,7 +94,6 @@ from kvserve.experiments.experiment_setup import (
     ExperimentError,
     StreamSpec,
     check_live_options,
-    check_output_dir,
     check_options,
     check_policies,
     choose_baseline,
@@ -105,8 +106,6 @@ from kvserve.experiments.experiment_setup import (
     parse_policies,
     parse_policy_args,
     parse_rates,
-    prepare_output,
-    record_in_config,
     qps_label,
     stream_spec,
 )
@@ -296,7 +295,9 @@ def _run_reporting_errors(args: argparse.Namespace) -> int:
         return 1
 
 
-def _run(args: argparse.Namespace) -> ExperimentOutcome:
+def _run(args: argparse.Namespace, before_writing: Callable[[], None]) -> ExperimentOutcome:
+    """One experiment (one seed); ``before_writing`` is called once its settings have passed their checks and
+    its stream and fleet are made, before anything is written."""
     if args.num_requests is None and args.workload != TRACE_WORKLOAD:  # a trace: all of it
         args.num_requests = default_num_requests(args.replicas)
     check_live_options(args)
@@ -364,6 +365,7 @@ def _run(args: argparse.Namespace) -> ExperimentOutcome:
     if model is not None:
         # Synthetic tokens come from the model's vocabulary, live and simulated alike.
         fleet = dataclasses.replace(fleet, vocab_size=model.vocab_size)
+    before_writing()
     prepare_output(args, RESULT_FILES, stream, reference, sizing_reference, fleet,
                    None if model is None else model.model_dir)
     setup = describe(stream, num_measured, reference, sizing, sizing_reference, fleet, cost_model_name(args))

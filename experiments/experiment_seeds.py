@@ -20,7 +20,8 @@ from pathlib import Path
 
 from kvserve.experiments.experiment_report import RunSummary, atomic_open
 from kvserve.experiments.experiment_runs import print_progress
-from kvserve.experiments.experiment_setup import ExperimentError, check_output_dir
+from kvserve.experiments.experiment_output import CONFIG_FILE, check_output_dir, remove_earlier_results
+from kvserve.experiments.experiment_setup import ExperimentError
 from kvserve.experiments.report import count, format_table
 
 # What a run with --seeds writes into --out itself, aggregate.md last: without it, no finished run.
@@ -107,18 +108,22 @@ def seed_dir(out: Path, seed: int) -> Path:
 
 
 def run_each_seed(
-    args: argparse.Namespace, run_once: Callable[[argparse.Namespace], ExperimentOutcome], stale_files: Sequence[str]
+    args: argparse.Namespace,
+    run_once: Callable[[argparse.Namespace, Callable[[], None]], ExperimentOutcome],
+    result_files: Sequence[str],
 ) -> int:
     """Run the experiment ``args`` describe: once with ``--seed`` (default 0), or once per ``--seeds`` seed and
     then aggregated; returns the exit status.
 
-    ``run_once`` runs one experiment; ``stale_files``: the result files of an earlier run, removed from
-    ``--out`` before the seeds' runs (each seed's folder is cleared by its own run).
+    ``run_once(args, before_writing)`` runs one experiment, calling ``before_writing`` once its settings have
+    passed their checks.  With ``--seeds``, the first seed's call removes an earlier run's results from
+    ``--out`` (``result_files`` and ``config.json``, and the folders of seeds this run does not have): a
+    command refused for its settings leaves them all.  Each seed's own run clears its folder.
     """
     if args.seeds is None:
         if args.seed is None:
             args.seed = 0
-        return run_once(args).status
+        return run_once(args, lambda: None).status
     if args.seed is not None:
         raise ExperimentError("--seed and --seeds do not combine: --seeds runs the experiment with each of its seeds")
     seeds = parse_seeds(args.seeds)
@@ -129,12 +134,13 @@ def run_each_seed(
         )
     out: Path = args.out
     check_output_dir(out)
-    try:
-        if out.is_dir():  # else each seed's run makes it
-            for name in stale_files:
-                (out / name).unlink(missing_ok=True)
-    except OSError as exc:
-        raise ExperimentError(f"--out {out}: {exc.strerror or exc}") from None
+    started = False
+
+    def remove_the_earlier_run() -> None:
+        nonlocal started
+        if not started:
+            remove_earlier_results(out, (*result_files, CONFIG_FILE), keep_seeds=seeds)
+            started = True
 
     status = 0
     outcomes: list[ExperimentOutcome] = []
@@ -144,8 +150,10 @@ def run_each_seed(
         seed_args = argparse.Namespace(**vars(args))
         seed_args.seed, seed_args.out = seed, folder
         try:
-            outcome = run_once(seed_args)
+            outcome = run_once(seed_args, remove_the_earlier_run)
         except ExperimentError as exc:
+            if not started:  # the settings', not the seed's
+                raise
             raise ExperimentError(f"seed {seed}: {exc}") from None
         status = status or outcome.status
         outcomes.append(outcome)

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvserve.cluster.cli_values import cost_model_of_flag, key_value
-from kvserve.experiments.experiment_report import atomic_open
 from kvserve.experiments.report import count
 from kvserve.experiments.workloads import WorkloadRequest, make_workload
 from kvserve.experiments.workloads.cache_reference import CacheReference
@@ -26,7 +22,6 @@ from kvserve.experiments.workloads.registry import (
     TRACE_WORKLOAD,
     WORKLOADS,
     check_workload_parameters,
-    workload_parameters,
 )
 from kvserve.cluster.ray_address import parse_gcs_address
 from kvserve.scheduler.routing.policies import POLICIES, make_policy, policy_factory, policy_parameters
@@ -394,78 +389,6 @@ def describe(
             "for memory, not compute; --kv-fraction or --kv-blocks-per-replica sets its size"
         )
     return lines
-
-
-def check_output_dir(out: Path) -> None:
-    """``ExperimentError`` when ``--out`` could not be made a directory and written to, as far as can be
-    told before anything is generated: it, or the nearest folder above it that exists, is not a
-    directory or not writable."""
-    existing = next((path for path in (out, *out.parents) if path.exists()), None)
-    if existing is None:
-        return
-    if not existing.is_dir():
-        raise ExperimentError(f"--out {out}{'' if existing == out else f': {existing}'} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ExperimentError(f"--out {out}: {existing} is not writable")
-
-
-def prepare_output(
-    args: argparse.Namespace,
-    result_files: Sequence[str],
-    stream: StreamSpec,
-    reference: CacheReference,
-    sizing_reference: CacheReference,
-    fleet: FleetConfig,
-    model_dir: str | None,
-) -> None:
-    """Create ``--out`` (``check_output_dir`` has checked it), remove an earlier run's ``result_files``
-    there and write ``config.json``.
-
-    ``stream``: the stream as generated (a live run's ``vocab_size`` added); ``model_dir``: the model
-    a live run serves (``None``: a simulation).  The config holds what rebuilds the run: the cost
-    model's coefficients, the model directory and every workload parameter, defaults included.
-    """
-    out: Path = args.out
-    config = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()
-              if key != "handler"}
-    config["sim"] = not args.live  # the default mode, --sim or not
-    # Defaults the run applied, as values (null stays for a setting that does not apply).
-    if args.burstiness is None and args.workload != TRACE_WORKLOAD:
-        config["burstiness"] = DEFAULT_BURSTINESS
-    if args.kv_fraction is None and args.kv_blocks_per_replica is None:
-        config["kv_fraction"] = DEFAULT_KV_FRACTION
-    config["cost_model"] = {"name": cost_model_name(args), **dataclasses.asdict(fleet.cost_model)}
-    config["model"] = model_dir
-    # Every parameter of the generator (its defaults as values), and those the stream was given
-    # besides --workload-arg (a live run's vocab_size, a trace's path).
-    config["workload_params"] = {**workload_parameters(stream.workload), **stream.params}
-    config["kv_blocks_per_replica_used"] = fleet.cache_config.num_usable_blocks
-    config["infinite_cache_hit_rate"] = reference.hit_rate
-    config["prefix_working_set_blocks"] = reference.num_reused_blocks
-    # The working set --kv-fraction sized the caches on (that of the default stream; see sizing_stream).
-    config["sizing_working_set_blocks"] = (
-        None if args.kv_blocks_per_replica is not None else sizing_reference.num_reused_blocks
-    )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        for name in result_files:
-            (out / name).unlink(missing_ok=True)
-        with atomic_open(out / "config.json") as file:
-            file.write(json.dumps(config, indent=2, default=str) + "\n")
-    except OSError as exc:
-        raise ExperimentError(f"--out {out}: {exc.strerror or exc}") from None
-
-
-def record_in_config(out: Path, **values: Any) -> None:
-    """Add ``values`` to ``out``'s ``config.json`` (what the run found: the knee's rate)."""
-    path = out / "config.json"
-    try:
-        config = json.loads(path.read_text())
-        config.update(values)
-        with atomic_open(path) as file:
-            file.write(json.dumps(config, indent=2, default=str) + "\n")
-    except OSError as exc:
-        raise ExperimentError(f"--out {out}: {exc.strerror or exc}") from None
 
 
 def cost_model_name(args: argparse.Namespace) -> str:

@@ -16,7 +16,8 @@ from kvserve.experiments.experiment import add_experiment_parser, run_experiment
 from kvserve.experiments.experiment_fleet import sizing_stream
 from kvserve.experiments.experiment_notes import small_sample_note
 from kvserve.experiments.experiment_report import REQUEST_CSV_FIELDS, SUMMARY_HEADERS, RunSummary, summary_rows
-from kvserve.experiments.experiment_setup import StreamSpec, prepare_output
+from kvserve.experiments.experiment_output import prepare_output
+from kvserve.experiments.experiment_setup import StreamSpec
 from kvserve.experiments.workloads.cache_reference import infinite_cache_reference
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.cost_model import StepCostModel

@@ -155,6 +155,69 @@ def test_bad_seeds_are_refused_in_one_line_before_anything_runs(tmp_path, capsys
     assert not (tmp_path / "run").exists()
 
 
+def an_earlier_run(out: Path, seeds: tuple[int, ...] = ()) -> None:
+    """The files of a finished run in ``out`` (one with --seed, and one with --seeds ``seeds``)."""
+    out.mkdir(parents=True)
+    for name in (*experiment.RESULT_FILES, "config.json"):
+        (out / name).write_text("an earlier run")
+    for seed in seeds:
+        (out / f"seed-{seed}").mkdir()
+        for name in (*experiment.RESULT_FILES, "config.json"):
+            (out / f"seed-{seed}" / name).write_text("an earlier run")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--policies", "bogus"], "unknown policies bogus"),
+        (["--policies", "round_robin", "--workload-arg", "num_groups=-1"], "num_groups"),
+    ],
+)
+def test_a_command_refused_for_its_settings_leaves_an_earlier_runs_results(  # noqa: ANN001
+    tmp_path, capsys, extra, message
+) -> None:
+    out = tmp_path / "run"
+    an_earlier_run(out, seeds=(0, 5))
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+
+    assert run_experiment(parse([*SMALL, "--qps", "5", *extra, "--seeds", "0,1", "--out", str(out)])) == 2
+
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("kvserve experiment: error: ") and message in error, error
+    assert "seed 0" not in error  # the settings' error, whatever the seed
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+def test_a_seeds_run_leaves_no_file_or_seed_folder_of_an_earlier_run(tmp_path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+    an_earlier_run(out, seeds=(0, 1, 2))
+    (out / "seed-3").mkdir()
+    (out / "seed-3" / "notes.txt").write_text("mine")  # not the experiment's: kept, and its folder
+    (out / "mine.txt").write_text("mine")
+
+    run([*SMALL, "--policies", "round_robin", "--qps", "5", "--seeds", "0,1", "--out", str(out)], capsys)
+
+    assert sorted(p.name for p in out.iterdir()) == [*experiment_seeds_files(), "mine.txt", "seed-0", "seed-1", "seed-3"]
+    assert [p.name for p in (out / "seed-3").iterdir()] == ["notes.txt"]
+    for seed in (0, 1):  # this run's own
+        assert json.loads((out / f"seed-{seed}" / "config.json").read_text())["seed"] == seed
+
+
+def test_a_single_run_leaves_no_seed_folder_of_an_earlier_seeds_run(tmp_path, capsys) -> None:  # noqa: ANN001
+    out = tmp_path / "run"
+    an_earlier_run(out, seeds=(0, 1))
+
+    run([*SMALL, "--policies", "round_robin", "--qps", "5", "--out", str(out)], capsys)
+
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["config.json", "requests.csv", "summary.csv", "summary.md"]
+
+
+def experiment_seeds_files() -> list[str]:
+    """What a --seeds run writes at the top of --out."""
+    return ["aggregate.csv", "aggregate.md"]
+
+
 def test_a_policy_of_ones_own_is_named_as_policies_names_it_in_sim_and_live_alike(  # noqa: ANN001
     tmp_path, capsys, monkeypatch
 ) -> None:
