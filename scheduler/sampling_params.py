@@ -11,6 +11,7 @@ from kvserve.scheduler.stop_strings import MAX_STOP_STRINGS, check_stop_strings
 
 # The most alternatives a request may ask for at each position (OpenAI's chat API allows 20).
 MAX_LOGPROBS = 20
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
 # OpenAI's bounds: penalties in [-2, 2], at most 300 biased tokens, each bias in [-100, 100].
 MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS_TOKENS = 300
@@ -127,6 +128,13 @@ class SamplingParams:
             if top_k in (-1, 0):
                 top_k = None
         seed = None if self.seed is None else _integer("seed", self.seed)
+        # NOTE: a seed is 64 bits wherever it goes (the gRPC API's int64, torch's generators): a larger one
+        # wrapped around, 2**64 sampling as 0 does.  Completion i samples with seed + i, which must fit too.
+        if seed is not None and not MIN_SEED <= seed <= MAX_SEED - (n - 1):
+            largest = f"{MAX_SEED}"
+            if n > 1:
+                largest += f" - (n - 1) = {MAX_SEED - (n - 1)}: completion i samples with seed + i"
+            raise ValueError(f"seed must be a 64-bit signed integer, from {MIN_SEED} to {largest}; got {seed}")
         logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {logprobs}")

@@ -79,6 +79,26 @@ def test_bad_sampling_params_name_the_field(kwargs: dict, field: str) -> None:
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "largest"),
+    [
+        ({"seed": 2**64}, "9223372036854775807;"),  # sampled as seed 0 did
+        ({"seed": 2**63}, "9223372036854775807;"),
+        ({"seed": -(2**63) - 1}, "9223372036854775807;"),
+        ({"seed": 2**63 - 2, "n": 3}, "9223372036854775807 - (n - 1) = 9223372036854775805: completion i samples"),
+    ],
+)
+def test_a_seed_past_64_bits_is_refused_not_wrapped(kwargs: dict, largest: str) -> None:
+    with pytest.raises(ValueError) as info:
+        SamplingParams(**kwargs)
+    assert f"seed must be a 64-bit signed integer, from -9223372036854775808 to {largest}" in str(info.value)
+
+
+@pytest.mark.parametrize(("seed", "n"), [(2**63 - 1, 1), (-(2**63), 1), (2**63 - 3, 3), (0, 16)])
+def test_every_64_bit_seed_is_taken(seed: int, n: int) -> None:
+    assert SamplingParams(seed=seed, n=n).seed == seed
+
+
 def test_logit_bias_is_kept_as_pairs_sorted_by_token_id() -> None:
     from_mapping = SamplingParams(logit_bias={9: -1, 2: 0.5})
     assert from_mapping.logit_bias == ((2, 0.5), (9, -1.0))
