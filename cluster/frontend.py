@@ -26,9 +26,9 @@ Every output batch says how many replicas are healthy: ``on_serving_changed``
 hears when that number drops to 0 or rises from it (the server's health
 status follows).
 
-Status codes: ``INVALID_ARGUMENT`` (naming the field) for bad input and
-the request id of a call still in flight (or still draining after
-``DRAIN_TIMEOUT_S``); ``RESOURCE_EXHAUSTED`` when ``max_concurrent_requests``
+Status codes: ``INVALID_ARGUMENT`` (naming the field) for bad input and the
+request id of a call still draining after ``DRAIN_TIMEOUT_S``; ``ALREADY_EXISTS``
+for that of a call in flight; ``RESOURCE_EXHAUSTED`` when ``max_concurrent_requests``
 streams are in flight, or ``max_concurrent_requests_per_tenant`` of the caller's
 tenant (and, from gRPC itself, for a message over the size limit); ``UNAVAILABLE`` when the request's replica failed while computing it
 (a request it had not started goes to another replica) or no replica is
@@ -54,6 +54,7 @@ from kvserve.cluster.detokenizer import IncrementalDetokenizer
 from kvserve.cluster.auth import AuthenticationError, Tenant, TokenTable
 from kvserve.cluster.failure_log import FailureLog
 from kvserve.cluster.frontend_errors import (
+    DuplicateRequestError,
     FrontendError,
     InvalidRequestError,
     OverloadedError,
@@ -84,8 +85,6 @@ DRAIN_TIMEOUT_S = 5.0
 _TOKENIZE_IN_THREAD_CHARS = 1 << 12
 # Requests that fail within this long of the first are logged as one burst (``FailureLog``).
 FAILURE_LOG_WINDOW_S = 1.0
-
-
 # What a client is told once the scheduler actor is gone (the details go to the log).
 SCHEDULER_LOST = "the server lost its scheduler; nothing can be served until it is restarted"
 
@@ -242,7 +241,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     f"request_id {public_id!r} is still being cancelled after {DRAIN_TIMEOUT_S:g} s"
                 ) from None
         if req_id in self._streams:
-            raise InvalidRequestError(f"request_id {public_id!r} is already in flight")
+            raise DuplicateRequestError(f"request_id {public_id!r} is already in flight")
         if len(self._streams) >= self._max_concurrent_requests:
             raise OverloadedError(
                 f"the server is at its limit of {self._max_concurrent_requests} concurrent requests"

@@ -28,6 +28,12 @@ class InvalidRequestError(FrontendError, ValueError):
     http_status = 400
 
 
+class DuplicateRequestError(InvalidRequestError):
+    """A request whose ``request_id`` names one in flight (its tenant's, with authentication)."""
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
 class OverloadedError(FrontendError):
     """``max_concurrent_requests`` streams are in flight already."""
 

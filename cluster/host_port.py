@@ -14,6 +14,9 @@ def check_grpc_target(target: str) -> str:
     name, failing only at the first call, as an unreachable server.
     """
     if target.startswith(GRPC_SCHEMES):  # dns:///host:port is a gRPC target
+        scheme, _, address = target.partition(":")
+        if not address.strip("/"):  # grpc: "empty address list", at the first call
+            raise ValueError(f"expected an address after {scheme + ':'!r}, got {target!r}")
         return target
     if "://" in target:
         raise ValueError(f"expected the server's HOST:PORT, not a URL: got {target!r}")

@@ -345,6 +345,8 @@ def test_a_ca_file_without_a_certificate_is_a_clear_error(tmp_path):
         # grpc would take port 443.
         ("127.0.0.1", ValueError, "target: expected HOST:PORT with a port in 1..65535, got '127.0.0.1'"),
         ("http://127.0.0.1:50051", ValueError, "target: expected the server's HOST:PORT, not a URL"),
+        ("unix:", ValueError, "target: expected an address after 'unix:', got 'unix:'"),
+        ("dns:///", ValueError, "target: expected an address after 'dns:', got 'dns:///'"),
         (None, TypeError, "target must be a str such as '127.0.0.1:50051', got NoneType"),
     ],
 )

@@ -225,7 +225,7 @@ def test_a_second_call_with_the_id_of_one_in_flight_is_refused() -> None:
     async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
         first = asyncio.ensure_future(collect(frontend, "same"))
         await asyncio.sleep(0.05)
-        with pytest.raises(Aborted, match="INVALID_ARGUMENT.*request_id 'same' is already in flight"):
+        with pytest.raises(Aborted, match="ALREADY_EXISTS.*request_id 'same' is already in flight"):
             await collect(frontend, "same")
         scheduler.emit(RequestDelta("same", [4], finish_reason="length", replica=0))
         assert [list(m.token_ids) for m in await first] == [[4]]

@@ -208,7 +208,7 @@ def test_one_tenant_s_request_ids_in_flight_stay_unique_across_its_tokens(secure
             alice_again.generate(PROMPT, max_tokens=2, request_id="alice-id")
         alices.close()
 
-    assert info.value.code == "INVALID_ARGUMENT"
+    assert info.value.code == "ALREADY_EXISTS"
     assert info.value.message == "request_id 'alice-id' is already in flight"
 
 
