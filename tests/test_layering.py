@@ -20,7 +20,7 @@ LAYERS = ("scheduler", "kernels", "worker", "proto", "cluster", "experiments", "
 THIRD_PARTY = {
     "scheduler": {"numpy", "xxhash"},
     "kernels": {"torch", "triton", "numpy"},
-    "worker": {"torch", "transformers", "tokenizers", "safetensors", "numpy"},
+    "worker": {"torch", "transformers", "tokenizers", "safetensors", "numpy", "jinja2"},
     "proto": {"google", "grpc", "grpc_tools"},
 }
 

@@ -425,11 +425,11 @@ def test_bad_input_is_invalid_argument_naming_the_field(served: Served, bad_requ
     assert field in error.details()
 
 
-def test_a_duplicate_request_id_in_flight_is_invalid_argument(served: Served):
+def test_a_duplicate_request_id_in_flight_is_already_exists(served: Served):
     first = served.stub.Generate(request("first", LONG, request_id="dup"), timeout=RPC_TIMEOUT_S)
     assert next(first).request_id == "dup"
     error = rpc_error(served.stub.Generate(request("second", request_id="dup"), timeout=RPC_TIMEOUT_S))
-    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert error.code() == grpc.StatusCode.ALREADY_EXISTS
     assert "request_id" in error.details()
     first.cancel()
     wait_until_pools_are_full(served)
