@@ -39,9 +39,17 @@ def closed_stdout_status() -> int:
 
 
 def stop_on_sigterm() -> None:
-    """From now on SIGTERM raises ``KeyboardInterrupt``, as Ctrl-C does (main thread only)."""
+    """From now on SIGTERM raises ``KeyboardInterrupt``, as Ctrl-C does (main thread only), and so does
+    SIGINT when the process started with it ignored.
+
+    NOTE: a script's background job (``kvserve serve &``) starts with SIGINT ignored.  ``serve``'s loop
+    heeds it anyway (asyncio's handler), so a ``kill -INT`` during start-up was lost while one a moment
+    later stopped the server: SIGINT now stops it at every stage, as SIGTERM does.
+    """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _raise_keyboard_interrupt(signum: int, frame: FrameType | None) -> None:

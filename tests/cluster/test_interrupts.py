@@ -81,6 +81,17 @@ def test_stop_on_sigterm_makes_sigterm_a_keyboard_interrupt():
 
 
 @pytest.mark.usefixtures("sigterm_restored")
+def test_stop_on_sigterm_heeds_a_sigint_that_the_process_started_ignoring():
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a script's background job starts
+    try:
+        stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.mark.usefixtures("sigterm_restored")
 def test_sigterm_is_a_keyboard_interrupt_within_the_block_only():
     def mine(signum: int, frame: object) -> None:
         pass
