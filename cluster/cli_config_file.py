@@ -27,30 +27,42 @@ from typing import Any, NoReturn
 CONFIG_FLAG = "--config"
 
 
+# Settings that are one on the command line: -v is --log-level debug, so either there overrides both in a file.
+_ONE_SETTING = ({"verbose", "log_level"},)
+
+
 def parse_args_with_config_file(
     parser: argparse.ArgumentParser, subparser: argparse.ArgumentParser, argv: Sequence[str], command: str
 ) -> argparse.Namespace:
     """``parser.parse_args(argv)``, with the settings of ``command``'s ``--config FILE`` where
     the command line does not set them (``subparser``: ``command``'s parser).
 
-    ``ValueError`` for a file that cannot be read, is not a mapping, names an
+    The file is the one argparse takes (``--config``, its abbreviations, the last one given).  The
+    namespace's ``settings_from_file`` names the settings taken from it (their ``dest``), empty
+    without a file.  ``ValueError`` for a file that cannot be read, is not a mapping, names an
     unknown flag or gives a bad value (the message names the file).
     """
     argv = list(argv)
-    if command not in argv:
-        return parser.parse_args(argv)
-    start = argv.index(command) + 1
-    path, own_args = _take_config_flag(argv[start:])
-    if path is None:
-        return parser.parse_args(argv)
-    from_file = config_file_settings(subparser, Path(path))
-    args = parser.parse_args([*argv[:start], *own_args])
     # NOTE: the command line is parsed as if there were no file (so that two flags that exclude
     # each other are refused only when both are there), then the file fills in what it left unset.
-    given = _settings_given(subparser, own_args, on_error=parser.error)
-    for dest, value in from_file.items():
-        if dest not in given:
-            setattr(args, dest, value)
+    args = parser.parse_args(argv)
+    path = getattr(args, CONFIG_FLAG.removeprefix("--"), None)
+    args.settings_from_file = frozenset()
+    if path is None or command not in argv:
+        return args
+    from_file = config_file_settings(subparser, Path(path))
+    start = argv.index(command) + 1
+    given = set(_settings_given(subparser, argv[start:], on_error=parser.error))
+    # Those before the command (kvserve --log-level error serve ...), the main parser's own.
+    main_dests = {action.dest for action in parser._actions}  # noqa: SLF001
+    given |= set(_settings_given(parser, argv[:start], on_error=parser.error)) & main_dests
+    for setting in _ONE_SETTING:
+        if given & setting:
+            given |= setting
+    taken = {dest: value for dest, value in from_file.items() if dest not in given}
+    for dest, value in taken.items():
+        setattr(args, dest, value)
+    args.settings_from_file = frozenset(taken)
     return args
 
 
@@ -139,15 +151,3 @@ def _flag_args(flag: str, action: argparse.Action, value: object, path: Path) ->
 def _scalar(value: object) -> str:
     # NOTE: YAML's true/false as the flag parsers spell them (a routing arg's literal).
     return str(value)
-
-
-def _take_config_flag(args: list[str]) -> tuple[str | None, list[str]]:
-    """The path of ``--config PATH`` (or ``--config=PATH``) in ``args``, and ``args`` without it."""
-    for i, arg in enumerate(args):
-        if arg == CONFIG_FLAG and i + 1 < len(args):
-            return args[i + 1], args[:i] + args[i + 2 :]
-        if arg.startswith(f"{CONFIG_FLAG}="):
-            return arg.split("=", 1)[1], args[:i] + args[i + 1 :]
-        if arg == "--":
-            break
-    return None, args

@@ -363,7 +363,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # Fail on a wrong model directory before starting anything.
         resolve_model_config(config)
     except ValueError as exc:
-        print(f"kvserve serve: error: {_in_flag_terms(exc, args.flags_of_settings)}", file=sys.stderr)
+        print(f"kvserve serve: error: {_in_flag_terms(exc, args)}", file=sys.stderr)
         return 2
 
     import ray
@@ -412,7 +412,7 @@ def run_serve(args: argparse.Namespace) -> int:
         finally:
             stop_on_sigterm()  # asyncio left it at the default action, which would kill the shutdown below
     except (ValueError, RuntimeError) as exc:
-        print(f"kvserve serve: error: {_in_flag_terms(exc, args.flags_of_settings)}", file=sys.stderr)
+        print(f"kvserve serve: error: {_in_flag_terms(exc, args)}", file=sys.stderr)
         status = 1
     except KeyboardInterrupt:
         progress("interrupted")
@@ -479,14 +479,17 @@ def _flags_of_settings(parser: argparse.ArgumentParser) -> dict[str, str]:
     return flags
 
 
-def _in_flag_terms(error: Exception, flags: dict[str, str]) -> str:
+def _in_flag_terms(error: Exception, args: argparse.Namespace) -> str:
     """``error``'s message with a leading settings field (``field ...`` or ``field: ...``)
-    replaced by the flag that sets it."""
+    replaced by the flag that sets it, and the config file when the value came from there."""
     message = str(error)
     field, space, rest = message.partition(" ")
     name = field.removesuffix(":")
-    flag = flags.get(name)
-    return f"{flag}{field[len(name):]}{space}{rest}" if flag else message
+    flag = args.flags_of_settings.get(name)
+    if not flag:
+        return message
+    where = f" ({flag} from --config {args.config})" if name in getattr(args, "settings_from_file", ()) else ""
+    return f"{flag}{field[len(name):]}{space}{rest}{where}"
 
 
 

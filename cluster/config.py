@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from kvserve.cluster.tls import TlsFiles
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1  # a C int in grpc's channel arguments
 # NOTE: generous: a GPU replica's first steps may compile kernels, and one step may prefill
 # a whole long prompt.  The step-age gauge of /metrics tells of a hung worker sooner.
 DEFAULT_STEP_TIMEOUT_S = 120.0
@@ -91,6 +92,10 @@ class ServerConfig:
             if http_port != 0 and http_port == self.port:
                 raise ValueError(f"http_port must differ from port, both are {http_port}")
         check_positive_ints(max_message_bytes=self.max_message_bytes)
+        if self.max_message_bytes > MAX_GRPC_MESSAGE_BYTES:  # else grpc's OverflowError, once serving started
+            raise ValueError(
+                f"max_message_bytes must be at most {MAX_GRPC_MESSAGE_BYTES} (gRPC's limit), got {self.max_message_bytes}"
+            )
         check_positive_ints(max_concurrent_requests=self.max_concurrent_requests)
         if self.max_concurrent_requests_per_tenant is not None:
             check_positive_ints(max_concurrent_requests_per_tenant=self.max_concurrent_requests_per_tenant)

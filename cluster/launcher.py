@@ -284,7 +284,8 @@ def _exit_on_unhandled_sigterm() -> None:
 
 def resolve_model_config(config: ClusterConfig) -> ModelConfig:
     """The served model as the scheduler and the front end see it; ``ValueError`` for a bad directory,
-    or one the tensor-parallel size cannot split.
+    one the tensor-parallel size cannot split, or scheduler limits that cannot serve its
+    ``max_model_len`` (chunked prefill off with a smaller token budget).
 
     A simulated cluster runs no model, so its ``max_model_len`` may exceed the
     model's position limit, and its replicas split nothing.
@@ -292,11 +293,13 @@ def resolve_model_config(config: ClusterConfig) -> ModelConfig:
     if config.simulation is None:
         model_config = ModelConfig.from_pretrained(config.engine.model, config.engine.scheduler.max_model_len)
         model_config.check_tensor_parallel_size(config.parallel.tensor_parallel_size)
-        return model_config
-    model_config = ModelConfig.from_pretrained(config.engine.model)
-    if config.engine.scheduler.max_model_len is None:
-        return model_config
-    return dataclasses.replace(model_config, max_model_len=config.engine.scheduler.max_model_len)
+    else:
+        model_config = ModelConfig.from_pretrained(config.engine.model)
+        if config.engine.scheduler.max_model_len is not None:
+            model_config = dataclasses.replace(model_config, max_model_len=config.engine.scheduler.max_model_len)
+    # NOTE: else refused by the scheduler actor, after Ray and the replicas had started.
+    config.engine.scheduler_config(model_config.max_model_len)
+    return model_config
 
 
 def resolve_simulation(config: ClusterConfig, model_config: ModelConfig) -> ClusterConfig:

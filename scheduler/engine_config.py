@@ -30,6 +30,7 @@ from kvserve.scheduler.checks import (
     check_tenant_cache_share,
 )
 from kvserve.scheduler.config import CacheConfig, SchedulerConfig
+from kvserve.scheduler.sampling_params import MAX_SEED, MIN_SEED
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DEVICES = ("cpu", "cuda")
@@ -125,6 +126,9 @@ class RuntimeSettings:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and not MIN_SEED <= self.seed <= MAX_SEED:
+            # NOTE: the sampler keeps a seed's low 64 bits: 2**64 sampled as 0 did.
+            raise ValueError(f"seed must be a 64-bit signed integer ({MIN_SEED} to {MAX_SEED}) or None, got {self.seed}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be a bool, got {self.enforce_eager!r}")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
 import signal
@@ -89,6 +88,10 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
         (["--port", "70000"], "port"),
         (["--max-messages-per-s", "-1"], "--max-messages-per-s must be >= 0 (0: no budget), got -1"),
         (["--address", "head-node"], "expected 'auto' or HOST:PORT"),
+        # Accepted before, and gRPC's OverflowError ended the server once it had started.
+        (["--max-message-bytes", "2147483648"], "--max-message-bytes must be at most 2147483647 (gRPC's limit)"),
+        # Accepted before, and sampled as --seed 0 does (the sampler keeps the low 64 bits).
+        (["--seed", str(2**64)], "--seed must be a 64-bit signed integer (-9223372036854775808 to"),
         (["--model", "/nonexistent/model"], "config.json"),
         (["--time-scale", "2", "--model", "/nonexistent/model"], "need --simulated"),
         (["--simulated", "--model", "/nonexistent/model"], "--num-blocks is required with simulation"),
@@ -193,6 +196,17 @@ def test_serve_refuses_a_taken_http_port_before_starting_ray(capsys, model_dir):
 def test_serve_rejects_a_bad_http_port_before_starting_anything(capsys, model_dir, args, message):
     assert main(["serve", "--model", str(model_dir), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_serve_refuses_a_token_budget_below_the_models_length_without_chunked_prefill_before_starting(
+    capsys, model_dir
+):
+    # Refused by the scheduler actor before, once Ray and the replica had started, in a traceback.
+    assert main(["serve", "--model", str(model_dir), "--no-chunked-prefill", "--max-num-batched-tokens", "512"]) == 2
+    assert capsys.readouterr().err == (
+        "kvserve serve: error: --max-num-batched-tokens must be >= max_model_len when chunked prefill is off "
+        "(got 512 < 2048): a long prompt could never be scheduled\n"
+    )
 
 
 @pytest.mark.parametrize(
@@ -501,133 +515,6 @@ def test_the_log_level_after_the_subcommand_sets_what_is_logged(tmp_path, flags,
     )
     assert result.returncode == 0, result.stderr
     assert ("INFO kvserve.worker.tiny_model: created tiny llama model" in result.stderr) == logged
-
-
-# -- serve --config ------------------------------------------------------------------
-
-
-def parsed(tmp_path: Path, text: str, *argv: str) -> argparse.Namespace:
-    """``kvserve serve --config FILE *argv`` parsed, FILE holding ``text``."""
-    from kvserve.cli import _subcommand_parser, build_parser
-    from kvserve.cluster.cli_config_file import parse_args_with_config_file
-
-    path = tmp_path / "serve.yaml"
-    path.write_text(text)
-    parser = build_parser()
-    return parse_args_with_config_file(
-        parser, _subcommand_parser(parser, "serve"), ["serve", "--config", str(path), *argv], "serve"
-    )
-
-
-def test_a_config_file_sets_serves_flags_and_the_command_line_overrides_them(tmp_path):
-    config = "model: /models/m\nport: 6000\nmax_num_seqs: 8\nrouting-arg: [cache_threshold=0.5]\nno-http: true\n"
-    args = parsed(tmp_path, config, "--port", "7000")
-
-    assert args.model == Path("/models/m")
-    assert args.port == 7000
-    assert args.max_num_seqs == 8
-    assert args.routing_args == [("cache_threshold", 0.5)]
-    assert args.http_port is None
-
-
-@pytest.mark.parametrize(
-    ("config", "argv", "http_port"),
-    [
-        ("no-http: true\n", ["--http-port", "8091"], 8091),
-        ("http-port: 8091\n", ["--no-http"], None),
-        ("http-port: 8091\n", [], 8091),
-        ("no-http: true\n", [], None),
-        ("http-port: 8091\n", ["--http-port", "100"], 100),
-    ],
-)
-def test_the_command_lines_http_flag_wins_over_the_config_files_other_one(tmp_path, config, argv, http_port):
-    # Each refused the other: "argument --http-port: not allowed with argument --no-http".
-    assert parsed(tmp_path, config, *argv).http_port == http_port
-
-
-@pytest.mark.parametrize("config", ["", "http-port: 100\n", "no-http: true\n"])
-def test_http_port_and_no_http_together_on_the_command_line_stay_an_error(capsys, tmp_path, config):
-    # 100: an int argparse caches, which it would take for the default (not given) had the file set it.
-    with pytest.raises(SystemExit) as exit_info:
-        parsed(tmp_path, config, "--http-port", "100", "--no-http")
-    assert exit_info.value.code == 2
-    assert "argument --no-http: not allowed with argument --http-port" in capsys.readouterr().err
-
-
-def test_http_port_and_no_http_together_in_a_config_file_are_an_error_naming_it(capsys, tmp_path):
-    path = tmp_path / "serve.yaml"
-    path.write_text("http-port: 8091\nno-http: true\n")
-
-    assert main(["serve", "--config", str(path), "--http-port", "8092"]) == 2
-    assert capsys.readouterr().err == (
-        f"kvserve serve: error: --config {path}: argument --no-http: not allowed with argument --http-port\n"
-    )
-
-
-def test_a_repeatable_flag_on_the_command_line_replaces_the_config_files_list(tmp_path):
-    config = "routing-arg: [cache_threshold=0.5, balance_abs_threshold=32]\n"
-    args = parsed(tmp_path, config, "--routing-arg", "cache_threshold=0.7")
-    assert args.routing_args == [("cache_threshold", 0.7)]
-
-
-def test_a_switch_the_config_file_sets_stays_set_when_the_command_line_says_nothing(tmp_path):
-    args = parsed(tmp_path, "enforce-eager: true\nasync-scheduling: false\n", "--port", "1")
-    assert args.enforce_eager is True
-    assert args.async_scheduling is False
-
-
-@pytest.mark.parametrize(
-    "text, argv, expected",
-    [
-        ("", (), None),  # the default: decided by the replicas' executor
-        ("async-scheduling: true\n", (), True),
-        ("async-scheduling: false\n", (), False),
-        ("no-async-scheduling: true\n", (), False),
-        ("no-async-scheduling: false\n", (), True),
-        ("async-scheduling: false\n", ("--async-scheduling",), True),
-        ("async-scheduling: true\n", ("--no-async-scheduling",), False),
-    ],
-)
-def test_async_scheduling_is_on_off_or_left_to_the_replicas_from_the_file_and_the_command_line(
-    tmp_path, text, argv, expected
-):
-    assert parsed(tmp_path, text, "--port", "1", *argv).async_scheduling is expected
-
-
-def test_a_config_file_value_that_starts_with_a_dash_is_a_value(tmp_path):
-    # It was passed as two arguments, "--host -x": argparse took "-x" for a flag.
-    assert parsed(tmp_path, "host: -x\n").host == "-x"
-
-
-def test_a_config_file_is_checked_as_the_flags_are(capsys, tmp_path, model_dir):
-    path = tmp_path / "serve.yaml"
-    path.write_text(f"model: {model_dir}\nport: 0\ntp: 3\n")
-
-    assert main(["serve", "--config", str(path)]) == 2
-    assert "--tp 3 cannot split the model" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    "text, message",
-    [
-        ("max-num-seq: 8\n", "unknown key 'max-num-seq'; the keys are serve's flags: "),
-        ("simulated: 1\n", "simulated is a switch: true or false, got 1"),
-        ("port: [1, 2]\n", "port takes one value, got a list"),
-        ("- port\n", "expected a mapping of flag names to values, got list"),
-        ("port: [\n", "not valid YAML"),
-    ],
-)
-def test_a_bad_config_file_is_refused_before_starting_anything(capsys, tmp_path, text, message):
-    path = tmp_path / "serve.yaml"
-    path.write_text(text)
-
-    assert main(["serve", "--config", str(path)]) == 2
-    assert f"kvserve serve: error: --config {path}: {message}" in capsys.readouterr().err
-
-
-def test_a_missing_config_file_is_refused(capsys, tmp_path):
-    assert main(["serve", "--config", str(tmp_path / "none.yaml")]) == 2
-    assert "none.yaml: No such file or directory" in capsys.readouterr().err
 
 
 def test_serve_help_spells_out_the_defaults_of_modules_it_does_not_import() -> None:
