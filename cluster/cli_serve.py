@@ -462,8 +462,10 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     from kvserve.scheduler.simulation.simulated_worker import SimulationConfig
 
     if not args.simulated:
-        if args.cost_model is not None or args.time_scale is not None:
-            raise ValueError("--cost-model and --time-scale need --simulated")
+        given = [flag for flag, value in (("--cost-model", args.cost_model), ("--time-scale", args.time_scale))
+                 if value is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} {'need' if len(given) > 1 else 'needs'} --simulated")
         return None
     cost_model = cost_model_of_flag(args.cost_model)
     time_scale = 1.0 if args.time_scale is None else args.time_scale

@@ -93,7 +93,8 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
         # Accepted before, and sampled as --seed 0 does (the sampler keeps the low 64 bits).
         (["--seed", str(2**64)], "--seed must be a 64-bit signed integer (-9223372036854775808 to"),
         (["--model", "/nonexistent/model"], "config.json"),
-        (["--time-scale", "2", "--model", "/nonexistent/model"], "need --simulated"),
+        (["--time-scale", "2", "--model", "/nonexistent/model"], "error: --time-scale needs --simulated"),
+        (["--cost-model", "x.json", "--time-scale", "2"], "error: --cost-model and --time-scale need --simulated"),
         (["--simulated", "--model", "/nonexistent/model"], "--num-blocks is required with simulation"),
         (
             ["--simulated", "--num-blocks", "64", "--cost-model", "/nonexistent/cost.json",
