@@ -68,11 +68,23 @@ def number_list(minimum: float, maximum: float, *, above: bool, what: str) -> Ca
 
 
 def model_directory(text: str) -> Path:
-    """An argparse ``type``: a directory with a ``config.json`` (a model to load), else a usage error."""
+    """An argparse ``type``: a directory with a ``config.json`` of an architecture kvserve runs (a model
+    to load), else a usage error."""
     path = Path(text)
     if not (path / "config.json").is_file():
         reason = "no such directory" if not path.is_dir() else "it has no config.json"
         raise argparse.ArgumentTypeError(f"{text!r} is not a model directory: {reason}")
+    from kvserve.worker.model_config import ModelConfig
+    from kvserve.worker.models import supported_architectures
+
+    try:
+        architecture = ModelConfig.from_pretrained(path).architecture
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if architecture not in supported_architectures():
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: kvserve does not run {architecture}; it runs {', '.join(sorted(supported_architectures()))}"
+        )
     return path
 
 

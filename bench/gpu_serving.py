@@ -367,6 +367,12 @@ def main(argv: list[str] | None = None) -> int:
 
         cost = model_cost(AutoConfig.from_pretrained(model_dir), dtype_bytes=2 if on_gpu else 4)
         workloads = make_workloads(config.vocab_size, args.scale, args.seed)
+        if any(part in parts for part in "cde"):  # the end-to-end parts serve the workloads
+            reach, name = max((len(p) + n, w.name) for w in workloads for p, n in zip(w.prompts, w.max_tokens))
+            if reach > config.max_model_len:
+                print(f"--scale {args.scale:g}: the {name} workload's requests reach {reach} tokens and the model "
+                      f"serves at most {config.max_model_len}", file=sys.stderr)
+                return 2
         mixed = workloads[0]
         kvserve_s: dict[str, float] = {}
         overlapped_s: dict[str, float] = {}

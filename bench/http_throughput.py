@@ -67,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = ensure_default_tiny_model()
     prompts = [f"Stream number {i} tells a story about" for i in range(args.streams)]
     expected_tokens = args.streams * args.max_tokens
+    from kvserve.worker.model_config import ModelConfig
+    from kvserve.worker.tokenizer import load_tokenizer
+
+    # Checked before the server starts: a request past the model's context is refused mid-run.
+    max_model_len = ModelConfig.from_pretrained(model_dir).max_model_len
+    tokenizer = load_tokenizer(model_dir)
+    longest = max(len(tokenizer(prompt)["input_ids"]) for prompt in prompts) if tokenizer is not None else 0
+    if longest + args.max_tokens > max_model_len:
+        parser.error(f"--max-tokens: at most {max_model_len - longest} (the model's {max_model_len} tokens less the "
+                     f"longest prompt's {longest}), got {args.max_tokens}")
 
     with sigterm_as_interrupt(), served(model_dir, args.streams) as (grpc_target, http_url, model_name):
         print(f"serving on {grpc_target} (gRPC) and {http_url} (HTTP); {args.repeat} round(s) of {args.streams} "

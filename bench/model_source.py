@@ -26,7 +26,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model directory, with its config.json (default: a fresh tiny Llama)")
     source.add_argument("--shape", choices=sorted(SHAPES),
                         help="time a model of this published shape with random weights")
-    parser.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--device", type=device_name, help="cpu or cuda (default: cuda when available)")
+
+
+def device_name(text: str) -> str:
+    """An argparse ``type``: ``cpu``, or ``cuda`` where a CUDA device is visible, else a usage error."""
+    if text not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"expected cpu or cuda, got {text!r}")
+    if text == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError("cuda: no CUDA device is visible")
+    return text
 
 
 def model_dir_for(args: argparse.Namespace, scratch: Path, **tiny_overrides: Any) -> Path:

@@ -158,7 +158,7 @@ def run(args: argparse.Namespace, num_requests: int, processes: int) -> RunTimes
     result = simulator.run(requests, progress=progress, progress_every=max(1, len(requests) // PROGRESS_LINES))
     finished = time.perf_counter()
     return RunTimes(
-        num_measured=num_requests, num_warmup=num_warmup, processes=processes, workload_s=generated - start,
+        num_measured=num_requests, num_warmup=num_warmup, processes=simulator.processes, workload_s=generated - start,
         fleet_s=built - generated, simulate_s=finished - built, num_steps=sum(result.replica_num_steps),
         num_tokens=sum(r.num_output_tokens for r in result.records), virtual_s=result.end_time,
     )
@@ -192,11 +192,12 @@ def main(argv: list[str] | None = None) -> int:
     reads = object_read_times()
     tenth = max(1, args.requests // 10)
     runs = []
+    processes = min(args.processes, args.replicas)  # FleetSimulator's: no more processes than replicas
     if not args.no_baseline:
         runs.append(run(args, tenth, 1))
-        if args.processes > 1:
-            runs.append(run(args, tenth, args.processes))
-    runs.append(run(args, args.requests, args.processes))
+        if processes > 1:
+            runs.append(run(args, tenth, processes))
+    runs.append(run(args, args.requests, processes))
     print(f"{args.replicas} replicas, policy {args.policy}, {args.qps_per_replica * args.replicas:g} qps, "
           f"{args.kv_blocks} KV blocks per replica, {args.output_len}-token answers; "
           "ms/request: total s over every simulated request, warm-up included")
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(runs) == 3:
         speedup = runs[0].total_s / runs[1].total_s
         lines.append([
-            f"speed-up of {args.processes} processes", f"{speedup:.2f}",
+            f"speed-up of {processes} processes", f"{speedup:.2f}",
             "1/10-size run: 1 process's total / theirs",
         ])
     lines.append([

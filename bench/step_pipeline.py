@@ -59,6 +59,7 @@ from kvserve.scheduler.scheduler import Scheduler
 
 BLOCK_SIZE = 16
 PROMPT_TOKENS = 128
+MAX_MODEL_LEN = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +102,7 @@ def _requests(workload: Workload, run: int) -> list[Request]:
 def _scheduler(workload: Workload, num_blocks: int) -> Scheduler:
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=workload.step_tokens, max_num_seqs=len(workload.prompt_lens),
-                        max_model_len=4096),
+                        max_model_len=MAX_MODEL_LEN),
         CacheConfig(block_size=BLOCK_SIZE, num_blocks=num_blocks),
     )
 
@@ -228,6 +229,10 @@ def main(argv: list[str] | None = None) -> None:
         workload = make(args.requests, args.output_tokens)
     except ValueError as exc:
         parser.error(f"--requests: {exc}")
+    longest = max(workload.prompt_lens)
+    if longest + args.output_tokens > MAX_MODEL_LEN:  # else requests stop short and tok/s counts tokens never made
+        parser.error(f"--output-tokens: at most {MAX_MODEL_LEN - longest} (the stand-in's context of "
+                     f"{MAX_MODEL_LEN} tokens less the longest prompt's {longest}), got {args.output_tokens}")
     tokens = args.requests * args.output_tokens
     rows = []
     for case in args.cases:

@@ -124,7 +124,8 @@ def simulate(arrivals: list[Arrival], share: float | None, cost_model: StepCostM
     return Outcome(
         hit_rate={tenant: hits[tenant] / queried[tenant] if queried[tenant] else 0.0 for tenant in queried},
         mean_ttft_s=statistics.fmean(ttfts),
-        p90_ttft_s=ttfts[int(0.9 * (len(ttfts) - 1))],
+        # The nearest rank (the floor of 0.9 * (n - 1) took the lowest of two samples, below the mean).
+        p90_ttft_s=ttfts[math.ceil(0.9 * len(ttfts)) - 1],
         us_per_step=control_s / num_steps * 1e6,
         num_steps=num_steps,
     )

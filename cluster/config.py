@@ -94,7 +94,8 @@ class ServerConfig:
         check_positive_ints(max_message_bytes=self.max_message_bytes)
         if self.max_message_bytes > MAX_GRPC_MESSAGE_BYTES:  # else grpc's OverflowError, once serving started
             raise ValueError(
-                f"max_message_bytes must be at most {MAX_GRPC_MESSAGE_BYTES} (gRPC's limit), got {self.max_message_bytes}"
+                f"max_message_bytes must be at most {MAX_GRPC_MESSAGE_BYTES} (gRPC's limit), "
+                f"got {self.max_message_bytes}"
             )
         check_positive_ints(max_concurrent_requests=self.max_concurrent_requests)
         if self.max_concurrent_requests_per_tenant is not None:

@@ -36,7 +36,8 @@ class TokenNames:
         self._tokenizer = tokenizer
         self.text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._text)
         self.bytes: Callable[[int], list[int]] = functools.lru_cache(maxsize=1 << 16)(self._bytes)
-        self._byte_of_char = _byte_level_alphabet() if tokenizer is not None and _decodes_byte_level(tokenizer) else None
+        byte_level = tokenizer is not None and _decodes_byte_level(tokenizer)
+        self._byte_of_char = _byte_level_alphabet() if byte_level else None
 
     def text_offsets(self) -> TextOffsets:
         """Offsets for one new completion's tokens, from 0."""

@@ -60,6 +60,15 @@ from kvserve.bench.arg_types import float_above, int_at_least, positive_ints
          "argument --model: '/nonexistent/model' is not a model directory: no such directory"),
         ("calibrate_cost_model", ["--out", "cost.json", "--seed", "-1"],
          "argument --seed: expected an integer >= 0, got '-1'"),
+        # --device and a run past the context: tracebacks before, once the work had started.
+        ("calibrate_cost_model", ["--out", "cost.json", "--device", "foo"],
+         "argument --device: expected cpu or cuda, got 'foo'"),
+        ("gpu_serving", ["--device", "gpu"], "argument --device: expected cpu or cuda, got 'gpu'"),
+        ("sim_fidelity", ["--device", "foo"], "argument --device: expected cpu or cuda, got 'foo'"),
+        ("step_pipeline", ["--requests", "2", "--output-tokens", "5000"],
+         "--output-tokens: at most 3968 (the stand-in's context of 4096 tokens less the longest prompt's 128), "
+         "got 5000"),
+        ("http_throughput", ["--streams", "1", "--max-tokens", "3000"], "--max-tokens: at most 20"),
     ],
 )
 def test_a_bad_number_is_a_usage_error_naming_the_flag(bench, argv, message, capsys) -> None:  # noqa: ANN001
@@ -184,3 +193,39 @@ def test_attention_refuses_an_unwritable_json_before_looking_for_a_device(capsys
         attention.main(["--json", "/proc/kvserve-attention.json"])
     assert info.value.code == 2
     assert "--json /proc/kvserve-attention.json: No such file or directory" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is visible")
+def test_cuda_without_a_cuda_device_is_a_usage_error(capsys) -> None:  # noqa: ANN001
+    from kvserve.bench.calibrate_cost_model import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--out", "cost.json", "--device", "cuda", "--quick"])
+    assert info.value.code == 2
+    assert "argument --device: cuda: no CUDA device is visible" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("{}", "config.json cannot be read"),
+        ('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}',
+         "kvserve does not run GPT2LMHeadModel; it runs LlamaForCausalLM, MistralForCausalLM"),
+    ],
+)
+def test_a_model_directory_kvserve_cannot_load_is_a_usage_error(tmp_path, capsys, config, message) -> None:  # noqa: ANN001
+    from kvserve.bench.offline_throughput import main
+
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(SystemExit) as info:
+        main(["--model", str(tmp_path)])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_gpu_serving_refuses_a_scale_whose_workloads_pass_the_models_context(capsys) -> None:  # noqa: ANN001
+    from kvserve.bench.gpu_serving import main
+
+    assert main(["--device", "cpu", "--parts", "c", "--scale", "2.1"]) == 2
+    assert "--scale 2.1: the mixed workload's requests reach" in capsys.readouterr().err
+

@@ -43,3 +43,15 @@ def test_a_small_run_prints_about_ten_progress_lines_and_does_not_judge_the_targ
     progress = [line for line in err.splitlines() if "% of all simulated" in line]
     assert 5 <= len(progress) <= simulator_scale.PROGRESS_LINES + 2
     assert "not judged at this scale" in out and ": yes" not in out
+
+
+def test_the_processes_printed_are_those_that_ran_no_more_than_the_replicas(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(simulator_scale, "object_read_times", lambda: SimpleNamespace(random_ns=90, sequential_ns=5))
+    # It printed "processes 4" and "speed-up of 4 processes" where one process ran one replica.
+    assert simulator_scale.main(["--replicas", "1", "--requests", "20", "--processes", "4"]) == 0
+
+    out = capsys.readouterr().out
+    runs = [line for line in out.splitlines()[3:] if line.startswith("|")][:2]  # the baseline's, the full one's
+    assert [dict(zip(simulator_scale.HEADERS, row.split("|")[1:]))["processes"].strip() for row in runs] == ["1", "1"]
+    assert "speed-up of" not in out
+
