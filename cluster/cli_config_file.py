@@ -37,17 +37,17 @@ def parse_args_with_config_file(
     """``parser.parse_args(argv)``, with the settings of ``command``'s ``--config FILE`` where
     the command line does not set them (``subparser``: ``command``'s parser).
 
-    The file is the one argparse takes (``--config``, its abbreviations, the last one given).  The
-    namespace's ``settings_from_file`` names the settings taken from it (their ``dest``), empty
-    without a file.  ``ValueError`` for a file that cannot be read, is not a mapping, names an
-    unknown flag or gives a bad value (the message names the file).
+    The file is the one argparse takes (``--config``, its abbreviations, the last one given).  With
+    one, the namespace's ``settings_from_file`` names the settings taken from it (their ``dest``);
+    without, it has no such attribute (other commands write their namespace out).  ``ValueError``
+    for a file that cannot be read, is not a mapping, names an unknown flag or gives a bad value
+    (the message names the file).
     """
     argv = list(argv)
     # NOTE: the command line is parsed as if there were no file (so that two flags that exclude
     # each other are refused only when both are there), then the file fills in what it left unset.
     args = parser.parse_args(argv)
     path = getattr(args, CONFIG_FLAG.removeprefix("--"), None)
-    args.settings_from_file = frozenset()
     if path is None or command not in argv:
         return args
     from_file = config_file_settings(subparser, Path(path))

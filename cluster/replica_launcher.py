@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_STARTUP_TIMEOUT_S = 600.0
 _DEATH_TIMEOUT_S = 30.0
 _PING_TIMEOUT_S = 10.0
+# Starts of a replica's ranks whose rendezvous port another process took first (EADDRINUSE).
+RENDEZVOUS_TRIES = 3
 
 _RemoteWorkerActor = ray.remote(WorkerActor)
 
@@ -128,38 +130,46 @@ async def launch_replica(
     group = await place_replica(replica_id, tp_size, kind, placement_timeout_s, report_every_s=report_waiting_every_s)
     if on_placed is not None:
         on_placed()
-    actors: list[ActorHandle] = []
-    secret = secrets.token_urlsafe(32)
-    try:
-        for rank in range(tp_size):
-            actors.append(_create_actor(replica_id, rank, kind, group))
-        rank_fields = {}
-        if tp_size > 1 and not simulated:
-            rank_fields["distributed_init_method"] = f"tcp://{await actors[0].rendezvous_address.remote()}"
-        # NOTE: all ranks start at once: each blocks in torch.distributed's
-        # rendezvous until every other rank has joined.
-        starts = [
-            actor.start.remote(dataclasses.replace(worker_config, rank=rank, **rank_fields), secret=secret)
-            for rank, actor in enumerate(actors)
-        ]
-        addresses = await asyncio.wait_for(asyncio.gather(*starts), startup_timeout_s)
-        executor = GrpcReplicaExecutor(replica_id, addresses, secret=secret, step_timeout_s=step_timeout_s)
+    for attempt in range(1, RENDEZVOUS_TRIES + 1):
+        actors: list[ActorHandle] = []
+        secret = secrets.token_urlsafe(32)
         try:
-            await executor.initialize_cache()
+            for rank in range(tp_size):
+                actors.append(_create_actor(replica_id, rank, kind, group))
+            rank_fields = {}
+            if tp_size > 1 and not simulated:
+                rank_fields["distributed_init_method"] = f"tcp://{await actors[0].rendezvous_address.remote()}"
+            # NOTE: all ranks start at once: each blocks in torch.distributed's
+            # rendezvous until every other rank has joined.
+            starts = [
+                actor.start.remote(dataclasses.replace(worker_config, rank=rank, **rank_fields), secret=secret)
+                for rank, actor in enumerate(actors)
+            ]
+            addresses = await asyncio.wait_for(asyncio.gather(*starts), startup_timeout_s)
+            executor = GrpcReplicaExecutor(replica_id, addresses, secret=secret, step_timeout_s=step_timeout_s)
+            try:
+                await executor.initialize_cache()
+            except BaseException:
+                await executor.shutdown()
+                raise
+            break
+        except asyncio.TimeoutError:
+            _kill(actors, group)
+            raise ReplicaFailedError(f"replica {replica_id} did not start within {startup_timeout_s:.0f} s") from None
+        except RayError as exc:
+            # A rank's own exception reads better than Ray's wrapping of it (kept as __cause__).
+            cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
+            if attempt < RENDEZVOUS_TRIES and _port_taken(cause):
+                # NOTE: rank 0's port was free when chosen, and another process bound it before rank 0 did.
+                logger.warning("replica %d: its rendezvous port was taken before rank 0 bound it (try %d of %d): "
+                               "starting its ranks again on another", replica_id, attempt, RENDEZVOUS_TRIES)
+                await _kill_and_wait(actors)
+                continue
+            _kill(actors, group)
+            raise ReplicaFailedError(f"replica {replica_id} failed to start: {type(cause).__name__}: {cause}") from exc
         except BaseException:
-            await executor.shutdown()
+            _kill(actors, group)
             raise
-    except asyncio.TimeoutError:
-        _kill(actors, group)
-        raise ReplicaFailedError(f"replica {replica_id} did not start within {startup_timeout_s:.0f} s") from None
-    except RayError as exc:
-        _kill(actors, group)
-        # A rank's own exception reads better than Ray's wrapping of it (kept as __cause__).
-        cause = exc.cause if isinstance(exc, RayTaskError) and exc.cause is not None else exc
-        raise ReplicaFailedError(f"replica {replica_id} failed to start: {type(cause).__name__}: {cause}") from exc
-    except BaseException:
-        _kill(actors, group)
-        raise
     logger.info("replica %d started: %d %s ranks at %s", replica_id, tp_size, kind.value, addresses)
     return ReplicaHandle(replica_id, executor, actors, group)
 
@@ -188,6 +198,21 @@ async def _until_dead(actor: ActorHandle) -> None:
         except RayError:  # unavailable for now: ask again
             pass
         await asyncio.sleep(0.05)
+
+
+def _port_taken(error: BaseException) -> bool:
+    text = str(error)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
+
+
+async def _kill_and_wait(actors: list[ActorHandle]) -> None:
+    """Kill ``actors`` and wait until they are dead (their names free again); their placement group stays."""
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(_until_dead(actor) for actor in actors)), _DEATH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        logger.warning("workers still alive %.0f s after being killed", _DEATH_TIMEOUT_S)
 
 
 def _kill(actors: list[ActorHandle], group: PlacementGroup) -> None:

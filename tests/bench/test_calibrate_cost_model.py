@@ -60,9 +60,13 @@ def test_grid_flags_choose_the_shapes_timed(tmp_path: Path, capsys: pytest.Captu
 def test_bad_flags_are_usage_errors(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:
+    from kvserve.worker.tiny_model import tiny_config
+
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text("{}")
+    config = tiny_config("llama")
+    config.architectures = ["LlamaForCausalLM"]
+    config.to_json_file(model_dir / "config.json")  # a config kvserve runs, no weights
     with pytest.raises(SystemExit) as exit_info:
         main(["--out", str(tmp_path / "cost.json"), *[str(model_dir) if a == "MODEL_DIR" else a for a in args]])
     assert exit_info.value.code == 2

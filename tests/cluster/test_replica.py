@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import random
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -146,6 +147,49 @@ def test_starting_a_cluster_says_what_replicas_still_wait_for(ray_cluster, model
         "s: replica 0 waiting for resources: each needs 4 kvserve_worker_slot on one node (STRICT_PACK); "
         "the largest node has 2"
     ) in waiting[0]
+
+
+def test_a_rendezvous_port_taken_before_rank_0_binds_it_starts_the_ranks_again(  # noqa: ANN001
+    ray_cluster, model_dir: Path, loop: asyncio.AbstractEventLoop, monkeypatch, caplog
+) -> None:
+    # Seen under load: the port rank 0 chose was free, and another process bound it before rank 0's
+    # torch.distributed store did (EADDRINUSE): the whole cluster failed to start.
+    from kvserve.cluster import replica_launcher
+    from kvserve.cluster.worker_actor import WorkerActor
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        class PortTaken(WorkerActor):
+            async def rendezvous_address(self) -> str:
+                return f"127.0.0.1:{port}"
+
+        original, port_taken = replica_launcher._RemoteWorkerActor, ray.remote(PortTaken)
+        made: list[str] = []
+
+        class FirstRankZeroGetsATakenPort:
+            @staticmethod
+            def options(**options):  # noqa: ANN003, ANN205
+                made.append(options["name"])
+                return (port_taken if len(made) == 1 else original).options(**options)
+
+        monkeypatch.setattr(replica_launcher, "_RemoteWorkerActor", FirstRankZeroGetsATakenPort)
+        config = WorkerConfig(
+            str(model_dir), tp_size=2, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, cpu_threads=1,
+            attention_backend=ATTENTION_BACKEND,
+        )
+        with caplog.at_level(logging.WARNING, logger="kvserve.cluster.replica_launcher"):
+            handle = loop.run_until_complete(launch_replica(7, config, device_kind="cpu", step_timeout_s=30.0))
+    try:
+        assert made == [worker_actor_name(7, 0), worker_actor_name(7, 1)] * 2  # the ranks, twice
+        assert "replica 7: its rendezvous port was taken before rank 0 bound it (try 1 of 3)" in caplog.text
+        tokens = loop.run_until_complete(generate(handle, [[5, 6, 7]]))
+        with LLM(model_dir, block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, attention_backend=ATTENTION_BACKEND) as llm:
+            assert tokens == [llm.generate([[5, 6, 7]], GREEDY)[0].token_ids]
+    finally:
+        loop.run_until_complete(handle.shutdown())
 
 
 def test_replica_that_fails_to_start_leaves_nothing_behind(
