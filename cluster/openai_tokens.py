@@ -5,7 +5,8 @@
   U+FFFD.
 * **bytes** (chat logprobs): the token's own bytes, so that a client can join those of the
   tokens that together make one character, as OpenAI documents the field.  Not the text's
-  UTF-8, which would give U+FFFD's three bytes for each part of a character.
+  UTF-8, which would give U+FFFD's three bytes for each part of a character (and, with
+  SentencePiece's decoders, no leading space: ``"▁Hello"`` decodes alone to ``"Hello"``).
 * **text offset** (legacy completions): where the token's text begins in the completion's
   text, so that ``text[text_offset[i]:]`` starts with what token ``i`` added.  A running sum
   of the tokens' own texts would drift wherever a token adds no text of its own or not its
@@ -36,8 +37,11 @@ class TokenNames:
         self._tokenizer = tokenizer
         self.text: Callable[[int], str] = functools.lru_cache(maxsize=1 << 16)(self._text)
         self.bytes: Callable[[int], list[int]] = functools.lru_cache(maxsize=1 << 16)(self._bytes)
-        byte_level = tokenizer is not None and _decodes_byte_level(tokenizer)
+        decoders = _decoders(tokenizer)
+        byte_level = any(node.get("type") == "ByteLevel" for node in decoders)
         self._byte_of_char = _byte_level_alphabet() if byte_level else None
+        # SentencePiece's word mark (a Metaspace decoder, or a Replace of it by a space): a space in bytes.
+        self._word_mark = next((mark for node in decoders if (mark := _word_mark(node)) is not None), None)
 
     def text_offsets(self) -> TextOffsets:
         """Offsets for one new completion's tokens, from 0."""
@@ -61,6 +65,9 @@ class TokenNames:
                     return [int(piece[3:5], 16)]
                 except ValueError:
                     pass
+            if self._word_mark is not None:
+                # NOTE: not the decoded text, whose decoder strips a leading space ("▁Hello" -> "Hello").
+                return list(piece.replace(self._word_mark, " ").encode())
         return list(self._text(token_id).encode())
 
 
@@ -83,19 +90,25 @@ class TextOffsets:
         return offsets
 
 
-def _decodes_byte_level(tokenizer: Any) -> bool:
-    """Whether the tokenizer's decoder maps its pieces' characters back to bytes (GPT-2's byte-level BPE)."""
+def _decoders(tokenizer: Any | None) -> list[dict[str, Any]]:
+    """The tokenizer's decoder and, for a sequence, the decoders in it (its JSON); none without one."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
-        return False
-    decoder = json.loads(backend.to_str()).get("decoder") or {}
-    stack = [decoder]
+        return []
+    stack, nodes = [json.loads(backend.to_str()).get("decoder") or {}], []
     while stack:
         node = stack.pop()
-        if node.get("type") == "ByteLevel":
-            return True
+        nodes.append(node)
         stack.extend(node.get("decoders") or ())
-    return False
+    return nodes
+
+
+def _word_mark(decoder: dict[str, Any]) -> str | None:
+    if decoder.get("type") == "Metaspace":
+        return decoder.get("replacement") or None
+    if decoder.get("type") == "Replace" and decoder.get("content") == " ":
+        return (decoder.get("pattern") or {}).get("String") or None
+    return None
 
 
 @functools.cache

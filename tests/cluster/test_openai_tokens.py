@@ -115,14 +115,28 @@ def test_a_sentencepiece_byte_fallback_token_is_its_byte():
 
     vocab = {"<unk>": 0, "▁a": 1, "<0xE6>": 2, "<0x97>": 3, "<0xA5>": 4}
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    # Mistral's and Llama 2's decoders: the word mark a space, byte tokens, and the first space stripped.
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
     names = TokenNames(tokenizer)
 
     assert [names.bytes(i) for i in (2, 3, 4)] == [[0xE6], [0x97], [0xA5]]
     assert b"".join(bytes(names.bytes(i)) for i in (2, 3, 4)).decode() == "日"
-    assert names.bytes(1) == list(b" a")
-    assert names.text_offsets().of([1, 2, 3, 4, 1]) == [0, 2, 2, 2, 3]
+    assert (names.text(1), names.bytes(1)) == ("a", list(b" a"))  # the token's bytes keep its space
+    assert names.text_offsets().of([1, 2, 3, 4, 1]) == [0, 1, 1, 1, 2]  # the text: "a日 a"
+
+
+def test_a_metaspace_decoders_word_mark_is_a_space_in_bytes():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(vocab={"<unk>": 0, "▁Hello": 1, "▁world": 2}, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace()
+    names = TokenNames(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>"))
+
+    assert [names.bytes(i) for i in (1, 2)] == [list(b" Hello"), list(b" world")]
 
 
 def test_without_a_tokenizer_tokens_are_named_by_id_and_the_empty_text_has_offsets_0():
