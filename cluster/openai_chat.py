@@ -163,7 +163,8 @@ def render_prompt(tokenizer: Any | None, template: str | None, messages: list[Ch
     """The token ids of ``messages`` as the template renders them, ready for the assistant's turn
     (``kvserve.worker.chat_template``'s rule).
 
-    ``InvalidRequestError`` when there is no template, or it refuses the conversation.
+    ``InvalidRequestError`` when there is no template, or it refuses the conversation; ``FrontendError``
+    (a 500) when it does not compile.
     """
     if tokenizer is None:
         raise InvalidRequestError("messages: this model has no tokenizer: send token ids to /v1/completions")
