@@ -71,10 +71,7 @@ class ReplicaHandle:
         """
         await self.executor.shutdown()
         self.kill()
-        try:
-            await asyncio.wait_for(asyncio.gather(*(_until_dead(actor) for actor in self.actors)), _DEATH_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            logger.warning("replica %d: workers still alive %.0f s after being killed", self.replica_id, _DEATH_TIMEOUT_S)
+        await _until_all_dead(self.actors, self.replica_id)
 
     def kill(self) -> None:
         """Kill every rank's actor and free the placement group; no graceful shutdown."""
@@ -163,7 +160,8 @@ async def launch_replica(
                 # NOTE: rank 0's port was free when chosen, and another process bound it before rank 0 did.
                 logger.warning("replica %d: its rendezvous port was taken before rank 0 bound it (try %d of %d): "
                                "starting its ranks again on another", replica_id, attempt, RENDEZVOUS_TRIES)
-                await _kill_and_wait(actors)
+                _kill(actors, None)
+                await _until_all_dead(actors, replica_id)
                 continue
             _kill(actors, group)
             raise ReplicaFailedError(f"replica {replica_id} failed to start: {type(cause).__name__}: {cause}") from exc
@@ -205,19 +203,21 @@ def _port_taken(error: BaseException) -> bool:
     return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
-async def _kill_and_wait(actors: list[ActorHandle]) -> None:
-    """Kill ``actors`` and wait until they are dead (their names free again); their placement group stays."""
-    for actor in actors:
-        ray.kill(actor, no_restart=True)
+async def _until_all_dead(actors: list[ActorHandle], replica_id: int) -> None:
+    """Wait until the killed ``actors`` are dead, their names free for a replacement (a warning after
+    ``_DEATH_TIMEOUT_S``)."""
     try:
         await asyncio.wait_for(asyncio.gather(*(_until_dead(actor) for actor in actors)), _DEATH_TIMEOUT_S)
     except asyncio.TimeoutError:
-        logger.warning("workers still alive %.0f s after being killed", _DEATH_TIMEOUT_S)
+        logger.warning("replica %d: workers still alive %.0f s after being killed", replica_id, _DEATH_TIMEOUT_S)
 
 
-def _kill(actors: list[ActorHandle], group: PlacementGroup) -> None:
+def _kill(actors: list[ActorHandle], group: PlacementGroup | None) -> None:
+    """Kill ``actors``, and free ``group`` unless it is ``None`` (kept for their replacements)."""
     for actor in actors:
         ray.kill(actor, no_restart=True)
+    if group is None:
+        return
     try:
         remove_placement_group(group)
     except Exception as exc:  # noqa: BLE001 - already removed, or the cluster is going away

@@ -26,7 +26,12 @@ from kvserve.experiments.workloads.registry import TRACE_WORKLOAD, workload_para
 from kvserve.scheduler.simulation.simulator import FleetConfig
 
 CONFIG_FILE = "config.json"
-_SEED_DIR = re.compile(r"seed-([0-9]+)")
+_SEED_DIR = re.compile(r"seed-([0-9]+)")  # seed_dir's names
+
+
+def seed_dir(out: Path, seed: int) -> Path:
+    """The folder of ``--seeds``' run with ``seed``."""
+    return out / f"seed-{seed}"
 
 
 def check_output_dir(out: Path) -> None:

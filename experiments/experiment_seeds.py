@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvserve.experiments.experiment_report import RunSummary, atomic_open
 from kvserve.experiments.experiment_runs import print_progress
-from kvserve.experiments.experiment_output import CONFIG_FILE, check_output_dir, remove_earlier_results
+from kvserve.experiments.experiment_output import CONFIG_FILE, check_output_dir, remove_earlier_results, seed_dir
 from kvserve.experiments.experiment_setup import ExperimentError
 from kvserve.experiments.report import count, format_table
 
@@ -101,10 +101,6 @@ def parse_seeds(text: str) -> list[int]:
     if repeated:
         raise ExperimentError(f"--seeds names {', '.join(map(str, repeated))} more than once")
     return seeds
-
-
-def seed_dir(out: Path, seed: int) -> Path:
-    return out / f"seed-{seed}"
 
 
 def run_each_seed(
