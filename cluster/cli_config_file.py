@@ -10,7 +10,8 @@ dashes in front (``max-num-seqs``; ``max_num_seqs`` works too)::
     simulated: true                       # a switch: true to set it
     async-scheduling: false               # one with a --no- form: true or false say which
 
-Each value is parsed and checked exactly as the flag's own.  A setting that the
+Each value is parsed and checked exactly as the flag's own, and a flag given twice
+(``replicas`` twice, or ``max_num_seqs`` beside ``max-num-seqs``) is an error.  A setting that the
 command line sets is taken from the command line: ``--no-http`` there turns off
 the file's ``http-port`` and ``--http-port`` there the file's ``no-http``, and a
 repeatable flag there replaces the file's whole list.  Flags that exclude each
@@ -102,7 +103,7 @@ def config_file_args(subparser: argparse.ArgumentParser, path: Path) -> list[str
     import yaml
 
     try:
-        values = yaml.safe_load(path.read_text(encoding="utf-8"))
+        values = yaml.load(path.read_text(encoding="utf-8"), Loader=_loader_refusing_repeated_keys())
     except OSError as exc:
         raise ValueError(f"{CONFIG_FLAG} {path}: {exc.strerror or exc}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as exc:
@@ -119,14 +120,41 @@ def config_file_args(subparser: argparse.ArgumentParser, path: Path) -> list[str
         if option.startswith("--") and option not in (CONFIG_FLAG, "--help")
     }
     args: list[str] = []
+    keys: dict[str, object] = {}
     for key, value in values.items():
         name = str(key).replace("_", "-")
         action = actions.get(name)
         if action is None:
             known = ", ".join(sorted(actions))
             raise ValueError(f"{CONFIG_FLAG} {path}: unknown key {key!r}; the keys are serve's flags: {known}")
+        if name in keys:  # max_num_seqs and max-num-seqs
+            raise ValueError(f"{CONFIG_FLAG} {path}: {keys[name]!r} and {key!r} are the same flag, --{name}")
+        keys[name] = key
         args += _flag_args(f"--{name}", action, value, path)
     return args
+
+
+def _loader_refusing_repeated_keys() -> type:
+    """YAML's safe loader, but a key given twice in one mapping is an error (PyYAML keeps the last
+    silently, and a file's second ``replicas:`` would quietly undo its first)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+            seen: set[object] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *defaults
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) or key is None:
+                    if key in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"the key {key!r} is given twice", key_node.start_mark
+                        )
+                    seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
 
 
 def _flag_args(flag: str, action: argparse.Action, value: object, path: Path) -> list[str]:

@@ -195,7 +195,7 @@ def warn_of_a_broken_template(tokenizer: Any | None, template: str | None) -> No
 
 
 def _text(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "".join(part.text for part in content)
+    return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
 class AssistantMessage(BaseModel):

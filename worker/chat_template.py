@@ -7,7 +7,7 @@ tokens, since a template writes the ones it wants (``{{ bos_token }}``) and the
 tokenizer adding a BOS of its own would double it.
 
 A message is ``{"role": str, "content": str}`` (OpenAI's list of ``{"type": "text", "text":
-...}`` parts is joined into one string), with an optional ``"name"``, which reaches the
+...}`` parts is joined into one string, a line each), with an optional ``"name"``, which reaches the
 template only when given, as transformers' ``apply_chat_template`` passes it.
 """
 
@@ -92,5 +92,6 @@ def _text(content: object, index: int) -> str:
                 raise ValueError(f"message {index}: a content part must be {{'type': 'text', 'text': str}}, "
                                  f"got {part!r}")
             parts.append(part["text"])
-        return "".join(parts)
+        # NOTE: one line each, as vLLM joins a message's text parts for a template that reads strings.
+        return "\n".join(parts)
     raise ValueError(f"message {index}: 'content' must be a string or a list of text parts, got {content!r}")

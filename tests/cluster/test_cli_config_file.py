@@ -126,6 +126,8 @@ def test_a_config_file_is_checked_as_the_flags_are(capsys, tmp_path, model_dir):
         ("port: [1, 2]\n", "port takes one value, got a list"),
         ("- port\n", "expected a mapping of flag names to values, got list"),
         ("port: [\n", "not valid YAML"),
+        ("replicas: 2\nport: 1\nreplicas: 3\n", "not valid YAML: the key 'replicas' is given twice"),
+        ("max_num_seqs: 2\nmax-num-seqs: 4\n", "'max_num_seqs' and 'max-num-seqs' are the same flag, --max-num-seqs"),
     ],
 )
 def test_a_bad_config_file_is_refused_before_starting_anything(capsys, tmp_path, text, message):
@@ -134,6 +136,15 @@ def test_a_bad_config_file_is_refused_before_starting_anything(capsys, tmp_path,
 
     assert main(["serve", "--config", str(path)]) == 2
     assert f"kvserve serve: error: --config {path}: {message}" in capsys.readouterr().err
+
+
+def test_yaml_merge_keys_still_work_beside_the_check_of_repeated_keys():
+    import yaml
+
+    from kvserve.cluster.cli_config_file import _loader_refusing_repeated_keys
+
+    text = "common: &common {a: 1, b: 2}\nmine:\n  <<: *common\n  b: 3\n"
+    assert yaml.load(text, Loader=_loader_refusing_repeated_keys()) == {"common": {"a": 1, "b": 2}, "mine": {"a": 1, "b": 3}}
 
 
 def test_a_missing_config_file_is_refused(capsys, tmp_path):

@@ -45,10 +45,10 @@ def test_a_conversation_is_answered_as_transformers_renders_and_generates_it(llm
 
 
 def test_several_conversations_come_back_in_order(llm: LLM, model_dir: Path) -> None:
-    other = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": " there"}]}]
+    other = [{"role": "user", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]}]
     first, second = llm.chat([CONVERSATION, other], GREEDY)
     assert first.prompt_token_ids == hf_prompt(model_dir, CONVERSATION)
-    assert second.prompt_token_ids == hf_prompt(model_dir, [{"role": "user", "content": "Hello there"}])
+    assert second.prompt_token_ids == hf_prompt(model_dir, [{"role": "user", "content": "Hello\nthere"}])
     assert second.token_ids == llm.generate([second.prompt_token_ids], GREEDY)[0].token_ids
 
 
