@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvserve.cluster.cli_flag_terms import FlagTerms
 from kvserve.cluster.cli_serve_engine import CPU_KV_CACHE_MIB, engine_default, add_engine_arguments, engine_config
 from kvserve.cluster.cli_serve_engine import warn_of_a_small_tenant_cache_share
 from kvserve.cluster.cli_serve_security import add_security_arguments, security_warnings, tls_files
@@ -230,7 +231,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "a policy of your own gets them too if it takes arguments of those names",
     )
     # The settings' own checks name their fields; serve's errors name the flags that set them.
-    parser.set_defaults(handler=run_serve, flags_of_settings=_flags_of_settings(parser))
+    parser.set_defaults(handler=run_serve, flag_terms=FlagTerms.of_parser(parser))
 
 
 def _routing_arg(text: str) -> tuple[str, Any]:
@@ -472,26 +473,8 @@ def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:
     return SimulationConfig(cost_model=cost_model, time_scale=time_scale)
 
 
-def _flags_of_settings(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Each setting a flag of ``parser`` sets (its ``dest``: a field name) -> the flag."""
-    flags: dict[str, str] = {}
-    for action in parser._actions:  # noqa: SLF001
-        if action.option_strings and action.dest not in flags:
-            flags[action.dest] = max(action.option_strings, key=len)
-    return flags
-
-
 def _in_flag_terms(error: Exception, args: argparse.Namespace) -> str:
-    """``error``'s message with a leading settings field (``field ...`` or ``field: ...``)
-    replaced by the flag that sets it, and the config file when the value came from there."""
-    message = str(error)
-    field, space, rest = message.partition(" ")
-    name = field.removesuffix(":")
-    flag = args.flags_of_settings.get(name)
-    if not flag:
-        return message
-    where = f" ({flag} from --config {args.config})" if name in getattr(args, "settings_from_file", ()) else ""
-    return f"{flag}{field[len(name):]}{space}{rest}{where}"
+    return args.flag_terms.message(error, getattr(args, "settings_from_file", frozenset()), args.config)
 
 
 

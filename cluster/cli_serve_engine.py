@@ -1,7 +1,7 @@
 """``kvserve serve``'s engine settings: the flags of the model runtime, the KV cache and the
 step scheduler, the ``EngineConfig`` they give, and the warning of a setting that only the
 started replicas' pool sizes can judge (``--tenant-cache-share``).  A flag's dest is its setting's name, so
-an error about a setting names its flag (``cli_serve._in_flag_terms``)."""
+an error about a setting names its flag (``cli_flag_terms``)."""
 
 from __future__ import annotations
 

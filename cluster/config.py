@@ -90,7 +90,7 @@ class ServerConfig:
             if isinstance(http_port, bool) or not isinstance(http_port, int) or not 0 <= http_port <= 65535:
                 raise ValueError(f"http_port must be in [0, 65535] or None (no HTTP server), got {http_port!r}")
             if http_port != 0 and http_port == self.port:
-                raise ValueError(f"http_port must differ from port, both are {http_port}")
+                raise ValueError(f"http_port must differ from the gRPC server's port, both are {http_port}")
         check_positive_ints(max_message_bytes=self.max_message_bytes)
         if self.max_message_bytes > MAX_GRPC_MESSAGE_BYTES:  # else grpc's OverflowError, once serving started
             raise ValueError(

@@ -63,7 +63,7 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold is not None:
             check_positive_ints(long_prefill_token_threshold=self.long_prefill_token_threshold)
             if not self.enable_chunked_prefill:
-                raise ValueError("long_prefill_token_threshold needs enable_chunked_prefill=True")
+                raise ValueError("long_prefill_token_threshold needs chunked prefill, which enable_chunked_prefill=False turns off")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 "max_num_batched_tokens must be >= max_model_len when chunked prefill is off "

@@ -191,7 +191,7 @@ def test_serve_refuses_a_taken_http_port_before_starting_ray(capsys, model_dir):
     "args, message",
     [
         (["--http-port", "70000"], "--http-port must be in [0, 65535] or None (no HTTP server), got 70000"),
-        (["--port", "9000", "--http-port", "9000"], "--http-port must differ from port, both are 9000"),
+        (["--port", "9000", "--http-port", "9000"], "--http-port must differ from the gRPC server's port, both are 9000"),
     ],
 )
 def test_serve_rejects_a_bad_http_port_before_starting_anything(capsys, model_dir, args, message):
@@ -205,8 +205,17 @@ def test_serve_refuses_a_token_budget_below_the_models_length_without_chunked_pr
     # Refused by the scheduler actor before, once Ray and the replica had started, in a traceback.
     assert main(["serve", "--model", str(model_dir), "--no-chunked-prefill", "--max-num-batched-tokens", "512"]) == 2
     assert capsys.readouterr().err == (
-        "kvserve serve: error: --max-num-batched-tokens must be >= max_model_len when chunked prefill is off "
+        "kvserve serve: error: --max-num-batched-tokens must be >= --max-model-len when chunked prefill is off "
         "(got 512 < 2048): a long prompt could never be scheduled\n"
+    )
+
+
+def test_serve_names_the_switch_that_turned_chunked_prefill_off(capsys, model_dir):
+    argv = ["serve", "--model", str(model_dir), "--no-chunked-prefill", "--long-prefill-token-threshold", "8"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (
+        "kvserve serve: error: --long-prefill-token-threshold needs chunked prefill, which --no-chunked-prefill "
+        "turns off\n"
     )
 
 

@@ -36,7 +36,7 @@ def test_serve_flags_set_the_engine_settings_of_their_names_and_errors_name_the_
     parser = build_parser()
     args = parser.parse_args(["serve", "--tp", "2", "--replicas", "3", "--block-size", "32"])
     assert (args.tensor_parallel_size, args.num_replicas, args.block_size, args.num_blocks) == (2, 3, 32, None)
-    flags = args.flags_of_settings
+    flags = args.flag_terms.flags
     # Every engine setting with a flag is set by its own name: nothing is mapped by hand.
     assert {name for name in EngineConfig.field_names() if name in flags} >= {
         "tensor_parallel_size", "num_replicas", "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",

@@ -54,7 +54,7 @@ def test_an_unknown_setting_is_a_type_error_naming_it() -> None:
         ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
         ({"max_model_len": 0}, "max_model_len must be a positive integer"),
         ({"enable_chunked_prefill": False, "max_model_len": 4096}, "max_num_batched_tokens must be >= max_model_len"),
-        ({"long_prefill_token_threshold": 8, "enable_chunked_prefill": False}, "needs enable_chunked_prefill"),
+        ({"long_prefill_token_threshold": 8, "enable_chunked_prefill": False}, "needs chunked prefill, which enable_chunked_prefill=False turns off"),
         ({"device": "tpu"}, "device must be None or one of"),
         ({"dtype": "int8"}, "dtype must be one of"),
         ({"seed": 1.5}, "seed must be an integer or None"),
