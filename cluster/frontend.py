@@ -179,7 +179,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             )
             # NOTE: aclosing: a call that ends early (cancelled, expired) ends the
             # pipeline at once, which aborts the request and frees its blocks.
-            async with aclosing(self.responses(request, tenant=tenant)) as responses:
+            def expired() -> bool:
+                remaining = context.time_remaining()  # None: no deadline
+                return remaining is not None and remaining <= 0
+
+            async with aclosing(self.responses(request, tenant=tenant, deadline_passed=expired)) as responses:
                 async for response in responses:
                     yield response
         except FrontendError as exc:
@@ -207,7 +211,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         )
 
     def responses(
-        self, request: generate_pb2.GenerateRequest, *, tenant: Tenant | None = None, measured: bool = True
+        self, request: generate_pb2.GenerateRequest, *, tenant: Tenant | None = None, measured: bool = True,
+        deadline_passed: Callable[[], bool] | None = None,
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         """``Generate``'s stream of ``request`` without gRPC: every front door's one request pipeline.
 
@@ -216,10 +221,11 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         ``UnavailableError``), whose type says what to answer.  Leaving the
         iteration before its last message (close it: ``contextlib.aclosing``)
         aborts the request.  Measured in ``metrics`` as one request, unless ``measured`` is false: then
-        it is one choice of a request that the caller measures (``FrontendMetrics.track_choices``).
+        it is one choice of a request that the caller measures (``FrontendMetrics.track_choices``);
+        ``deadline_passed`` tells a call that expired from one the client left.
         """
         responses = self._responses(request, tenant)
-        return self.metrics.track(responses) if measured else responses
+        return self.metrics.track(responses, deadline_passed) if measured else responses
 
     async def _responses(
         self, request: generate_pb2.GenerateRequest, tenant: Tenant | None

@@ -4,7 +4,8 @@ Request metrics are measured where both front doors meet, on the request
 pipeline (``track`` wraps ``Frontend.responses`` for a gRPC call,
 ``track_choices`` the ``n`` pipelines of one HTTP request): every request
 counts once in ``kvserve_requests_total{code}`` with the HTTP status it is
-answered with (200, 400, 404, 413, 429, 503; 499 when the client left first;
+answered with (200, 400, 404, 413, 429, 503; 499 when the client left first,
+504 when a gRPC call's deadline passed first;
 the HTTP API counts those it refuses before the pipeline itself), and a
 served request adds its prompt and generated tokens, as its ``usage`` counts
 them, and its latencies (time to first token, time per output token after
@@ -29,7 +30,7 @@ process (tests) do not share counters.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -44,6 +45,9 @@ __all__ = ["CONTENT_TYPE_LATEST", "FrontendMetrics"]
 
 # Client-closed request (nginx's convention): the call or connection ended before the answer.
 CLIENT_LEFT = "499"
+# A gRPC call's deadline passed before its answer ended (gRPC's DEADLINE_EXCEEDED, HTTP's
+# gateway timeout): the server was too slow for the client, which did not just leave.
+DEADLINE_PASSED = "504"
 _LATENCY_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
 # A first token can wait for a replica to come back, up to --max-queue-wait (30 s by default).
 _TTFT_BUCKETS_S = _LATENCY_BUCKETS_S + (20.0, 30.0, 60.0)
@@ -103,9 +107,11 @@ class FrontendMetrics:
         registry.register(self._scheduler_counters)
 
     async def track(
-        self, responses: AsyncIterator[generate_pb2.GenerateResponse]
+        self, responses: AsyncIterator[generate_pb2.GenerateResponse],
+        deadline_passed: Callable[[], bool] | None = None,
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        """``responses``, measured as a request of one choice: one gRPC call's pipeline, closed when this is."""
+        """``responses``, measured as a request of one choice: one gRPC call's pipeline, closed when this is.
+        Closed before its end, it counts as 499, or 504 if ``deadline_passed()`` says the call expired."""
         measure = _RequestMeasure(self, 1)
         try:
             async with aclosing(responses):
@@ -116,6 +122,8 @@ class FrontendMetrics:
             measure.code = str(exc.http_status)
             raise
         finally:
+            if measure.code == CLIENT_LEFT and deadline_passed is not None and deadline_passed():
+                measure.code = DEADLINE_PASSED
             self.count_request(measure.code)
 
     async def track_choices(

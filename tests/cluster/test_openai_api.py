@@ -11,6 +11,7 @@ import re
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -22,6 +23,7 @@ from kvserve.client import Client
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.http_server import bind_socket, start_http_server
 from kvserve.cluster.metrics import FrontendMetrics
+from kvserve.proto import generate_pb2, generate_pb2_grpc
 from tests.engine.hf_reference import hf_log_softmax, load_hf_model
 from tests.cluster.openai_served import (  # noqa: F401 - fixtures
     BLOCK_SIZE,
@@ -465,6 +467,31 @@ def test_metrics_count_a_stream_the_client_left_as_499_with_no_served_figures(
     assert moved(before, after, "kvserve_prompt_tokens_total") == 0
     assert moved(before, after, "kvserve_generation_tokens_total") == 0
     assert moved(before, after, "kvserve_e2e_request_latency_seconds_count") == 0
+
+
+def test_metrics_count_a_grpc_call_whose_deadline_passed_as_504_not_as_a_client_that_left(
+    served: Served, grpc_client: Client
+):
+    before = scrape(served)
+    request = generate_pb2.GenerateRequest(
+        token_ids=generate_pb2.TokenIds(ids=[5, 6, 7]),
+        sampling_params=generate_pb2.SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True),
+    )
+    with grpc.insecure_channel(served.grpc_target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        with pytest.raises(grpc.RpcError) as raised:
+            for _ in stub.Generate(request, timeout=0.3):  # 1,500 steps take seconds
+                pass
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_until_idle(grpc_client, TIMEOUT_S)  # aborted: its blocks came back
+    deadline = time.monotonic() + TIMEOUT_S
+    while moved(before, after := scrape(served), "kvserve_requests_total", code="504") == 0:
+        assert time.monotonic() < deadline, "the expired call was never counted"
+        time.sleep(0.05)
+
+    assert moved(before, after, "kvserve_requests_total", code="504") == 1
+    assert moved(before, after, "kvserve_requests_total", code="499") == 0
+    assert moved(before, after, "kvserve_generation_tokens_total") == 0
 
 
 def test_metrics_report_each_replicas_state(served: Served):
