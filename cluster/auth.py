@@ -113,8 +113,8 @@ def _token_line(path: str | Path, number: int, fields: list[str]) -> TokenLine:
     if len(fields) > 2:
         raise ValueError(f"{where}: expected 'token' or 'token tenant-name', got {len(fields)} fields")
     token = fields[0]
-    if len(token) < MIN_TOKEN_CHARS:
-        raise ValueError(f"{where}: a token must have at least {MIN_TOKEN_CHARS} characters")
+    if len(token.rstrip("=")) < MIN_TOKEN_CHARS:  # padding is no secret: a=============== is one character
+        raise ValueError(f"{where}: a token must have at least {MIN_TOKEN_CHARS} characters before any '=' padding")
     if len(token.encode()) > MAX_TOKEN_BYTES:
         raise ValueError(f"{where}: a token may have at most {MAX_TOKEN_BYTES} bytes")
     if not _B64TOKEN.fullmatch(token):
@@ -196,8 +196,10 @@ class TokenTable:
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """The tenant of an ``authorization`` header value; ``AuthenticationError`` when it is not valid."""
-        if not authorization or not authorization[: len(_BEARER)].lower() == _BEARER:
+        if not authorization:
             raise AuthenticationError("missing 'authorization: Bearer <token>'")
+        if not authorization[: len(_BEARER)].lower() == _BEARER:  # "Basic ...", a bare token, "Bearer" alone
+            raise AuthenticationError("the authorization header is not 'Bearer <token>'")
         presented = authorization[len(_BEARER):].strip().encode()
         found: Tenant | None = None
         for token, tenant in self._tokens:  # every token, whatever matches: constant time in the table

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvserve.cluster.auth import AuthenticationError, Tenant, TokenTable, read_token_file, tenant_cache_salt
@@ -24,10 +26,21 @@ def test_each_token_stands_for_its_named_tenant_and_an_unnamed_one_for_itself(tm
     assert tokens.authenticate(f"Bearer {BOB}") == Tenant("line-4")  # named by its line, never by the token
 
 
-@pytest.mark.parametrize("header", [None, "", ALICE, f"Basic {ALICE}", f"Bearer {ALICE}x", "Bearer "])
-def test_a_missing_malformed_or_unknown_token_is_refused(tmp_path, header) -> None:
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (None, "missing 'authorization: Bearer <token>'"),
+        ("", "missing 'authorization: Bearer <token>'"),
+        (ALICE, "the authorization header is not 'Bearer <token>'"),
+        (f"Basic {ALICE}", "the authorization header is not 'Bearer <token>'"),
+        ("Bearer", "the authorization header is not 'Bearer <token>'"),
+        (f"Bearer {ALICE}x", "invalid bearer token"),
+        ("Bearer ", "invalid bearer token"),
+    ],
+)
+def test_a_missing_malformed_or_unknown_token_is_refused_saying_which(tmp_path, header, message) -> None:
     tokens = table(tmp_path, f"{ALICE} acme\n")
-    with pytest.raises(AuthenticationError):
+    with pytest.raises(AuthenticationError, match=re.escape(message)):
         tokens.authenticate(header)
 
 
@@ -35,7 +48,9 @@ def test_a_missing_malformed_or_unknown_token_is_refused(tmp_path, header) -> No
     ("text", "message"),
     [
         ("", "holds no token"),
-        ("short acme\n", ":1: a token must have at least 16 characters"),
+        ("short acme\n", ":1: a token must have at least 16 characters before any '=' padding"),
+        ("a=============== acme\n", ":1: a token must have at least 16 characters before any '=' padding"),
+        ("abcdefghijklmno= acme\n", ":1: a token must have at least 16 characters before any '=' padding"),
         (f"{ALICE} acme extra\n", ":1: expected 'token' or 'token tenant-name'"),
         (f"{ALICE}\n{ALICE} again\n", ":2: the token is listed twice"),
     ],
