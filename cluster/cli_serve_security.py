@@ -31,7 +31,8 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     security.add_argument(
         "--monitoring-tenant", action="append", default=[], metavar="NAME", dest="monitoring_tenants",
         help="with --auth-token-file: only tokens of tenant NAME (repeatable) may read GetStats and /metrics, "
-        "the cluster-wide figures; others get PERMISSION_DENIED / HTTP 403 (default: every tenant's token may)",
+        "the cluster-wide figures; others get PERMISSION_DENIED / HTTP 403 (default: every tenant's token may).  "
+        "Figures per tenant (kvserve_tenant_cached_blocks) only these tenants read (default: no one)",
     )
     security.add_argument("--tls-cert", type=Path, default=None, metavar="FILE", help="serve TLS with this PEM certificate chain")
     security.add_argument("--tls-key", type=Path, default=None, metavar="FILE", help="the PEM private key of --tls-cert")

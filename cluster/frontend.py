@@ -51,7 +51,8 @@ import grpc
 from ray.exceptions import RayActorError
 
 from kvserve.cluster.detokenizer import IncrementalDetokenizer
-from kvserve.cluster.auth import AuthenticationError, Tenant, TokenTable
+from kvserve.cluster.access import Access
+from kvserve.cluster.auth import Tenant, TokenTable
 from kvserve.cluster.failure_log import FailureLog
 from kvserve.cluster.frontend_errors import (
     DuplicateRequestError,
@@ -117,9 +118,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         limits: RequestLimits | None = None,
     ) -> None:
         self._scheduler = scheduler
-        self.tokens = tokens
-        # The tenants whose tokens may read GetStats and /metrics; empty: every tenant's may.
-        self.monitoring_tenants = monitoring_tenants
+        # The callers' tenants, and those that may read GetStats and /metrics.
+        self.access = Access(tokens, monitoring_tenants)
         self.limits = limits or RequestLimits()
         self._conversion = RequestConversion(model_info, tokenizer, self.limits)
         # The errors the front end itself ends streams with: told to clients as they are.
@@ -174,9 +174,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         await abort_if_undecodable(request, context)
         try:
-            tenant = None if self.tokens is None else self.authenticate(
-                authorization_header(context.invocation_metadata())
-            )
+            tenant = self.access.authenticate(authorization_header(context.invocation_metadata()))
             # NOTE: aclosing: a call that ends early (cancelled, expired) ends the
             # pipeline at once, which aborts the request and frees its blocks.
             def expired() -> bool:
@@ -188,27 +186,6 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
                     yield response
         except FrontendError as exc:
             await context.abort(exc.grpc_code, str(exc))
-
-    def authenticate(self, authorization: str | None) -> Tenant | None:
-        """The tenant of a call's ``authorization`` value; ``None`` without an auth token file.
-
-        ``UnauthenticatedError`` when the server has tokens and the value is not one of them.
-        """
-        if self.tokens is None:
-            return None
-        try:
-            return self.tokens.authenticate(authorization)
-        except AuthenticationError as exc:
-            raise UnauthenticatedError(str(exc)) from None
-
-    def check_monitoring(self, tenant: Tenant | None) -> None:
-        """``PermissionDeniedError`` unless ``tenant`` may read the cluster's monitoring figures
-        (GetStats, /metrics): any tenant may unless ``monitoring_tenants`` names some."""
-        if tenant is None or not self.monitoring_tenants or tenant.name in self.monitoring_tenants:
-            return
-        raise PermissionDeniedError(
-            f"tenant {tenant.name!r} may not read the cluster's monitoring figures (the server's --monitoring-tenant)"
-        )
 
     def responses(
         self, request: generate_pb2.GenerateRequest, *, tenant: Tenant | None = None, measured: bool = True,
@@ -370,7 +347,7 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     ) -> generate_pb2.GetStatsResponse:
         await abort_if_undecodable(request, context)
         try:
-            self.check_monitoring(self.authenticate(authorization_header(context.invocation_metadata())))
+            self.access.check_monitoring(self.access.authenticate(authorization_header(context.invocation_metadata())))
             stats = await self.replica_stats()
         except (PermissionDeniedError, UnauthenticatedError, UnavailableError) as exc:
             await context.abort(exc.grpc_code, str(exc))

@@ -21,7 +21,9 @@ failed per replica, ``kvserve_replica_step_age_seconds``, how long a
 replica's oldest step in flight has run (a hung worker's grows until the step
 timeout fails it: alert well below ``--step-timeout``), and
 ``kvserve_num_requests_waiting_for_replica``, requests held while no replica can
-take them (every replica is down; they fail after ``--max-queue-wait``).
+take them (every replica is down; they fail after ``--max-queue-wait``).  The figures
+per tenant (``kvserve_tenant_cached_blocks``) are in the exposition only for the
+readers that may see them (``kvserve.cluster.access``).
 
 Each ``FrontendMetrics`` has its own registry, so that two servers in one
 process (tests) do not share counters.
@@ -105,6 +107,8 @@ class FrontendMetrics:
         )
         self._scheduler_counters = _SchedulerCounters()
         registry.register(self._scheduler_counters)
+        self._tenant_registry = CollectorRegistry()
+        self._tenant_registry.register(_TenantFigures(self._scheduler_counters))
 
     async def track(
         self, responses: AsyncIterator[generate_pb2.GenerateResponse],
@@ -163,9 +167,10 @@ class FrontendMetrics:
         self.num_requests_waiting_for_replica.set(stats.num_waiting_for_replica)
         self._scheduler_counters.routing = (stats.routing_policy, dict(stats.routing_outcomes))
 
-    def exposition(self) -> bytes:
-        """The metrics in Prometheus' text format."""
-        return generate_latest(self.registry)
+    def exposition(self, per_tenant: bool = True) -> bytes:
+        """The metrics in Prometheus' text format; those of each tenant only if ``per_tenant``."""
+        text = generate_latest(self.registry)
+        return text + generate_latest(self._tenant_registry) if per_tenant else text
 
 
 class _RequestMeasure:
@@ -241,15 +246,6 @@ class _SchedulerCounters:
             for s in self.replica_stats:
                 family.add_metric([str(s.replica)], getattr(s, field))
             yield family
-        tenants = GaugeMetricFamily(
-            "kvserve_tenant_cached_blocks", "KV blocks a tenant's requests cached on a replica, in use or free "
-            "(with --tenant-cache-share; a tenant over that share of the replica's blocks is evicted first)",
-            labels=["replica", "tenant"],
-        )
-        for s in self.replica_stats:
-            for tenant, num_blocks in sorted(s.cached_blocks_by_tenant.items()):
-                tenants.add_metric([str(s.replica), tenant], num_blocks)
-        yield tenants
         routing = CounterMetricFamily(
             "kvserve_routing_decisions", "Requests routed, by policy and by how much of the prompt the chosen "
             "replica held (hit: all a cache can serve, partial, miss); a request moved off a failed replica "
@@ -260,3 +256,22 @@ class _SchedulerCounters:
             for outcome in ("hit", "partial", "miss"):
                 routing.add_metric([policy, outcome], outcomes.get(outcome, 0))
         yield routing
+
+
+class _TenantFigures:
+    """A collector of the figures per tenant, from the scheduler's counters as last read: in a
+    registry of their own, as only some readers may see them (``kvserve.cluster.access``)."""
+
+    def __init__(self, counters: _SchedulerCounters) -> None:
+        self.counters = counters
+
+    def collect(self):
+        tenants = GaugeMetricFamily(
+            "kvserve_tenant_cached_blocks", "KV blocks a tenant's requests cached on a replica, in use or free "
+            "(with --tenant-cache-share; a tenant over that share of the replica's blocks is evicted first)",
+            labels=["replica", "tenant"],
+        )
+        for s in self.counters.replica_stats:
+            for tenant, num_blocks in sorted(s.cached_blocks_by_tenant.items()):
+                tenants.add_metric([str(s.replica), tenant], num_blocks)
+        yield tenants

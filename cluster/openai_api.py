@@ -91,9 +91,9 @@ def create_app(
     async def bearer_token(request: Request, call_next):
         """With an auth token file, every path but /health needs ``Authorization: Bearer <token>``."""
         request.state.tenant = None
-        if frontend.tokens is not None and request.url.path != "/health":
+        if frontend.access.tokens is not None and request.url.path != "/health":
             try:
-                request.state.tenant = frontend.authenticate(request.headers.get("authorization"))
+                request.state.tenant = frontend.access.authenticate(request.headers.get("authorization"))
             except FrontendError as exc:
                 client = f"{request.client.host}:{request.client.port}" if request.client else "an unknown client"
                 logger.info("refused %s %s from %s: %s", request.method, request.url.path, client, exc)
@@ -127,7 +127,7 @@ def create_app(
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         try:
-            frontend.check_monitoring(request.state.tenant)
+            frontend.access.check_monitoring(request.state.tenant)
         except FrontendError as exc:
             return frontend_error_response(exc)
         try:
@@ -135,7 +135,8 @@ def create_app(
             frontend.metrics.set_cluster_stats(await frontend.cluster_stats())
         except FrontendError:
             pass  # the request metrics still tell what happened; /health says the cluster is gone
-        return Response(frontend.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+        per_tenant = frontend.access.may_read_tenants(request.state.tenant)
+        return Response(frontend.metrics.exposition(per_tenant=per_tenant), media_type=CONTENT_TYPE_LATEST)
 
     served_model = Model(id=model_name, created=created, max_model_len=frontend.model_info.max_model_len)
 

@@ -1,4 +1,5 @@
-"""--monitoring-tenant: only the named tenants' tokens read the cluster-wide figures (GetStats, /metrics).
+"""--monitoring-tenant: only the named tenants' tokens read the cluster-wide figures (GetStats, /metrics),
+and the figures of each tenant (which tenants there are, what each caches).
 
 Any tenant's token could read every replica's load and the cluster's request counts.  The front
 end runs in process over the fake scheduler of test_frontend_streaming; HTTP through the real app.
@@ -22,7 +23,8 @@ from tests.cluster.test_frontend_streaming import MODEL_INFO, Aborted, FakeConte
 
 OPS, TEAM_B = "ops-token-0123456789", "team-b-token-0123456789"
 TOKENS = TokenTable({OPS: "ops", TEAM_B: "team-b"})
-STATS = [ReplicaStatsInfo(0, 1, 2, 0.5, 0.25, 64, True, num_failures=1)]
+STATS = [ReplicaStatsInfo(0, 1, 2, 0.5, 0.25, 64, True, num_failures=1, cached_blocks_by_tenant={"ops": 3, "team-b": 5})]
+TENANT_FIGURES = 'kvserve_tenant_cached_blocks{replica="0",tenant="team-b"} 5.0'
 
 
 class StatsScheduler(FakeScheduler):
@@ -86,6 +88,7 @@ def test_metrics_answer_only_the_monitoring_tenants_over_http() -> None:
 
     ops, team_b, anonymous = with_frontend(scenario, frozenset({"ops"}))
     assert ops.status_code == 200 and 'kvserve_replica_failures_total{replica="0"} 1.0' in ops.text
+    assert TENANT_FIGURES in ops.text
     assert "kvserve_num_requests_waiting_for_replica 2.0" in ops.text
     assert 'kvserve_routing_decisions_total{outcome="miss",policy="round_robin"} 3.0' in ops.text
     assert team_b.status_code == 403 and team_b.json()["error"]["type"] == "permission_error"
@@ -127,3 +130,15 @@ def test_time_to_first_token_buckets_reach_past_the_longest_wait_for_a_replica()
     default_wait_s = ClusterConfig.from_kwargs("/models/m").max_queue_wait_s
     assert max(b for b in bounds if b != float("inf")) >= default_wait_s
     assert bounds[30.0] == 1 and bounds[20.0] == 0
+
+
+def test_without_monitoring_tenants_every_tenant_reads_the_cluster_figures_but_no_ones_per_tenant() -> None:
+    # They told any tenant the others' names and how much each caches, prompt after prompt.
+    async def scenario(frontend: Frontend):
+        app = create_app(frontend, max_body_bytes=1 << 20, max_choices=4)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+            return await client.get("/metrics", headers={"Authorization": f"Bearer {TEAM_B}"})
+
+    metrics = with_frontend(scenario, frozenset())
+    assert metrics.status_code == 200 and 'kvserve_replica_failures_total{replica="0"} 1.0' in metrics.text
+    assert "kvserve_tenant_cached_blocks" not in metrics.text

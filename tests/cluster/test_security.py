@@ -91,7 +91,7 @@ def secured(ray_cluster, tmp_path_factory: pytest.TempPathFactory, tls_files) ->
     server = None
     try:
         config = ServerConfig(
-            port=0, http_port=0, auth_token_file=str(tokens), tls=tls,
+            port=0, http_port=0, auth_token_file=str(tokens), tls=tls, monitoring_tenants=("alice",),
             limits=RequestLimits(max_stop_token_ids=8, max_cache_salt_bytes=16),
         )
         server = ServerThread(handle, config)
@@ -176,7 +176,8 @@ def test_one_tenant_s_flood_of_unique_prompts_leaves_another_tenant_s_prefix_cac
         for prompt in flood:
             bob.generate(prompt, max_tokens=1)
         assert alice.generate(PROMPT, max_tokens=2, cache_salt="flooded").usage.cached_prompt_tokens == 48
-    # What each tenant holds is on /metrics (bob, past his share of 127 blocks, recycles his own).
+    # What each tenant holds is on /metrics, for a monitoring tenant (bob, past his share of 127 blocks,
+    # recycles his own).
     _, ca, http_port = secured
     with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=30) as http:
         metrics = http.get(f"https://127.0.0.1:{http_port}/metrics", headers={"Authorization": f"Bearer {ALICE}"})
