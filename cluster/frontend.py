@@ -174,7 +174,9 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
     ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         await abort_if_undecodable(request, context)
         try:
-            tenant = self.access.authenticate(authorization_header(context.invocation_metadata()))
+            tenant = None if self.access.tokens is None else self.access.authenticate(
+                authorization_header(context.invocation_metadata())
+            )
             # NOTE: aclosing: a call that ends early (cancelled, expired) ends the
             # pipeline at once, which aborts the request and frees its blocks.
             def expired() -> bool:

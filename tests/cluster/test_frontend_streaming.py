@@ -108,6 +108,9 @@ class FakeContext:
     async def abort(self, code, details: str) -> None:
         raise Aborted(code, details)
 
+    def time_remaining(self) -> float | None:
+        return None  # a call without a deadline
+
 
 def request(req_id: str) -> generate_pb2.GenerateRequest:
     return generate_pb2.GenerateRequest(
