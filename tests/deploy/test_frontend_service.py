@@ -38,6 +38,7 @@ def frontend(tmp_path: Path) -> Iterator[Frontend]:
         "PATH": f"{fake.parent}:{os.environ['PATH']}",
         "KVSERVE_FRONTEND_DIR": str(tmp_path),
         "KVSERVE_FRONTEND_RETRY_S": "0.1",
+        "KVSERVE_FRONTEND_CHECK_S": "1",
     }
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -77,11 +78,21 @@ def test_start_replaces_the_running_service(frontend: Frontend, tmp_path: Path) 
     assert runs(tmp_path, 4)[2:] == ["stopped", "serve --replicas 4"]
 
 
-def test_a_usage_error_ends_the_service(frontend: Frontend, tmp_path: Path) -> None:
-    assert frontend("start", "--bad").returncode == 0
-    deadline = time.monotonic() + 10
-    while frontend("status").returncode != 3:
-        assert time.monotonic() < deadline, "the service is still running"
-        time.sleep(0.05)
+def test_a_usage_error_ends_the_service_and_start_says_so(frontend: Frontend, tmp_path: Path) -> None:
+    # It said "started", and the service was gone a second later.
+    started = frontend("start", "--bad")
+    assert started.returncode == 1
+    assert "kvserve serve ended at once" in started.stderr
+    assert frontend("status").returncode == 3
     time.sleep(0.3)  # three retry pauses
     assert runs(tmp_path, 1) == ["serve --bad"]
+
+
+def test_a_serve_killed_by_a_signal_runs_again(frontend: Frontend, tmp_path: Path) -> None:
+    assert frontend("start", "--replicas", "1").returncode == 0
+    runs(tmp_path, 2)  # serving after its first failure
+    serving = subprocess.run(["pgrep", "-f", f"{tmp_path}/bin/kvserve serve"], capture_output=True, text=True)
+    pid = int(serving.stdout.split()[-1])
+    os.kill(pid, 9)  # as the OOM killer does
+    assert runs(tmp_path, 3)[2] == "serve --replicas 1"
+    assert "kvserve serve failed (exit status 137)" in (tmp_path / "logs" / "serve.log").read_text()
