@@ -24,9 +24,11 @@ class FlagTerms:
 
     flags: dict[str, str]
     switches: dict[tuple[str, bool], str]
+    # Settings whose errors name things of their own: the rest of such a message is left as it is.
+    verbatim: frozenset[str] = frozenset()
 
     @classmethod
-    def of_parser(cls, parser: argparse.ArgumentParser) -> FlagTerms:
+    def of_parser(cls, parser: argparse.ArgumentParser, verbatim: frozenset[str] = frozenset()) -> FlagTerms:
         flags: dict[str, str] = {}
         switches: dict[tuple[str, bool], str] = {}
         for action in parser._actions:  # noqa: SLF001 - argparse has no public list of a parser's options
@@ -38,7 +40,7 @@ class FlagTerms:
                 switches[(action.dest, True)], switches[(action.dest, False)] = on, off
             elif action.nargs == 0 and isinstance(action.const, bool):  # store_true, store_false, store_const
                 switches.setdefault((action.dest, action.const), action.option_strings[0])
-        return cls(flags, switches)
+        return cls(flags, switches, verbatim)
 
     def message(self, error: Exception, settings_from_file: frozenset[str] = frozenset(),
                 config_file: str | None = None) -> str:
@@ -53,7 +55,8 @@ class FlagTerms:
         where = f" ({flag} from --config {config_file})" if name in settings_from_file else ""
         # NOTE: the leading field's later mentions keep its name ("--max-num-batched-tokens: the routing
         # policy's budget: max_num_batched_tokens must be ..." names a policy's argument too).
-        return f"{flag}{field[len(name):]}{space}{self._named(rest, keep=name)}{where}"
+        rest = rest if name in self.verbatim else self._named(rest, keep=name)
+        return f"{flag}{field[len(name):]}{space}{rest}{where}"
 
     def _named(self, text: str, keep: str | None = None) -> str:
         def flag_of(match: re.Match[str]) -> str:

@@ -231,7 +231,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "a policy of your own gets them too if it takes arguments of those names",
     )
     # The settings' own checks name their fields; serve's errors name the flags that set them.
-    parser.set_defaults(handler=run_serve, flag_terms=FlagTerms.of_parser(parser))
+    # NOTE: a routing policy's arguments may share the names of serve's settings (cost_model).
+    flag_terms = FlagTerms.of_parser(parser, verbatim=frozenset({"routing_args"}))
+    parser.set_defaults(handler=run_serve, flag_terms=flag_terms)
 
 
 def _routing_arg(text: str) -> tuple[str, Any]:

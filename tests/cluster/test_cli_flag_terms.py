@@ -15,7 +15,8 @@ def terms() -> FlagTerms:
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--auth-token-file")
-    return FlagTerms.of_parser(parser)
+    parser.add_argument("--routing-arg", dest="routing_args")
+    return FlagTerms.of_parser(parser, verbatim=frozenset({"routing_args"}))
 
 
 def test_the_leading_field_is_its_longest_flag_and_the_file_is_named_when_it_gave_the_value():
@@ -54,3 +55,10 @@ def test_a_field_beside_its_flag_already_is_left_alone():
     message = "x needs an auth token file (auth_token_file, --auth-token-file)"
 
     assert terms().message(ValueError(message)) == message
+
+
+def test_a_verbatim_settings_message_names_things_of_its_own():
+    # A routing policy's argument max_model_len is not serve's --max-model-len.
+    message = terms().message(ValueError("routing_args: max_model_len must be >= 1"))
+
+    assert message == "--routing-arg: max_model_len must be >= 1"
