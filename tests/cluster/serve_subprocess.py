@@ -60,6 +60,14 @@ class ServeProcess:
                 return match
         pytest.fail(f"kvserve serve never printed {pattern!r}; it printed:\n{''.join(self.lines)}")
 
+    def wait_exit(self, timeout_s: float) -> int:
+        """Its exit status; a test failure showing what it printed if it is still running after ``timeout_s``."""
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"kvserve {self.proc.args[3]} still runs after {timeout_s:g} s; it printed:\n"
+                        f"{self.printed_so_far()}")
+
     def printed_so_far(self) -> str:
         while True:
             try:

@@ -73,7 +73,7 @@ def test_sigterm_to_the_whole_process_group_stops_without_waiting_for_rays_gcs(t
         process.wait_for("listening on", STARTUP_TIMEOUT_S)
         start = time.monotonic()
         os.killpg(session_id, signal.SIGTERM)
-        returncode = process.proc.wait(timeout=COMMAND_TIMEOUT_S)
+        returncode = process.wait_exit(COMMAND_TIMEOUT_S)
         elapsed = time.monotonic() - start
         output = process.output()
         assert returncode == 0, output

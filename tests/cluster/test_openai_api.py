@@ -446,6 +446,16 @@ def test_metrics_count_the_requests_refused_before_the_pipeline(served: Served, 
     assert moved(before, after, "kvserve_requests_total", code="200") == 0
 
 
+def scrape_once_counted(served: Served, before: dict, code: str) -> dict:
+    """The metrics once a request has been counted with ``code`` since ``before`` (an aborted
+    request is counted when its pipeline closes, just after its blocks come back)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while moved(before, after := scrape(served), "kvserve_requests_total", code=code) == 0:
+        assert time.monotonic() < deadline, f"no request was counted with {code}"
+        time.sleep(0.05)
+    return after
+
+
 def test_metrics_count_a_stream_the_client_left_as_499_with_no_served_figures(
     served: Served, grpc_client: Client
 ):
@@ -455,10 +465,7 @@ def test_metrics_count_a_stream_the_client_left_as_499_with_no_served_figures(
         assert response.status_code == 200
         next(response.iter_lines())  # its first chunk; then the client leaves
     wait_until_idle(grpc_client, TIMEOUT_S)  # aborted: its blocks came back
-    deadline = time.monotonic() + TIMEOUT_S
-    while moved(before, after := scrape(served), "kvserve_requests_total", code="499") == 0:
-        assert time.monotonic() < deadline, "the request the client left was never counted"
-        time.sleep(0.05)
+    after = scrape_once_counted(served, before, "499")
 
     assert moved(before, after, "kvserve_requests_total", code="499") == 1
     assert moved(before, after, "kvserve_requests_total", code="200") == 0
@@ -484,10 +491,7 @@ def test_metrics_count_a_grpc_call_whose_deadline_passed_as_504_not_as_a_client_
                 pass
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until_idle(grpc_client, TIMEOUT_S)  # aborted: its blocks came back
-    deadline = time.monotonic() + TIMEOUT_S
-    while moved(before, after := scrape(served), "kvserve_requests_total", code="504") == 0:
-        assert time.monotonic() < deadline, "the expired call was never counted"
-        time.sleep(0.05)
+    after = scrape_once_counted(served, before, "504")
 
     assert moved(before, after, "kvserve_requests_total", code="504") == 1
     assert moved(before, after, "kvserve_requests_total", code="499") == 0
