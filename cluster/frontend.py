@@ -177,12 +177,12 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
             tenant = None if self.access.tokens is None else self.access.authenticate(
                 authorization_header(context.invocation_metadata())
             )
-            # NOTE: aclosing: a call that ends early (cancelled, expired) ends the
-            # pipeline at once, which aborts the request and frees its blocks.
             def expired() -> bool:
                 remaining = context.time_remaining()  # None: no deadline
                 return remaining is not None and remaining <= 0
 
+            # NOTE: aclosing: a call that ends early (cancelled, expired) ends the
+            # pipeline at once, which aborts the request and frees its blocks.
             async with aclosing(self.responses(request, tenant=tenant, deadline_passed=expired)) as responses:
                 async for response in responses:
                     yield response

@@ -167,8 +167,9 @@ class FrontendMetrics:
         self.num_requests_waiting_for_replica.set(stats.num_waiting_for_replica)
         self._scheduler_counters.routing = (stats.routing_policy, dict(stats.routing_outcomes))
 
-    def exposition(self, per_tenant: bool = True) -> bytes:
-        """The metrics in Prometheus' text format; those of each tenant only if ``per_tenant``."""
+    def exposition(self, *, per_tenant: bool = False) -> bytes:
+        """The metrics in Prometheus' text format; those of each tenant only if ``per_tenant`` (a reader
+        ``Access.may_read_tenants`` lets see them)."""
         text = generate_latest(self.registry)
         return text + generate_latest(self._tenant_registry) if per_tenant else text
 

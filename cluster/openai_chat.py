@@ -44,6 +44,7 @@ from kvserve.worker.chat_template import (
     ChatTemplateSyntaxError,
     check_chat_template,
     conversation_of,
+    join_text_parts,
     render_conversation,
     template_of,
 )
@@ -195,7 +196,7 @@ def warn_of_a_broken_template(tokenizer: Any | None, template: str | None) -> No
 
 
 def _text(content: str | list[TextPart]) -> str:
-    return content if isinstance(content, str) else "\n".join(part.text for part in content)
+    return content if isinstance(content, str) else join_text_parts(part.text for part in content)
 
 
 class AssistantMessage(BaseModel):

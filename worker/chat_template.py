@@ -13,7 +13,7 @@ template only when given, as transformers' ``apply_chat_template`` passes it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 Conversation = list[dict[str, str]]
@@ -82,6 +82,12 @@ def render_conversation(tokenizer: Any, template: str, conversation: Conversatio
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
+def join_text_parts(texts: Iterable[str]) -> str:
+    """A message's text parts as its one string: a line each, as vLLM joins them for a template
+    that reads strings."""
+    return "\n".join(texts)
+
+
 def _text(content: object, index: int) -> str:
     if isinstance(content, str):
         return content
@@ -92,6 +98,5 @@ def _text(content: object, index: int) -> str:
                 raise ValueError(f"message {index}: a content part must be {{'type': 'text', 'text': str}}, "
                                  f"got {part!r}")
             parts.append(part["text"])
-        # NOTE: one line each, as vLLM joins a message's text parts for a template that reads strings.
-        return "\n".join(parts)
+        return join_text_parts(parts)
     raise ValueError(f"message {index}: 'content' must be a string or a list of text parts, got {content!r}")

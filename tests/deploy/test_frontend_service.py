@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.stand_ins import recorded_lines
+
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "kvserve-frontend"
 
 # Rejects --bad like a usage error (status 2); otherwise fails its first run with status 1
@@ -50,14 +52,7 @@ def frontend(tmp_path: Path) -> Iterator[Frontend]:
 
 def runs(tmp_path: Path, count: int) -> list[str]:
     """The stand-in's record, once it has at least ``count`` lines."""
-    record = tmp_path / "runs"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        lines = record.read_text().splitlines() if record.exists() else []
-        if len(lines) >= count:
-            return lines
-        time.sleep(0.05)
-    raise AssertionError(f"expected {count} lines from the stand-in kvserve, got {lines}")
+    return recorded_lines(tmp_path / "runs", count, timeout_s=10)
 
 
 def test_a_failed_serve_runs_again_and_stop_sends_sigterm(frontend: Frontend, tmp_path: Path) -> None:

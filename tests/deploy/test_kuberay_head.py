@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.deploy.stand_ins import recorded_lines
 from tests.deploy.test_configs import KUBERAY_FILES, head_container, raycluster
 
 # `ray status` answers at once; `ray stop` is recorded.  The stand-in for `ray start --block` sleeps.
@@ -30,16 +31,6 @@ while true; do sleep 0.05; done
 """
 
 
-def record(path: Path, count: int) -> list[str]:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        lines = path.read_text().splitlines() if path.exists() else []
-        if len(lines) >= count:
-            return lines
-        time.sleep(0.05)
-    raise AssertionError(f"expected {count} lines, got {lines}")
-
-
 @pytest.mark.parametrize("name", KUBERAY_FILES)
 def test_sigterm_stops_the_front_end_then_ray_and_the_container_exits_0(name: str, tmp_path: Path) -> None:
     (script,) = head_container(raycluster(name))["args"]
@@ -48,7 +39,7 @@ def test_sigterm_stops_the_front_end_then_ray_and_the_container_exits_0(name: st
     for program, text in (("ray", FAKE_RAY), ("kvserve", FAKE_KVSERVE)):
         (bin_dir / program).write_text(text)
         (bin_dir / program).chmod(0o755)
-    # The retry pause is the script's own 30 s: shortened here with a sleep that does not wait.
+    # The script's 30 s retry pause, cut to 0.1 s by a stand-in sleep.
     (bin_dir / "sleep").write_text('#!/usr/bin/env bash\n[ "$1" = 30 ] && exec /bin/sleep 0.1\nexec /bin/sleep "$@"\n')
     (bin_dir / "sleep").chmod(0o755)
     recorded = tmp_path / "record"
@@ -61,7 +52,7 @@ def test_sigterm_stops_the_front_end_then_ray_and_the_container_exits_0(name: st
         head = subprocess.Popen(["/bin/bash", "-c", "--", script], env=env, start_new_session=True,
                                 stdout=output, stderr=output)
     try:
-        assert record(recorded, 2) == ["serve", "serve"]  # run again after its failure
+        assert recorded_lines(recorded, 2) == ["serve", "serve"]  # run again after its failure
         time.sleep(0.2)  # the second run's handler is set
         head.send_signal(signal.SIGTERM)
         head.wait(timeout=20)
@@ -71,5 +62,5 @@ def test_sigterm_stops_the_front_end_then_ray_and_the_container_exits_0(name: st
         head.wait()
     stderr = log.read_text()
     assert head.returncode == 0, stderr
-    assert record(recorded, 4)[2:] == ["serve stopped", "ray stop"]
+    assert recorded_lines(recorded, 4)[2:] == ["serve stopped", "ray stop"]
     assert "kvserve serve failed (exit status 1); retrying in 30 s" in stderr
