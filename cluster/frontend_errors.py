@@ -19,6 +19,8 @@ class FrontendError(Exception):
 
     grpc_code = grpc.StatusCode.UNKNOWN
     http_status = 500
+    # Seconds an HTTP client should wait before it tries again (its ``Retry-After`` header); None: no header.
+    retry_after_s: int | None = None
 
 
 class InvalidRequestError(FrontendError, ValueError):
@@ -35,10 +37,13 @@ class DuplicateRequestError(InvalidRequestError):
 
 
 class OverloadedError(FrontendError):
-    """``max_concurrent_requests`` streams are in flight already."""
+    """``max_concurrent_requests`` streams are in flight already (the server's, or the tenant's)."""
 
     grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
     http_status = 429
+    # A slot frees when any stream ends, which for a short completion is well within a second; the
+    # openai SDK's retries honour the header (its own default back-off starts at 0.5 s).
+    retry_after_s = 1
 
 
 class UnavailableError(FrontendError):

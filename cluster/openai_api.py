@@ -14,8 +14,8 @@ disconnects aborts them).
 Errors have OpenAI's JSON shape (``openai_errors``): 400 for invalid input (the
 message names the field as the request spelled it; bodies are decoded in
 ``openai_body``), 404 for an unknown model or path, 413 for a body over the
-limit, 429 when the server is at its limit of concurrent requests, 503 when no
-replica can serve.
+limit, 429 with ``Retry-After: 1`` when the server (or the tenant) is at its limit
+of concurrent requests, 503 when no replica can serve.
 """
 
 from __future__ import annotations
@@ -89,9 +89,12 @@ def create_app(
 
     @app.middleware("http")
     async def bearer_token(request: Request, call_next):
-        """With an auth token file, every path but /health needs ``Authorization: Bearer <token>``."""
+        """With an auth token file, every path but /health needs ``Authorization: Bearer <token>``.
+
+        ``/health/`` is let through too, to the router's redirect to ``/health``: a probe configured with
+        the slash gets the same answer with a token file as without one."""
         request.state.tenant = None
-        if frontend.access.tokens is not None and request.url.path != "/health":
+        if frontend.access.tokens is not None and request.url.path not in ("/health", "/health/"):
             try:
                 request.state.tenant = frontend.access.authenticate(request.headers.get("authorization"))
             except FrontendError as exc:

@@ -60,8 +60,10 @@ def error_response(status: int, message: str, *, code: str | None = None, param:
 
 
 def frontend_error_response(error: FrontendError, fields: FieldNames = COMPLETION_FIELDS) -> JSONResponse:
-    """``error`` as an error status: its HTTP status and ``frontend_error_body``."""
-    return JSONResponse(frontend_error_body(error, fields), status_code=error.http_status)
+    """``error`` as an error status: its HTTP status, ``frontend_error_body`` and, where a retry may
+    succeed soon (429), ``Retry-After``."""
+    headers = None if error.retry_after_s is None else {"Retry-After": str(error.retry_after_s)}
+    return JSONResponse(frontend_error_body(error, fields), status_code=error.http_status, headers=headers)
 
 
 def frontend_error_body(error: FrontendError, fields: FieldNames = COMPLETION_FIELDS) -> dict[str, Any]:

@@ -641,6 +641,7 @@ def test_past_the_limit_of_concurrent_requests_is_a_429(served: Served, sdk: ope
         with pytest.raises(openai.RateLimitError) as info:
             sdk.completions.create(model=served.model, prompt="one too many", max_tokens=1)
         assert info.value.status_code == 429
+        assert info.value.response.headers["retry-after"] == "1"
         assert f"limit of {MAX_CONCURRENT_REQUESTS} concurrent requests" in info.value.body["message"]
     finally:
         for stream in streams:

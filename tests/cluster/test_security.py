@@ -228,6 +228,7 @@ def test_http_needs_the_token_except_for_health_and_speaks_tls(secured, caplog) 
     caplog.set_level(logging.INFO, logger="kvserve.cluster.openai_api")
     with httpx.Client(verify=ssl.create_default_context(cafile=str(ca)), timeout=30) as http:
         assert http.get(f"{base}/health").status_code == 200
+        assert http.get(f"{base}/health/", follow_redirects=True).status_code == 200
         refused = http.get(f"{base}/v1/models")
         assert refused.status_code == 401 and refused.headers["www-authenticate"] == "Bearer"
         assert refused.json()["error"]["type"] == "authentication_error"
