@@ -54,7 +54,7 @@ from kvserve.cluster.auth import TokenTable
 from kvserve.cluster.grpc_auth import ThreadedBearerTokenInterceptor
 from kvserve.cluster.step_codec import decode_plan, encode_result
 from kvserve.proto import step_pb2, step_pb2_grpc
-from kvserve.scheduler.checks import check_num_blocks
+from kvserve.scheduler.checks import SettingError, check_num_blocks
 from kvserve.scheduler.step_plan import StepPlan
 from kvserve.scheduler.step_result import StepResult
 
@@ -179,9 +179,10 @@ def _reported(context: grpc.ServicerContext, what: object, call: Callable[[], T]
     try:
         return call()
     except Exception as exc:  # noqa: BLE001 - reported to the caller, the server keeps serving
-        if is_peer_failure(exc):
-            # NOTE: another rank died (its own log and the scheduler's say why): a traceback of
-            # the collective that noticed would be some 60 lines of noise.
+        if is_peer_failure(exc) or isinstance(exc, SettingError):
+            # NOTE: another rank died (its own log and the scheduler's say why), or a setting cannot
+            # work here (its message says how): a traceback would be noise (some 60 lines of a
+            # collective's, or 20 that lead to the check).
             logger.error("%s failed: %s", what, one_line(exc))
             logger.debug("%s failed", what, exc_info=True)
         else:

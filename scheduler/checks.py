@@ -17,6 +17,12 @@ import math
 from numbers import Integral, Real
 
 
+class SettingError(ValueError):
+    """A setting that is valid on its own but that this machine cannot run with (a KV-cache budget
+    too small for two blocks): its message names the setting and what it would take, which says it
+    all; no traceback is needed to find the cause."""
+
+
 def check_ints(minimum: int, **values: object) -> None:
     """``ValueError`` unless every value is an integer (not a bool) >= ``minimum``."""
     for name, value in values.items():

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.scheduler.checks import SettingError
+
 logger = logging.getLogger(__name__)
 
 
@@ -35,13 +37,14 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.block_size * self.num_local_kv_heads * self.head_dim * element_size
 
 
-def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int) -> int:
-    """How many blocks (null block included) fit in ``budget_bytes``; raises if fewer than 2."""
+def num_blocks_for_budget(spec: KVCacheSpec, budget_bytes: int, setting: str) -> int:
+    """How many blocks (null block included) fit in ``budget_bytes``, which ``setting`` gave (its
+    name and value: "cpu_kv_cache_bytes is 1"); ``SettingError`` if fewer than 2."""
     num_blocks = budget_bytes // spec.bytes_per_block
     if num_blocks < 2:
-        raise ValueError(
-            f"a KV-cache budget of {budget_bytes} bytes holds {num_blocks} blocks of "
-            f"{spec.bytes_per_block} bytes; at least 2 are needed"
+        raise SettingError(
+            f"{setting}: this rank's KV cache gets {budget_bytes} bytes, {num_blocks} blocks of "
+            f"{spec.bytes_per_block} bytes; at least 2 blocks ({2 * spec.bytes_per_block} bytes) are needed"
         )
     return int(num_blocks)
 
@@ -60,9 +63,9 @@ def cuda_kv_cache_budget(device: torch.device, gpu_memory_utilization: float) ->
     used = total - free
     budget = int(total * gpu_memory_utilization) - used
     if budget <= 0:
-        raise ValueError(
+        raise SettingError(
             f"no memory left for the KV cache: {used / 2**30:.1f} GiB of {total / 2**30:.1f} GiB "
-            f"are in use, above gpu_memory_utilization={gpu_memory_utilization}"
+            f"are in use, above gpu_memory_utilization ({gpu_memory_utilization})"
         )
     return budget
 

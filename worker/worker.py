@@ -140,10 +140,13 @@ class Worker:
             return self.config.num_blocks
         spec = self.kv_cache_spec()
         if self.device.type == "cuda":
-            budget = cuda_kv_cache_budget(self.device, self.config.gpu_memory_utilization)
+            utilization = self.config.gpu_memory_utilization
+            budget = cuda_kv_cache_budget(self.device, utilization)
+            setting = f"gpu_memory_utilization is {utilization}"
         else:
             budget = self.config.cpu_kv_cache_bytes
-        return num_blocks_for_budget(spec, budget)
+            setting = f"cpu_kv_cache_bytes is {budget}"
+        return num_blocks_for_budget(spec, budget, setting)
 
     def initialize_cache(self, num_blocks: int) -> None:
         check_num_blocks(num_blocks)

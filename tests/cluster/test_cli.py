@@ -536,3 +536,23 @@ def test_serve_help_spells_out_the_defaults_of_modules_it_does_not_import() -> N
     assert cli_serve._MAX_MESSAGE_BYTES == DEFAULT_MAX_MESSAGE_BYTES
     assert cli_serve._WORKER_CPU_RESOURCE == WORKER_CPU_RESOURCE
     assert cli_serve_engine.CPU_KV_CACHE_MIB * 2**20 == DEFAULT_CPU_KV_CACHE_BYTES
+
+
+def test_a_workers_kv_cache_budget_error_reaches_serves_user_in_flag_terms():
+    # The worker's message, as `serve` prints it after "the cluster failed to start: ...".
+    import torch
+
+    from kvserve.cli import build_parser
+    from kvserve.worker.kv_cache import KVCacheSpec, num_blocks_for_budget
+
+    args = build_parser().parse_args(["serve"])
+    spec = KVCacheSpec(num_layers=2, block_size=16, num_local_kv_heads=2, head_dim=16, dtype=torch.float32)
+    for setting, flag in [("cpu_kv_cache_bytes is 1", "--cpu-kv-cache-bytes is 1"),
+                          ("gpu_memory_utilization is 0.1", "--gpu-memory-utilization is 0.1")]:
+        with pytest.raises(ValueError) as info:
+            num_blocks_for_budget(spec, 1, setting)
+        failed = RuntimeError(f"replica 0 rank 0 failed at DetermineNumBlocks: INTERNAL: SettingError: {info.value}")
+        assert args.flag_terms.message(failed) == (
+            f"replica 0 rank 0 failed at DetermineNumBlocks: INTERNAL: SettingError: {flag}: this rank's KV cache "
+            "gets 1 bytes, 0 blocks of 8192 bytes; at least 2 blocks (16384 bytes) are needed"
+        )

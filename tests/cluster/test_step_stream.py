@@ -235,6 +235,17 @@ def test_a_rank_whose_peer_died_logs_one_error_line_and_the_traceback_at_debug(c
     assert [r.exc_info is not None for r in records if r.levelname == "DEBUG"] == [True]
 
 
+def test_a_setting_the_rank_cannot_run_with_logs_one_error_line(caplog) -> None:
+    # (a KV-cache budget too small: the message says which setting and what it takes)
+    from kvserve.scheduler.checks import SettingError
+
+    records = failed_step_records(caplog, SettingError("cpu_kv_cache_bytes is 1: ..."))
+
+    errors = [r for r in records if r.levelname == "ERROR"]
+    assert [r.getMessage() for r in errors] == ["execute failed: SettingError: cpu_kv_cache_bytes is 1: ..."]
+    assert errors[0].exc_info is None
+
+
 def test_a_rank_whose_own_code_failed_logs_the_traceback_at_error(caplog) -> None:
     records = failed_step_records(caplog, KeyError("layers.3.weight"))
 

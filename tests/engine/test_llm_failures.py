@@ -73,3 +73,13 @@ def test_settings_that_need_max_model_len_are_refused_before_a_worker_starts(tmp
     monkeypatch.setattr(uniproc, "UniprocExecutor", no_worker)
     with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_model_len when chunked prefill is off"):
         LLM(path, enable_chunked_prefill=False, max_num_batched_tokens=1000)
+
+
+def test_a_kv_cache_budget_too_small_for_two_blocks_names_the_setting_and_what_it_takes(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match=r"^cpu_kv_cache_bytes is 1: this rank's KV cache gets 1 bytes, 0 blocks "
+                       r"of (\d+) bytes; at least 2 blocks \(\d+ bytes\) are needed$") as info:
+        LLM(str(model_dir), cpu_kv_cache_bytes=1)
+    block_bytes = int(info.value.args[0].split(" blocks of ")[1].split()[0])
+    # The figure it asks for is enough.
+    with LLM(str(model_dir), cpu_kv_cache_bytes=2 * block_bytes) as llm:
+        assert llm.engine.scheduler.kv_cache_manager.block_pool.num_blocks == 2
