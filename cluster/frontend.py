@@ -443,7 +443,8 @@ class Frontend(generate_pb2_grpc.GenerationServicer):
         if self._serving:
             logger.info("a replica is healthy again: serving")
         else:
-            logger.error(
+            # NOTE: a WARNING: the failure that left none has its ERROR already (one per failure).
+            logger.warning(
                 "no replica is healthy: requests wait for one to be back (--max-queue-wait), then fail with UNAVAILABLE"
             )
         if self._on_serving_changed is not None:

@@ -8,6 +8,7 @@ end-to-end behaviour over real gRPC and Ray is in test_end_to_end.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 
@@ -292,7 +293,7 @@ def test_with_every_stream_served_outputs_are_fetched_once_per_interval() -> Non
     serve(scenario, stream_interval_s=0.5)
 
 
-def test_the_server_hears_when_no_replica_is_healthy_and_when_one_is_again() -> None:
+def test_the_server_hears_when_no_replica_is_healthy_and_when_one_is_again(caplog) -> None:
     heard: list[bool] = []
 
     async def on_serving_changed(serving: bool) -> None:
@@ -303,8 +304,12 @@ def test_the_server_hears_when_no_replica_is_healthy_and_when_one_is_again() -> 
             scheduler.set_healthy(num_healthy)
             await asyncio.sleep(0.05)
 
-    serve(scenario, on_serving_changed=on_serving_changed)
+    with caplog.at_level(logging.INFO, logger="kvserve.cluster.frontend"):
+        serve(scenario, on_serving_changed=on_serving_changed)
     assert heard == [False, True]
+    # The replica's failure has its one ERROR (the scheduler's); that it left none is a WARNING.
+    said = [(r.levelname, r.getMessage().split(":")[0]) for r in caplog.records if r.name == "kvserve.cluster.frontend"]
+    assert said == [("WARNING", "no replica is healthy"), ("INFO", "a replica is healthy again")]
 
 
 def test_a_long_text_is_tokenized_off_the_event_loop() -> None:
