@@ -8,7 +8,9 @@ is a no-op, so the same model code runs on one device without torch.distributed.
 from __future__ import annotations
 
 import logging
+import socket
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -84,13 +86,14 @@ def init_distributed(
     if backend not in ("nccl", "gloo"):
         raise ValueError(f"backend must be 'nccl' or 'gloo', got {backend!r}")
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        if init_method.startswith("tcp://"):
+            store = rendezvous_store(init_method, rank, world_size, timeout)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend=backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout
+            )
         logger.info("joined %s group as rank %d of %d", backend, rank, world_size)
     elif (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
         raise ValueError(
@@ -98,3 +101,33 @@ def init_distributed(
             f"{dist.get_world_size()}, not rank {rank} of {world_size}"
         )
     return TensorParallelGroup(rank, world_size)
+
+
+def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The key-value store through which the ranks of ``init_method`` (``tcp://host:port``) find
+    each other: rank 0 serves it on ``host:port``, the others connect to it.
+
+    Rank 0 listens on ``host`` only.  torch's own ``tcp://`` rendezvous listens on every interface
+    whatever the host, which put an unauthenticated store on the network of a server that
+    serves 127.0.0.1 only; its listening socket is therefore bound here and handed to the store.
+    """
+    address = urlsplit(init_method)
+    host, port = address.hostname, address.port
+    if not host or port is None:
+        raise ValueError(f"a tcp:// rendezvous needs a host and a port, got {init_method!r}")
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(world_size)
+    except OSError:
+        listener.close()
+        raise
+    # NOTE: the store serves on the socket from here on: the fd is its, not this object's (which would
+    # close it when collected).
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach()
+    )

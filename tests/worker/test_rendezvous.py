@@ -1,0 +1,58 @@
+"""The ranks' tcp:// rendezvous: a store on the given host only, which every rank shares."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from kvserve.worker.distributed import rendezvous_store
+
+TIMEOUT = timedelta(seconds=10)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp* has them) that listen on ``port`` (IPv4 and IPv6)."""
+    addresses = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, local_port = local.split(":")
+            if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                addresses.add(address)
+    return addresses
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/net/tcp")
+def test_rank_0_serves_the_store_on_its_host_only_and_the_other_ranks_share_it() -> None:
+    # torch's own tcp:// rendezvous listened on every interface ('*:PORT') for a
+    # server that serves 127.0.0.1 only.
+    port = free_port()
+    master = rendezvous_store(f"tcp://127.0.0.1:{port}", 0, 1, TIMEOUT)
+
+    assert listening_addresses(port) == {"0100007F"}  # 127.0.0.1
+    other = rendezvous_store(f"tcp://127.0.0.1:{port}", 1, 2, TIMEOUT)
+    master.set("rank0", "here")
+    assert other.get("rank0") == b"here"
+
+
+def test_a_rendezvous_without_a_port_is_refused_naming_it() -> None:
+    with pytest.raises(ValueError, match=r"a tcp:// rendezvous needs a host and a port, got 'tcp://127.0.0.1'"):
+        rendezvous_store("tcp://127.0.0.1", 0, 1, TIMEOUT)
+
+
+def test_a_taken_port_is_an_error_of_rank_0() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        with pytest.raises(OSError):
+            rendezvous_store(f"tcp://127.0.0.1:{taken.getsockname()[1]}", 0, 1, TIMEOUT)
