@@ -12,12 +12,7 @@ from kvserve.bench import gpu_serving
 from kvserve.bench.decode_steps import check_batch_kept, decode_max_tokens, decode_pool_blocks
 from kvserve.bench.serving_workloads import make_workloads, model_cost, workload_floor_s
 from kvserve.worker.full_size_model import SHAPES
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.loopback import free_port
 
 
 def test_the_cpu_smoke_run_prints_every_part(capsys) -> None:

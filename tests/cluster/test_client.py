@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import pickle
-import socket
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from kvserve.cluster.launcher import start_cluster
 from kvserve.proto import generate_pb2, generate_pb2_grpc
 from kvserve.worker.tiny_model import create_tiny_model
 from kvserve.worker.tokenizer import load_tokenizer
+from tests.loopback import free_port
 from tests.cluster.server_thread import ServerThread, wait_until_idle
 
 BLOCK_SIZE = 8
@@ -61,12 +61,6 @@ def served(ray_cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
 def client(served: Served) -> Iterator[Client]:
     with Client(served.target) as client:
         yield client
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]  # nobody listens here once the socket closes
 
 
 # -- generate and stream -------------------------------------------------------------

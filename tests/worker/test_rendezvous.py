@@ -10,14 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvserve.worker.distributed import rendezvous_store
+from tests.loopback import free_port
 
 TIMEOUT = timedelta(seconds=10)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def listening_addresses(port: int) -> set[str]:
