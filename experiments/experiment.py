@@ -342,6 +342,11 @@ def _run(args: argparse.Namespace, before_writing: Callable[[], None]) -> Experi
             raise ExperimentError("the workload has no requests")
         # A trace may hold fewer than --num-requests; session workloads add a warm-up.
         num_measured = sum(r.measured for r in reference_stream)
+        if not num_measured:
+            raise ExperimentError(
+                f"every one of the workload's {count(len(reference_stream), 'request')} is a warm-up: none "
+                "would be measured (more --num-requests, or a shorter warm-up through --workload-arg)"
+            )
         reference = infinite_cache_reference(reference_stream, args.block_size)
     # The caches are sized on the default stream's working set, whatever --num-requests (see sizing_stream).
     sizing = sizing_stream(args, stream)

@@ -11,7 +11,7 @@ sharing leading ids share those prompt tokens; the last block may be partial
 (``input_length`` need not be a multiple of 512).
 
 A trace was recorded against warm caches; a replay starts cold.  The first
-``warmup_fraction`` of the replayed records (rounded down) are a warm-up:
+``warmup_fraction`` (in [0, 1)) of the replayed records (rounded down) are a warm-up:
 served, but marked ``measured=False``.
 """
 
@@ -53,6 +53,8 @@ def mooncake_trace(
     """
     check_ints(1, block_tokens=block_tokens)
     check_numbers(0, maximum=1, warmup_fraction=warmup_fraction)
+    if warmup_fraction == 1:
+        raise ValueError("warmup_fraction must be below 1: at 1 every request is a warm-up, and none is measured")
     check_vocab_size(vocab_size)
     if num_requests is not None:
         check_ints(0, num_requests=num_requests)

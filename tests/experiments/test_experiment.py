@@ -458,6 +458,8 @@ def trace_args(trace: Path, out: Path) -> list[str]:
         (["--qps", "1", "--workload-arg", "block_tokens=0"], "block_tokens must be an integer >= 1"),
         (["--qps", "1", "--workload-arg", "block_tokens=-4"], "block_tokens must be an integer >= 1"),
         (["--qps", "trace", "--burstiness", "0.5"], "--burstiness does not apply to a trace"),
+        # It was taken: every record a warm-up, then a traceback ("cannot summarise a run without requests").
+        (["--qps", "trace", "--workload-arg", "warmup_fraction=1"], "warmup_fraction must be below 1"),
     ],
 )
 def test_bad_trace_settings_are_reported(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
@@ -762,3 +764,22 @@ def test_a_live_experiment_runs_at_the_default_time_scale_unless_told() -> None:
     told = parse([*TINY, "--live", "--time-scale", "2", "--qps", "1", "--out", "unused"])
     check_live_options(told)
     assert told.time_scale == 2.0
+
+
+def test_a_workload_whose_requests_are_all_a_warm_up_is_refused_before_it_runs(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    # A workload of one's own (experiments/README.md) whose warm-up outnumbers its requests.
+    from kvserve.experiments.workloads.registry import WORKLOADS
+
+    def warm_up_only(num_requests, qps, *, seed=0, burstiness=1.0, vocab_size=32_000):  # noqa: ANN001, ANN202
+        return [WorkloadRequest(i / qps, [3 + i, 4, 5, 6], 4, measured=False) for i in range(num_requests)]
+
+    monkeypatch.setitem(WORKLOADS, "warm_up_only", warm_up_only)
+    out = tmp_path / "run"
+    err = run_bad(["--workload", "warm_up_only", "--sim", "--replicas", "2", "--num-requests", "5", "--qps", "1",
+                   "--no-plots", "--out", str(out)], capsys)
+
+    assert err == (
+        "kvserve experiment: error: every one of the workload's 5 requests is a warm-up: none would be measured "
+        "(more --num-requests, or a shorter warm-up through --workload-arg)\n"
+    )
+    assert not (out / "summary.md").exists()
