@@ -16,6 +16,7 @@ from kvserve.experiments.experiment_setup import (
     ExperimentError,
     StreamSpec,
     default_num_requests,
+    workload_arg_error,
 )
 from kvserve.experiments.workloads import WorkloadRequest
 from kvserve.experiments.workloads.cache_reference import CacheReference
@@ -219,7 +220,10 @@ def stream_at_rate(stream: StreamSpec, qps: float | None) -> list[WorkloadReques
     try:
         return stream.at(qps)
     except (ValueError, TypeError, OSError) as exc:  # OSError: a trace that cannot be read
-        raise ExperimentError(f"--workload {stream.workload} {rate_phrase(qps)}: {exc}") from None
+        # An error about a value the user gave is about that value, whatever the rate.
+        raise workload_arg_error(exc, stream.params) or ExperimentError(
+            f"--workload {stream.workload} {rate_phrase(qps)}: {exc}"
+        ) from None
 
 
 def rate_phrase(qps: float | None) -> str:

@@ -268,6 +268,14 @@ def choose_baseline(baseline: str | None, policies: Sequence[str], knee: bool) -
     return baseline
 
 
+def workload_arg_error(error: Exception, params: dict[str, Any]) -> ExperimentError | None:
+    """``error`` as the error of the ``--workload-arg`` it is about ("--workload-arg num_groups must be
+    ..."), when its message starts with a parameter the user gave; otherwise ``None``."""
+    if str(error).split(" ", 1)[0] in params:
+        return ExperimentError(f"--workload-arg {error}")
+    return None
+
+
 def stream_spec(args: argparse.Namespace) -> StreamSpec:
     """The stream ``args`` describe, checked as far as it can be without generating it."""
     pairs = parse_key_values(args.workload_arg, "--workload-arg")
@@ -293,7 +301,7 @@ def stream_spec(args: argparse.Namespace) -> StreamSpec:
     try:
         check_workload_parameters(args.workload, {key: value for key, value in params.items() if key != "trace"})
     except ValueError as exc:
-        raise ExperimentError(f"--workload-arg: {exc}") from None
+        raise workload_arg_error(exc, params) or ExperimentError(f"--workload-arg: {exc}") from None
     burstiness = DEFAULT_BURSTINESS if args.burstiness is None else args.burstiness
     return StreamSpec(args.workload, args.num_requests, args.seed, burstiness, params)
 

@@ -50,7 +50,8 @@ def workload_parameters(name: str) -> dict[str, Any]:
 
 def check_workload_parameters(name: str, params: dict[str, Any]) -> None:
     """``ValueError`` naming a parameter ``name`` does not take, and listing those it does with their defaults
-    (``params``: a trace's ``trace`` left out)."""
+    (``params``: a trace's ``trace`` left out); or naming one whose default is a number but which was given
+    text (``--workload-arg prefix_len=abc``), before a workload of one's own fails on it somewhere inside."""
     accepted = workload_parameters(name)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
@@ -58,6 +59,10 @@ def check_workload_parameters(name: str, params: dict[str, Any]) -> None:
         raise ValueError(
             f"the {name} workload has no parameter {', '.join(unknown)}; its parameters (with their defaults): {listed}"
         )
+    for key, value in params.items():
+        default = accepted[key]
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and isinstance(value, str):
+            raise ValueError(f"{key} must be a number (its default is {default}), got {value!r}")
 
 
 def make_workload(

@@ -459,7 +459,7 @@ def trace_args(trace: Path, out: Path) -> list[str]:
         (["--qps", "1", "--workload-arg", "block_tokens=-4"], "block_tokens must be an integer >= 1"),
         (["--qps", "trace", "--burstiness", "0.5"], "--burstiness does not apply to a trace"),
         # It was taken: every record a warm-up, then a traceback ("cannot summarise a run without requests").
-        (["--qps", "trace", "--workload-arg", "warmup_fraction=1"], "warmup_fraction must be below 1"),
+        (["--qps", "trace", "--workload-arg", "warmup_fraction=1"], "--workload-arg warmup_fraction must be below 1"),
     ],
 )
 def test_bad_trace_settings_are_reported(tmp_path, capsys, extra, message) -> None:  # noqa: ANN001
@@ -783,3 +783,20 @@ def test_a_workload_whose_requests_are_all_a_warm_up_is_refused_before_it_runs(t
         "(more --num-requests, or a shorter warm-up through --workload-arg)\n"
     )
     assert not (out / "summary.md").exists()
+
+
+def test_a_bad_workload_value_names_its_workload_arg_not_the_rate_it_was_generated_at(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    # It said "--workload shared_prefix at 1 qps: ..." (the stream that sizes the caches) for --qps 2.
+    err = run_bad([*TINY, "--qps", "2", "--workload-arg", "num_tenants=2.5", "--out", str(tmp_path / "a")], capsys)
+    assert err == "kvserve experiment: error: --workload-arg num_tenants must be an integer >= 0, got 2.5\n"
+
+    # A workload of one's own (experiments/README.md's) got the text and failed inside numpy.
+    from kvserve.experiments.workloads.registry import WORKLOADS
+
+    def two_prefixes(num_requests, qps, *, seed=0, burstiness=1.0, prefix_len=1024):  # noqa: ANN001, ANN202
+        return [WorkloadRequest(float(i), [3] * (prefix_len * 2) + [4 + i], 4) for i in range(num_requests)]
+
+    monkeypatch.setitem(WORKLOADS, "two_prefixes", two_prefixes)
+    err = run_bad(["--workload", "two_prefixes", "--replicas", "2", "--num-requests", "5", "--qps", "1",
+                   "--workload-arg", "prefix_len=abc", "--out", str(tmp_path / "b")], capsys)
+    assert err == "kvserve experiment: error: --workload-arg prefix_len must be a number (its default is 1024), got 'abc'\n"
