@@ -215,6 +215,10 @@ def ray_status_command(gcs_address: str) -> str:
     return " ".join([*env, "ray status --address", gcs_address])
 
 
+# What ray.init(address="auto") says when no cluster runs on this machine (Ray 2.x).
+_NO_RAY_INSTANCE = "Could not find any running Ray instance"
+
+
 def join_ray(address: str) -> str:
     """Connect to the running Ray cluster at ``address`` ('auto' or HOST:PORT), namespace ``kvserve``;
     returns its GCS address (``host:port``).
@@ -231,6 +235,12 @@ def join_ray(address: str) -> str:
         try:
             context = ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)
         except ConnectionError as exc:
+            if gcs is None and _NO_RAY_INSTANCE in str(exc):
+                # 'auto' found no cluster on this machine: no token would help.
+                raise ConnectionError(
+                    f"--address {address}: no Ray cluster is running on this machine (`ray start --head` "
+                    "starts one; without --address a local one is started and stopped with the command)"
+                ) from exc
             if os.environ.get("RAY_AUTH_MODE") is None:
                 # NOTE: Ray sends its token to a cluster named by address only when told to; a
                 # cluster with token authentication (new clusters' default in recent Ray) refuses it otherwise.

@@ -115,3 +115,23 @@ def test_joining_a_cluster_that_refuses_says_where_the_token_came_from(
     assert str(info.value).startswith("Failed to connect to Ray cluster at 10.0.0.5:6379; ")
     assert hint in str(info.value)
     assert "s3cret" not in str(info.value)
+
+
+def test_auto_without_a_cluster_on_this_machine_says_so_without_a_token_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    # It added "if that cluster uses token authentication, set RAY_AUTH_MODE=token": there was no cluster.
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+
+    def none_found(**kwargs):
+        # Ray 2's words when 'auto' finds no cluster.
+        raise ConnectionError(
+            "Could not find any running Ray instance. Please specify the one to connect to by setting `--address` "
+            "flag or `RAY_ADDRESS` environment variable."
+        )
+
+    monkeypatch.setattr(launcher.ray, "init", none_found)
+    with pytest.raises(ConnectionError) as info:
+        launcher.join_ray("auto")
+    assert str(info.value) == (
+        "--address auto: no Ray cluster is running on this machine (`ray start --head` starts one; without "
+        "--address a local one is started and stopped with the command)"
+    )
