@@ -70,7 +70,8 @@ def progress_line(label: str, num_finished: int, num_requests: int, elapsed_s: f
 CSV_COLUMNS_HELP = """\
 summary.csv, one row per run (policy at a rate), over its measured requests:
   workload, num_replicas, policy
-  qps                  offered load, requests/s (a trace replayed as recorded: its mean rate)
+  qps                  offered load, requests/s (a trace replayed as recorded: its mean rate; one whose
+                       requests all arrive at one instant: their number, as if over 1 s)
   num_requests         measured requests (a warm-up's are served, not counted)
   hit_rate             prompt tokens served from a prefix cache / prompt tokens (0-1)
   infinite_hit_rate    the same for one infinite cache over the same stream (0-1)

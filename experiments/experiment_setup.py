@@ -326,7 +326,8 @@ def parse_rates(text: str, stream: StreamSpec) -> list[Any]:
 
 
 def qps_label(qps: float | None, stream: Sequence[WorkloadRequest]) -> float:
-    """The rate a run is reported at: a trace's own mean rate when replayed as recorded."""
+    """The rate a run is reported at: a trace's own mean rate when replayed as recorded (requests all
+    at one instant have no rate: their number is reported, as if over 1 s, as --help says)."""
     if qps is not None:
         return qps
     span = stream[-1].arrival_time - stream[0].arrival_time
