@@ -265,10 +265,16 @@ class AsyncClient:
             )
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
+        except asyncio.CancelledError:
+            error = _closed_under_the_call(self)
+            if error is None:
+                raise
+            raise error from None
         return to_replica_stats(response)
 
     async def close(self) -> None:
-        """Close the channel; calls in flight are cancelled, and later calls raise ``RuntimeError``."""
+        """Close the channel; calls in flight end with ``RequestError("CANCELLED")`` (on Python 3.10,
+        grpc's ``asyncio.CancelledError``), and later calls raise ``RuntimeError``."""
         self._closed = True
         await self._channel.close()
 
@@ -297,6 +303,11 @@ class AsyncClient:
                 pending = pending and not response.token_ids
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
+        except asyncio.CancelledError:
+            error = _closed_under_the_call(self)
+            if error is None:
+                raise
+            raise error from None
         finally:
             call.cancel()
 
@@ -305,6 +316,22 @@ class AsyncClient:
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+def _closed_under_the_call(client: AsyncClient) -> RequestError | None:
+    """The error of an ``AsyncClient`` call that its own ``close()`` cut short, or ``None`` (the task is
+    being cancelled, or the client is open).
+
+    NOTE: grpc.aio ends such a call with ``asyncio.CancelledError`` though no task was cancelled: the
+    caller's task then ended as cancelled, which ``except Exception`` does not catch.  The blocking
+    ``Client`` raises ``RequestError("CANCELLED")`` there; so does this one from Python 3.11 (before
+    it, a task cannot tell a cancellation of its own from grpc's, and the ``CancelledError`` stands).
+    """
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    if client._closed and cancelling is not None and cancelling() == 0:
+        return RequestError("CANCELLED", "the client was closed while the call was in flight")
+    return None
 
 
 def _request_error(error: grpc.RpcError) -> RequestError:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import sys
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -254,6 +255,33 @@ def test_closing_an_async_stream_before_reading_it_leaves_nothing_running(served
             wait_until_idle(client, ABORT_TIMEOUT_S)
 
     asyncio.run(open_then_close())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="a task tells grpc's CancelledError from its own from 3.11")
+def test_closing_an_async_client_under_a_stream_ends_it_with_a_request_error(served: Served, client: Client):
+    # The consumer got asyncio.CancelledError though nobody cancelled its task (which then ended as
+    # cancelled, past its `except Exception`); the blocking Client raises RequestError("CANCELLED") here.
+    async def consume(stream) -> BaseException | None:  # noqa: ANN001
+        try:
+            async for _ in stream:
+                pass
+        except Exception as exc:  # noqa: BLE001 - what a consumer of the stream would catch
+            return exc
+        return None
+
+    async def close_under_it() -> BaseException | None:
+        async_client = AsyncClient(served.target)
+        stream = async_client.stream("closed under me", **LONG)
+        consumer = asyncio.create_task(consume(stream))
+        while not (await async_client.get_stats())[0].num_running:
+            await asyncio.sleep(0.05)
+        await async_client.close()
+        return await consumer
+
+    error = asyncio.run(close_under_it())
+    assert isinstance(error, RequestError) and error.code == "CANCELLED"
+    assert error.message == "the client was closed while the call was in flight"
+    wait_until_idle(client, ABORT_TIMEOUT_S)
 
 
 # -- errors ----------------------------------------------------------------------
