@@ -490,3 +490,34 @@ def test_a_request_no_replica_took_is_told_so_not_that_its_replica_failed() -> N
         )
 
     serve(scenario)
+
+
+@pytest.mark.parametrize(("left_s", "code"), [(0.0, "504"), (0.02, "504"), (0.5, "499"), (None, "499")])
+def test_a_call_closed_at_or_near_its_deadline_counts_as_expired_one_closed_earlier_as_left(
+    left_s: float | None, code: str
+) -> None:
+    # A client's deadline starts before the server's (the call's transit, a busy server's reading it), so
+    # the client's fires first: 19 of 40 concurrent expiries were counted 499 with 0-20 ms of the server's left.
+    class ClosedWithTimeLeft(FakeContext):
+        def time_remaining(self) -> float | None:
+            return left_s
+
+    async def scenario(frontend: Frontend, scheduler: FakeScheduler) -> None:
+        messages = frontend.Generate(request("r"), ClosedWithTimeLeft())
+        first = asyncio.ensure_future(anext(messages))
+        await asyncio.sleep(0.05)
+        scheduler.emit(RequestDelta("r", [3], replica=0))
+        await first
+        await messages.aclose()  # the call ends: cancelled by its client, or past its deadline
+        counted = {labels["code"]: value for labels, value in requests_counted(frontend)}
+        assert counted == {code: 1.0}
+
+    serve(scenario)
+
+
+def requests_counted(frontend: Frontend) -> list[tuple[dict[str, str], float]]:
+    return [
+        (sample.labels, sample.value)
+        for metric in frontend.metrics.requests.collect() for sample in metric.samples
+        if sample.name == "kvserve_requests_total"
+    ]
