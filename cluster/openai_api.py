@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvserve.cluster.frontend import Frontend, FrontendError, InvalidRequestError
-from kvserve.cluster.metrics import CONTENT_TYPE_LATEST, FrontendMetrics
+from kvserve.cluster.metrics import CLIENT_LEFT, CONTENT_TYPE_LATEST, FrontendMetrics
 from kvserve.cluster.openai_body import BodyTextError, TextCheckedRoute, validation_error
 from kvserve.cluster.openai_chat import (
     ChatCompletionRequest,
@@ -226,7 +226,8 @@ def create_app(
 class RefusalCounter:
     """ASGI middleware: counts in ``kvserve_requests_total`` each answer to a generation request that its
     pipelines did not measure, having refused it before (invalid body, unknown model, over the body limit,
-    unauthenticated)."""
+    unauthenticated); a client that left before any answer (mid-body: FastAPI answers 400, "error parsing
+    the body", to no one) counts as 499."""
 
     def __init__(self, app: ASGIApp, metrics: FrontendMetrics) -> None:
         self.app = app
@@ -236,19 +237,26 @@ class RefusalCounter:
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in _GENERATION_PATHS:
             await self.app(scope, receive, send)
             return
-        status = 500  # what the server answers for an exception that leaves the app
+        status: int | str = 500  # what the server answers for an exception that leaves the app
+        answered = left = False
+
+        async def receive_noting_a_disconnect() -> Message:
+            nonlocal left
+            message = await receive()
+            left = left or (message["type"] == "http.disconnect" and not answered)
+            return message
 
         async def send_noting_status(message: Message) -> None:
-            nonlocal status
+            nonlocal status, answered
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, answered = message["status"], True
             await send(message)
 
         try:
-            await self.app(scope, receive, send_noting_status)
+            await self.app(scope, receive_noting_a_disconnect, send_noting_status)
         finally:
             if not scope.get("state", {}).get(MEASURED, False):
-                self.metrics.count_request(status)
+                self.metrics.count_request(CLIENT_LEFT if left else status)
 
 
 class BodyLimit:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import time
 from pathlib import Path
 
@@ -474,6 +475,22 @@ def test_metrics_count_a_stream_the_client_left_as_499_with_no_served_figures(
     assert moved(before, after, "kvserve_prompt_tokens_total") == 0
     assert moved(before, after, "kvserve_generation_tokens_total") == 0
     assert moved(before, after, "kvserve_e2e_request_latency_seconds_count") == 0
+
+
+def test_metrics_count_a_client_that_left_in_the_middle_of_its_body_as_499_not_400(served: Served):
+    # FastAPI answers such a request 400 ("There was an error parsing the body") to no one.
+    before = scrape(served)
+    host, port = served.base_url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=TIMEOUT_S) as connection:
+        connection.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: kvserve\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 500\r\n\r\n{"model":'
+        )
+        time.sleep(0.2)  # the server is reading the body
+    after = scrape_once_counted(served, before, "499")
+
+    assert moved(before, after, "kvserve_requests_total", code="499") == 1
+    assert moved(before, after, "kvserve_requests_total", code="400") == 0
 
 
 def test_metrics_count_a_grpc_call_whose_deadline_passed_as_504_not_as_a_client_that_left(
