@@ -5,7 +5,8 @@ pipeline (``track`` wraps ``Frontend.responses`` for a gRPC call,
 ``track_choices`` the ``n`` pipelines of one HTTP request): every request
 counts once in ``kvserve_requests_total{code}`` with the HTTP status it is
 answered with (200, 400, 404, 413, 429, 503; 499 when the client left first,
-504 when a gRPC call's deadline passed first;
+504 when a gRPC call's deadline passed first (or was within ``frontend.DEADLINE_SLACK_S`` of it: the
+client's clock starts first);
 the HTTP API counts those it refuses before the pipeline itself), and a
 served request adds its prompt and generated tokens, as its ``usage`` counts
 them, and its latencies (time to first token, time per output token after
