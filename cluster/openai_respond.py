@@ -18,10 +18,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -95,7 +95,7 @@ async def respond(
     choices = frontend.metrics.track_choices(interleave(pipelines), len(generates))
     kept = [kept_tokens(generate, frontend.tokenizer) for generate in generates]
     if stream:
-        return await _stream(request_id, choices, kept, shape, include_usage, fields, echo, prompt_logprobs)
+        return await _stream(request_id, choices, kept, shape, include_usage, fields, echo, prompt_logprobs, request)
     return await _complete(request_id, choices, kept, shape, request, fields, echo, prompt_logprobs)
 
 
@@ -196,24 +196,80 @@ async def _stream(
     fields: FieldNames,
     echo: EchoedPrompt | None,
     prompt_logprobs: PromptLogprobsEncoder | None,
+    request: Request,
 ) -> Response:
     """Server-sent events; errors found before the first token are answered with their HTTP status.
+    The requests are aborted as soon as the client leaves, before the first message and between events too.
 
     NOTE: the choices are admitted or refused (429) as they start, before any of them can have a token
     (but for a text prompt long enough to be tokenized in a thread), so a refused choice gets its status too.
     """
+    watching = asyncio.ensure_future(_wait_for_disconnect(request))
+    first_message = asyncio.ensure_future(anext(choices))
     try:
-        first = await anext(choices)
+        await asyncio.wait((first_message, watching), return_when=asyncio.FIRST_COMPLETED)
+        if not first_message.done():
+            first_message.cancel()  # the client left: cancelled, the choices close their pipelines
+            logger.debug("a client left before its stream's first message: aborting its requests")
+            return Response(status_code=499)
+        first = first_message.result()
     except FrontendError as exc:
+        watching.cancel()
         return frontend_error_response(exc, fields)
     except BaseException:
-        await choices.aclose()
+        watching.cancel()
+        if first_message.done():
+            _in_a_task_of_its_own(choices.aclose())
+        else:
+            first_message.cancel()
         raise
+    events = _events(request_id, first, choices, kept, shape, include_usage, fields, echo, prompt_logprobs)
     return StreamingResponse(
-        _events(request_id, first, choices, kept, shape, include_usage, fields, echo, prompt_logprobs),
+        _until_the_client_leaves(events, watching),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def _until_the_client_leaves(events: AsyncIterator[str], watching: asyncio.Future[None]) -> AsyncIterator[str]:
+    """``events`` until they end or the client leaves (``watching`` ends: ``_wait_for_disconnect``),
+    whichever comes first: then ``events`` is closed, which aborts its requests.
+
+    NOTE: the server notices a client that left only when it next sends to it, or reads from it.  Between
+    events (a request queued behind others, a long prefill) a stream the client left kept its place and
+    was computed until its first token; ``_complete`` watches the same way.
+    """
+    next_event: asyncio.Future[str] | None = None
+    try:
+        while True:
+            next_event = asyncio.ensure_future(anext(events))
+            await asyncio.wait((next_event, watching), return_when=asyncio.FIRST_COMPLETED)
+            if not next_event.done():
+                logger.debug("a client left its stream: aborting its requests")
+                return
+            try:
+                event = next_event.result()
+            except StopAsyncIteration:
+                return
+            yield event
+    finally:
+        watching.cancel()
+        # NOTE: the events close in a task of their own: this one may be in a cancelled scope (Starlette's
+        # middleware cancels it when the client leaves), where every await of their closing is cancelled anew.
+        if next_event is not None and not next_event.done():
+            next_event.cancel()  # its task ends the events, which close their pipelines
+        else:
+            _in_a_task_of_its_own(events.aclose())
+
+
+# Tasks closing streams, referenced until they end (the event loop holds its tasks weakly).
+_CLOSING: set[asyncio.Task[None]] = set()
+
+
+def _in_a_task_of_its_own(closing: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(closing)
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)
 
 
 async def _events(
