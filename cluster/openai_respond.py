@@ -18,10 +18,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -42,6 +42,7 @@ from kvserve.cluster.openai_protocol import ChoiceOutput, CompletionUsage, finis
 from kvserve.proto import generate_pb2
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # Set in a request's state once its pipelines measure it (``respond``): the refusals before are counted apart.
 MEASURED = "measured"
@@ -120,19 +121,16 @@ async def _complete(
     prompt_logprobs: PromptLogprobsEncoder | None,
 ) -> Response:
     """The whole completion, or an error; the requests are aborted if the client leaves first."""
-    collecting = asyncio.ensure_future(_collect(choices, kept))
     watching = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
-        await asyncio.wait((collecting, watching), return_when=asyncio.FIRST_COMPLETED)
+        collecting = await _unless_the_client_leaves(_collect(choices, kept), watching)
     finally:
         watching.cancel()
-        if not collecting.done():
-            collecting.cancel()  # the client left: closing the pipelines aborts the requests
-    try:
-        collected = await collecting
-    except asyncio.CancelledError:
-        logger.debug("a client left before its completion: aborted its requests")
+    if collecting is None:
+        logger.debug("a client left before its completion: aborting its requests")
         return Response(status_code=499)
+    try:
+        collected = collecting.result()
     except FrontendError as exc:
         return frontend_error_response(exc, fields)
     outputs = []
@@ -205,11 +203,9 @@ async def _stream(
     (but for a text prompt long enough to be tokenized in a thread), so a refused choice gets its status too.
     """
     watching = asyncio.ensure_future(_wait_for_disconnect(request))
-    first_message = asyncio.ensure_future(anext(choices))
     try:
-        await asyncio.wait((first_message, watching), return_when=asyncio.FIRST_COMPLETED)
-        if not first_message.done():
-            first_message.cancel()  # the client left: cancelled, the choices close their pipelines
+        first_message = await _unless_the_client_leaves(anext(choices), watching)
+        if first_message is None:
             logger.debug("a client left before its stream's first message: aborting its requests")
             return Response(status_code=499)
         first = first_message.result()
@@ -217,11 +213,9 @@ async def _stream(
         watching.cancel()
         return frontend_error_response(exc, fields)
     except BaseException:
+        # The choices ended with the exception, or the task reading them was cancelled with this one,
+        # which closes them: nothing is left open.
         watching.cancel()
-        if first_message.done():
-            _in_a_task_of_its_own(choices.aclose())
-        else:
-            first_message.cancel()
         raise
     events = _events(request_id, first, choices, kept, shape, include_usage, fields, echo, prompt_logprobs)
     return StreamingResponse(
@@ -237,29 +231,41 @@ async def _until_the_client_leaves(events: AsyncIterator[str], watching: asyncio
 
     NOTE: the server notices a client that left only when it next sends to it, or reads from it.  Between
     events (a request queued behind others, a long prefill) a stream the client left kept its place and
-    was computed until its first token; ``_complete`` watches the same way.
+    was computed until its first token.
     """
-    next_event: asyncio.Future[str] | None = None
     try:
         while True:
-            next_event = asyncio.ensure_future(anext(events))
-            await asyncio.wait((next_event, watching), return_when=asyncio.FIRST_COMPLETED)
-            if not next_event.done():
+            next_event = await _unless_the_client_leaves(anext(events), watching)
+            if next_event is None:
                 logger.debug("a client left its stream: aborting its requests")
                 return
             try:
                 event = next_event.result()
             except StopAsyncIteration:
                 return
-            yield event
+            try:
+                yield event
+            except BaseException:
+                # NOTE: closed while its event was sent (the client left): the events close in a task of
+                # their own, as this one may be in a cancelled scope (Starlette's middleware cancels it when
+                # the client leaves), where every await of their closing would be cancelled anew.
+                _in_a_task_of_its_own(events.aclose())
+                raise
     finally:
         watching.cancel()
-        # NOTE: the events close in a task of their own: this one may be in a cancelled scope (Starlette's
-        # middleware cancels it when the client leaves), where every await of their closing is cancelled anew.
-        if next_event is not None and not next_event.done():
-            next_event.cancel()  # its task ends the events, which close their pipelines
-        else:
-            _in_a_task_of_its_own(events.aclose())
+
+
+async def _unless_the_client_leaves(work: Awaitable[T], watching: asyncio.Future[None]) -> asyncio.Future[T] | None:
+    """``work`` run in a task of its own: the task once done, or ``None`` if the client left first
+    (``watching`` ended); then, or if this is cancelled, the task is cancelled, which closes what it
+    was reading, and so aborts the requests."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.wait((task, watching), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+    return task if task.done() else None
 
 
 # Tasks closing streams, referenced until they end (the event loop holds its tasks weakly).
