@@ -266,10 +266,8 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
         except asyncio.CancelledError:
-            error = _closed_under_the_call(self)
-            if error is None:
-                raise
-            raise error from None
+            _refuse_if_closed_under_the_call(self)
+            raise
         return to_replica_stats(response)
 
     async def close(self) -> None:
@@ -304,10 +302,8 @@ class AsyncClient:
         except grpc.RpcError as exc:
             raise _request_error(exc) from None
         except asyncio.CancelledError:
-            error = _closed_under_the_call(self)
-            if error is None:
-                raise
-            raise error from None
+            _refuse_if_closed_under_the_call(self)
+            raise
         finally:
             call.cancel()
 
@@ -318,9 +314,9 @@ class AsyncClient:
         await self.close()
 
 
-def _closed_under_the_call(client: AsyncClient) -> RequestError | None:
-    """The error of an ``AsyncClient`` call that its own ``close()`` cut short, or ``None`` (the task is
-    being cancelled, or the client is open).
+def _refuse_if_closed_under_the_call(client: AsyncClient) -> None:
+    """``RequestError("CANCELLED")`` for an ``AsyncClient`` call that its own ``close()`` cut short;
+    nothing if the task is being cancelled, or the client is open (the ``CancelledError`` stands).
 
     NOTE: grpc.aio ends such a call with ``asyncio.CancelledError`` though no task was cancelled: the
     caller's task then ended as cancelled, which ``except Exception`` does not catch.  The blocking
@@ -330,8 +326,7 @@ def _closed_under_the_call(client: AsyncClient) -> RequestError | None:
     task = asyncio.current_task()
     cancelling = getattr(task, "cancelling", None)
     if client._closed and cancelling is not None and cancelling() == 0:
-        return RequestError("CANCELLED", "the client was closed while the call was in flight")
-    return None
+        raise RequestError("CANCELLED", "the client was closed while the call was in flight") from None
 
 
 def _request_error(error: grpc.RpcError) -> RequestError:
