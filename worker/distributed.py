@@ -7,7 +7,10 @@ is a no-op, so the same model code runs on one device without torch.distributed.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
+import re
 import socket
 from datetime import timedelta
 from urllib.parse import urlsplit
@@ -88,6 +91,7 @@ def init_distributed(
     if not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
         if init_method.startswith("tcp://"):
+            os.environ.update(loopback_interface_settings(urlsplit(init_method).hostname, backend, os.environ))
             store = rendezvous_store(init_method, rank, world_size, timeout)
             dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         else:
@@ -101,6 +105,37 @@ def init_distributed(
             f"{dist.get_world_size()}, not rank {rank} of {world_size}"
         )
     return TensorParallelGroup(rank, world_size)
+
+
+# The variables that choose the interface on which each backend's own connections listen.
+_INTERFACE_VARIABLES = {"gloo": "GLOO_SOCKET_IFNAME", "nccl": "NCCL_SOCKET_IFNAME"}
+
+
+def loopback_interface_settings(host: str | None, backend: str, environ) -> dict[str, str]:
+    """The environment settings that keep ``backend``'s own connections on the loopback interface
+    when the ranks meet at a loopback ``host``; none otherwise, or where ``environ`` already chooses.
+
+    Left to themselves, gloo listens on the address of the machine's host name and NCCL on its
+    first non-loopback interface, whatever the rendezvous: ranks that meet on 127.0.0.1 (all on one
+    machine) would accept connections from the network.
+    """
+    variable = _INTERFACE_VARIABLES[backend]
+    if variable in environ or not host or not _is_loopback(host):
+        return {}
+    names = [name for _, name in socket.if_nameindex() if re.fullmatch(r"lo\d*", name)]
+    if not names:
+        return {}
+    # NOTE: NCCL reads a bare name as a prefix of interface names; '=' asks for that one only.
+    return {variable: names[0] if backend == "gloo" else f"={names[0]}"}
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
