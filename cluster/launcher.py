@@ -340,25 +340,28 @@ def resolve_device_kind(config: ClusterConfig) -> str:
 
 
 def local_ray_lost() -> bool:
-    """Whether the Ray instance this process started has lost its GCS server or raylet.
+    """Whether the Ray instance this process started has lost its GCS server, its raylet or its
+    log monitor.
 
     NOTE: a signal sent to ``serve``'s whole process group (``timeout``,
     ``kill -- -PGID``, a service manager stopping a unit) reaches the Ray
-    processes ``ray.init`` started too, and SIGTERM stops them: Ray's agents
-    at once, the raylet some 10 s later while this driver is still connected
-    (measured on Ray 2.60; under a driver that ignored SIGTERM and slept, the
-    raylet and GCS were still up 40 s later).  Nothing can then be stopped
-    through Ray (the actors go with the raylet), and the driver's core worker
-    waits 60 s for the GCS before it ends the process with an error.
-    ``False`` for a joined cluster (this process started none of it), or
-    where Ray's private node handle is not where Ray 2 keeps it.
+    processes ``ray.init`` started too, and SIGTERM stops them: the log monitor
+    and the dashboard at once (0.1 s), the raylet some 10 s later while this
+    driver is still connected, the GCS server not before the driver exits
+    (measured on Ray 2.60).  Nothing can then be stopped through Ray (the actors
+    go with the raylet), and the driver's core worker waits 60 s for the GCS
+    before it ends the process with an error.  The log monitor is the early sign:
+    it runs until Ray stops and needs none of the dashboard's optional packages.
+    Once the driver exits, the kernel stops the rest (Ray starts them to die with
+    their parent).  ``False`` for a joined cluster (this process started none of
+    it), or where Ray's private node handle is not where Ray 2 keeps it.
     """
     import ray._private.worker as ray_worker
     from ray._private import ray_constants
 
     node = getattr(ray_worker, "_global_node", None)
     processes = getattr(node, "all_processes", None) or {}
-    for kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET):
+    for kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_LOG_MONITOR):
         for info in processes.get(kind, ()):
             process = getattr(info, "process", None)
             if process is not None and process.poll() is not None:

@@ -77,7 +77,9 @@ def test_sigterm_to_the_whole_process_group_stops_without_waiting_for_rays_gcs(t
         elapsed = time.monotonic() - start
         output = process.output()
         assert returncode == 0, output
-        assert elapsed < 30.0, output  # the raylet's own shutdown takes about 10 s of it
+        # It exits as soon as Ray's log monitor has (some 0.1 s in): it waited ~10 s for the raylet's
+        # own shutdown, which lasts while this driver is connected (under 1 s now on an idle machine).
+        assert elapsed < 8.0, output
         assert "Ray's own processes have stopped" in output and "stopped" in output
         assert "Traceback" not in output and "Failed to connect to GCS" not in output
         assert_nothing_left(session_id)
