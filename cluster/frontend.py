@@ -90,6 +90,10 @@ _TOKENIZE_IN_THREAD_CHARS = 1 << 12
 DEADLINE_SLACK_S = 0.1
 # Requests that fail within this long of the first are logged as one burst (``FailureLog``).
 FAILURE_LOG_WINDOW_S = 1.0
+# What a request still running when a front door stops ends with (``end_streams``), and how long a
+# front door then gives those answers to be sent.
+SHUTTING_DOWN = "the server is shutting down"
+END_STREAMS_S = 1.0
 # What a client is told once the scheduler actor is gone (the details go to the log).
 SCHEDULER_LOST = "the server lost its scheduler; nothing can be served until it is restarted"
 

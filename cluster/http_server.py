@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import uvicorn
 
 from kvserve.cluster.config import ServerConfig
-from kvserve.cluster.frontend import Frontend
+from kvserve.cluster.frontend import END_STREAMS_S, SHUTTING_DOWN, Frontend
 from kvserve.cluster.openai_api import create_app
 from kvserve.cluster.openai_protocol import choice_limit
 
@@ -36,15 +36,27 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """A started HTTP server; ``port`` is the one actually bound."""
 
-    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int) -> None:
+    def __init__(self, server: uvicorn.Server, task: asyncio.Task[None], port: int, frontend: Frontend) -> None:
         self._server = server
         self._task = task
+        self._frontend = frontend
         self.port = port
 
     async def stop(self, grace_s: float = 5.0) -> None:
-        """Stop accepting connections, let requests in flight finish for ``grace_s``, then close."""
-        self._server.config.timeout_graceful_shutdown = grace_s
+        """Stop accepting connections, let requests in flight finish for ``grace_s``, then close.
+
+        Requests still running then end with the server's own error ("the server is shutting
+        down": a stream's error event and ``[DONE]``, a 503 for a whole completion) and are
+        aborted; uvicorn gives their answers a moment more to be sent.  (At its own timeout it
+        cancelled them: the client's connection was cut mid-body, and the log had an ERROR and a
+        traceback for each.)
+        """
+        self._server.config.timeout_graceful_shutdown = grace_s + END_STREAMS_S
         self._server.should_exit = True
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), grace_s)
+        except asyncio.TimeoutError:
+            self._frontend.end_streams(SHUTTING_DOWN)
         await self._task
 
 
@@ -109,4 +121,4 @@ async def start_http_server(
         await asyncio.sleep(0.01)
     scheme = "https" if config.tls is not None else "http"
     logger.info("serving the OpenAI-compatible API on %s://%s:%d", scheme, host, bound_port)
-    return HttpServer(server, task, bound_port)
+    return HttpServer(server, task, bound_port, frontend)

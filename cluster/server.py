@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserve.cluster.auth import TokenTable
 from kvserve.cluster.config import ServerConfig
-from kvserve.cluster.frontend import Frontend
+from kvserve.cluster.frontend import END_STREAMS_S, SHUTTING_DOWN, Frontend
 from kvserve.cluster.frontend_errors import UnauthenticatedError
 from kvserve.cluster.grpc_auth import BearerTokenInterceptor
 from kvserve.cluster.messages import ModelInfo
@@ -37,10 +37,6 @@ GENERATION_SERVICE = _GENERATION.full_name
 _GENERATE_METHOD = f"/{GENERATION_SERVICE}/{_GENERATION.methods_by_name['Generate'].name}"
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 _OVERALL = ""  # grpc.health.v1's name for the whole server
-# What a stream still running when the server stops ends with.
-SHUTTING_DOWN = "the server is shutting down"
-# How long the streams ended at shutdown have to send their status.
-_END_STREAMS_S = 1.0
 
 
 def check_address_free(config: ServerConfig) -> None:
@@ -122,7 +118,7 @@ class GenerationServer:
             await self.server.stop(None)
         else:
             # A moment more than the grace, for the streams ended below to send their status.
-            stopping = asyncio.ensure_future(self.server.stop(grace_s + _END_STREAMS_S))
+            stopping = asyncio.ensure_future(self.server.stop(grace_s + END_STREAMS_S))
             try:
                 await asyncio.wait_for(asyncio.shield(stopping), grace_s)
             except asyncio.TimeoutError:

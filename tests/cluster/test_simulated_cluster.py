@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import csv
 import json
+import logging
 import socket
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import ray
@@ -28,6 +30,7 @@ from kvserve.cluster.config import ClusterConfig, ServerConfig
 from kvserve.scheduler.engine_config import ParallelConfig
 from kvserve.cluster.launcher import start_cluster
 from kvserve.cluster.messages import RequestSpec
+from kvserve.cluster.http_server import start_http_server
 from kvserve.cluster.server import start_server
 from kvserve.cluster.worker_actor import RAY_NAMESPACE, worker_actor_name
 from kvserve.proto import generate_pb2, generate_pb2_grpc
@@ -212,6 +215,56 @@ def test_a_stream_still_running_when_the_server_stops_is_told_so_and_its_request
     assert error.details() == "the server is shutting down"
     assert running == 0  # aborted, not left to run out its 1000 tokens
 
+
+def test_http_answers_still_running_when_the_server_stops_are_told_so_and_their_requests_aborted(
+    ray_cluster, model_dir, caplog
+):
+    # At uvicorn's own timeout the streams' tasks were cancelled: the client's connection was cut
+    # mid-body with no error event, and the log had an ERROR and a traceback for each.
+    config = ClusterConfig.from_kwargs(
+        str(model_dir),
+        parallel=ParallelConfig(num_replicas=1),
+        num_blocks=128,
+        routing="round_robin",
+        simulation=SimulationConfig(cost_model=COST_MODEL, time_scale=TIME_SCALE),  # 60 ms a step
+    )
+    handle = start_cluster(config)
+    body = {"model": model_dir.name, "prompt": [5] * 20, "max_tokens": 1000, "ignore_eos": True}
+    try:
+
+        async def stopped_mid_answer() -> tuple[list[str], httpx.Response, int]:
+            server_config = ServerConfig(port=0, http_port=0)
+            server = await start_server(handle.scheduler, handle.model_info, server_config)
+            http = await start_http_server(server.frontend, server_config)
+            base_url = f"http://127.0.0.1:{http.port}/v1"
+            async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
+                whole = asyncio.ensure_future(client.post("/completions", json=body))
+                async with client.stream("POST", "/completions", json={**body, "stream": True}) as stream:
+                    lines = stream.aiter_lines()
+                    events = [await anext(lines)]  # under way: a minute of tokens to come
+                    stopping = asyncio.ensure_future(http.stop(grace_s=0.5))
+                    events += [line async for line in lines if line]
+                await stopping
+                whole = await whole
+            await server.stop(grace_s=0)
+            deadline = time.monotonic() + 10.0
+            while (running := sum(s.num_running + s.num_waiting for s in await handle.scheduler.get_stats.remote())):
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+            return events, whole, running
+
+        with caplog.at_level(logging.WARNING):
+            events, whole, running = asyncio.run(stopped_mid_answer())
+    finally:
+        handle.shutdown()
+
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["message"] == "the server is shutting down"
+    assert all("error" not in json.loads(event.removeprefix("data: ")) for event in events[:-2])
+    assert whole.status_code == 503 and whole.json()["error"]["message"] == "the server is shutting down"
+    assert running == 0  # aborted, not left to run out their 1000 tokens
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
 
 @pytest.mark.timing
 def test_kvserve_experiment_live_writes_its_files_and_matches_the_simulated_hit_rate(
