@@ -18,7 +18,7 @@ import uvicorn
 from kvserve.cluster.config import ServerConfig
 from kvserve.cluster.frontend import END_STREAMS_S, SHUTTING_DOWN, Frontend
 from kvserve.cluster.openai_api import create_app
-from kvserve.cluster.openai_protocol import choice_limit
+from kvserve.cluster.openai_protocol import choice_limit, request_limit
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ async def start_http_server(
         create_app(
             frontend, chat_template=chat_template, max_body_bytes=config.max_message_bytes,
             max_choices=choice_limit(config.max_concurrent_requests, config.max_concurrent_requests_per_tenant),
+            max_requests=request_limit(config.max_concurrent_requests, config.max_concurrent_requests_per_tenant),
         ),
         lifespan="off",
         log_config=None,  # kvserve's logging configuration, not uvicorn's

@@ -50,11 +50,13 @@ from kvserve.cluster.openai_protocol import (
     CompletionRequest,
     Model,
     ModelList,
+    check_batch_size,
     to_generate_requests,
 )
-from kvserve.cluster.openai_respond import MEASURED, respond
+from kvserve.cluster.openai_respond import MEASURED, ChoicePrompt, respond
 from kvserve.cluster.openai_text_completion import TextCompletionShape
 from kvserve.cluster.openai_tokens import TokenNames
+from kvserve.proto import generate_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -68,14 +70,21 @@ def served_model_name(model_dir: str) -> str:
 
 
 def create_app(
-    frontend: Frontend, *, chat_template: str | None = None, max_body_bytes: int, max_choices: int
+    frontend: Frontend,
+    *,
+    chat_template: str | None = None,
+    max_body_bytes: int,
+    max_choices: int,
+    max_requests: int | None = None,
 ) -> FastAPI:
     """The app serving ``frontend``'s cluster; the front end must be started (``Frontend.start``).
 
     ``chat_template`` (Jinja text) replaces the tokenizer's own for chat completions; a
     request body over ``max_body_bytes`` is refused with 413, ``n`` over ``max_choices`` with 400
-    (``openai_protocol.choice_limit``).
+    (``openai_protocol.choice_limit``), and so is a batch of prompts whose choices are more than
+    ``max_requests`` requests (``openai_protocol.request_limit``; ``None``: ``max_choices``).
     """
+    max_requests = max_requests if max_requests is not None else max_choices
     model_dir = frontend.model_info.model_dir
     model_name = served_model_name(model_dir)
     created = int(time.time())
@@ -180,10 +189,11 @@ def create_app(
             )
         except FrontendError as exc:  # the request's fault (400), or the chat template's (500)
             return frontend_error_response(exc, fields)
+        choice_prompt = ChoicePrompt(prompt_logprobs=prompt_logprobs_encoder(prompt, num_prompt_logprobs))
         return await respond(
             frontend, request_id, generates, chat_completions,
             stream=body.stream, include_usage=body.include_usage, request=request, fields=fields,
-            prompt_logprobs=prompt_logprobs_encoder(prompt, num_prompt_logprobs),
+            prompts=[choice_prompt] * len(generates),
         )
 
     @app.post("/v1/completions", response_model=None)
@@ -191,26 +201,36 @@ def create_app(
         if (refusal := unknown_model(body.model)) is not None:
             return refusal
         request_id = uuid.uuid4().hex
+        prompts = body.prompts
+        generates: list[generate_pb2.GenerateRequest] = []
+        choice_prompts: list[ChoicePrompt] = []
         try:
+            check_batch_size(len(prompts), body.n, max_requests)
             num_prompt_logprobs = check_num_prompt_logprobs(body.prompt_logprobs)
             echoes_logprobs = body.echo and body.logprobs is not None
-            prompt, token_ids = await tokenized_prompt(
-                body.prompt, frontend.tokenizer, frontend.limits.max_prompt_bytes,
-                tokenize=echoes_logprobs or num_prompt_logprobs is not None,
-            )
-            echo = echoed_prompt(body.prompt, token_ids, body.echo, body.logprobs, frontend.tokenizer)
             # NOTE: one ask serves both: the echoed logprobs keep the first ``logprobs`` alternatives of it.
             asked = [k for k in (body.logprobs if echoes_logprobs else None, num_prompt_logprobs) if k is not None]
-            generates = to_generate_requests(
-                body, prompt, body.max_tokens, body.logprobs, request_id=request_id, max_choices=max_choices,
-                prompt_logprobs=max(asked) if asked else None,
-            )
+            for index, given in enumerate(prompts):
+                prompt, token_ids = await tokenized_prompt(
+                    given, frontend.tokenizer, frontend.limits.max_prompt_bytes,
+                    tokenize=echoes_logprobs or num_prompt_logprobs is not None,
+                )
+                choices = to_generate_requests(
+                    body, prompt, body.max_tokens, body.logprobs, request_id=request_id, max_choices=max_choices,
+                    prompt_logprobs=max(asked) if asked else None,
+                )
+                echo = echoed_prompt(given, token_ids, body.echo, body.logprobs, frontend.tokenizer)
+                encoder = prompt_logprobs_encoder(token_ids, num_prompt_logprobs)
+                generates += choices
+                choice_prompts += [ChoicePrompt(index, echo, encoder)] * len(choices)
         except InvalidRequestError as exc:
             return frontend_error_response(exc)
+        if len(prompts) > 1:  # one id per choice of the completion, as a single prompt's choices have
+            for number, generate in enumerate(generates):
+                generate.request_id = f"{request_id}-{number}"
         return await respond(
             frontend, request_id, generates, text_completions,
-            stream=body.stream, include_usage=body.include_usage, request=request, echo=echo,
-            prompt_logprobs=prompt_logprobs_encoder(token_ids, num_prompt_logprobs),
+            stream=body.stream, include_usage=body.include_usage, request=request, prompts=choice_prompts,
         )
 
     def prompt_logprobs_encoder(token_ids: list[int] | None, num_top: int | None) -> PromptLogprobsEncoder | None:

@@ -37,11 +37,9 @@ from typing import Any
 from kvserve.cluster.detokenizer import decode_function
 from kvserve.proto import generate_pb2
 
-Prompt = str | list[int] | list[str] | list[list[int]]
-
 
 class EchoedPrompt:
-    """The prompt each choice of one completion begins with: its text (``text``, or ``token_ids`` decoded),
+    """The prompt each choice of one prompt of a completion begins with: its text (``text``, or ``token_ids`` decoded),
     its token ids when known (a token-id prompt, or a text prompt tokenized for logprobs), and how many
     alternatives per token the request's ``logprobs`` ask for (``None``: no logprobs)."""
 
@@ -93,15 +91,11 @@ def _at_most(logprobs: generate_pb2.TokenLogprobs, num_top: int) -> generate_pb2
 
 
 def echoed_prompt(
-    prompt: Prompt, token_ids: Sequence[int] | None, echo: bool, logprobs: int | None, tokenizer: Any | None
+    prompt: str | list[int], token_ids: Sequence[int] | None, echo: bool, logprobs: int | None, tokenizer: Any | None
 ) -> EchoedPrompt | None:
-    """What each choice echoes (``None`` without ``echo``, or for a batch of prompts, refused later):
-    ``prompt`` as the request gave it, ``token_ids`` its ids when known (``tokenized_prompt``)."""
+    """What each choice of ``prompt`` echoes (``None`` without ``echo``): ``prompt`` as the request gave
+    it, ``token_ids`` its ids when known (``tokenized_prompt``)."""
     if not echo:
         return None
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            return None
-        prompt = prompt[0]
     text = prompt if isinstance(prompt, str) else None
     return EchoedPrompt(text, token_ids, num_logprobs=logprobs, tokenizer=tokenizer)

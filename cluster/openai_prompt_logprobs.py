@@ -40,8 +40,6 @@ from kvserve.cluster.frontend import InvalidRequestError
 from kvserve.proto import generate_pb2
 from kvserve.scheduler.sampling_params import MAX_LOGPROBS
 
-Prompt = str | list[int] | list[str] | list[list[int]]
-
 
 class PromptLogprob(BaseModel):
     """One token's entry at one prompt position: vLLM's ``Logprob``."""
@@ -96,18 +94,14 @@ class PromptLogprobsEncoder:
 
 
 async def tokenized_prompt(
-    prompt: Prompt, tokenizer: Any | None, max_prompt_bytes: int, *, tokenize: bool
-) -> tuple[Prompt, list[int] | None]:
+    prompt: str | list[int], tokenizer: Any | None, max_prompt_bytes: int, *, tokenize: bool
+) -> tuple[str | list[int], list[int] | None]:
     """The prompt to send the pipeline, and its token ids: a token-id prompt's own; with ``tokenize``, a text
     prompt's, tokenized here (as the pipeline would: ``tokenizer(text)``) and sent as ids.
 
-    ``None`` ids for a batch of prompts, and for a text prompt that the pipeline would refuse untokenized
-    (empty, over ``max_prompt_bytes``, no tokenizer): each is sent as it is, to be refused so.
+    ``None`` ids for a text prompt that the pipeline would refuse untokenized (empty, over
+    ``max_prompt_bytes``, no tokenizer): it is sent as it is, to be refused so.
     """
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            return prompt, None
-        prompt = prompt[0]
     if isinstance(prompt, list):
         return prompt, prompt
     if not tokenize or tokenizer is None or not prompt or len(prompt.encode()) > max_prompt_bytes:

@@ -96,8 +96,10 @@ def one_of(what: str) -> WrapValidator:
 
 Prompt = Annotated[
     str | list[int] | list[str] | list[list[int]],
-    one_of("a string, a list of token ids (integers), or a list of one of those"),
+    one_of("a string, a list of token ids (integers), or a list of those (a batch of prompts)"),
 ]
+# One prompt of a request: its text, or its token ids.
+OnePrompt = str | list[int]
 Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
 
 
@@ -219,6 +221,16 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     suffix: str | None = None
 
+    @property
+    def prompts(self) -> list[OnePrompt]:
+        """The request's prompts: one, or each of a batch (a list of strings or of token-id lists), whose
+        ``n`` choices each come in turn (choice ``k * n + i`` is prompt ``k``'s ``i``-th, as OpenAI numbers
+        them).  An empty list is one prompt, refused as empty."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)
+        return [prompt]
+
 
 class PromptTokensDetails(BaseModel):
     cached_tokens: int
@@ -279,14 +291,29 @@ def error_body(message: str, *, type_: str, code: str | None = None, param: str 
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def request_limit(max_concurrent_requests: int, max_concurrent_requests_per_tenant: int | None = None) -> int:
+    """The most requests (choices, of every prompt of a batch) one completion of a server with these limits
+    of concurrent requests may be: more never could run at once."""
+    return min(max_concurrent_requests, max_concurrent_requests_per_tenant or max_concurrent_requests)
+
+
 def choice_limit(max_concurrent_requests: int, max_concurrent_requests_per_tenant: int | None = None) -> int:
     """The largest ``n`` a server with these limits of concurrent requests serves: a larger one never could."""
-    return min(MAX_CHOICES, max_concurrent_requests, max_concurrent_requests_per_tenant or MAX_CHOICES)
+    return min(MAX_CHOICES, request_limit(max_concurrent_requests, max_concurrent_requests_per_tenant))
+
+
+def check_batch_size(num_prompts: int, n: int, max_requests: int) -> None:
+    """``InvalidRequestError`` for a batch of prompts whose choices are more requests than ``max_requests``."""
+    if num_prompts > 1 and num_prompts * n > max_requests:
+        raise InvalidRequestError(
+            f"prompt: a batch of {num_prompts} prompts with n={n} is {num_prompts * n} requests; this server "
+            f"runs at most {max_requests} at a time (send smaller batches)"
+        )
 
 
 def to_generate_requests(
     request: SamplingRequest,
-    prompt: str | list[int] | list[str] | list[list[int]],
+    prompt: OnePrompt,
     max_tokens: int | None,
     logprobs: int | None = None,
     *,
@@ -326,7 +353,7 @@ def to_generate_requests(
 
 def _to_generate_request(
     request: SamplingRequest,
-    prompt: str | list[int] | list[str] | list[list[int]],
+    prompt: OnePrompt,
     max_tokens: int | None,
     logprobs: int | None,
     prompt_logprobs: int | None,
@@ -336,10 +363,6 @@ def _to_generate_request(
     if request.stream_options is not None and not request.stream:
         raise InvalidRequestError("stream_options: only allowed with stream: true")
     generate = generate_pb2.GenerateRequest()
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise InvalidRequestError(f"prompt: one prompt per request, got a batch of {len(prompt)}")
-        prompt = prompt[0]
     if isinstance(prompt, str):
         generate.text = prompt
     else:
@@ -373,22 +396,25 @@ def finish_reason(response: generate_pb2.GenerateResponse) -> str | None:
     return _FINISH_REASONS.get(response.finish_reason)
 
 
-def to_usage(lasts: Sequence[generate_pb2.GenerateResponse]) -> CompletionUsage:
-    """The usage of one request's choices, from each one's last message.
+def to_usage(lasts: Sequence[generate_pb2.GenerateResponse], prompt_of: Sequence[int] | None = None) -> CompletionUsage:
+    """The usage of one request's choices, from each one's last message; ``prompt_of``: the index of each
+    choice's prompt in a batch (``None``: one prompt).
 
-    The prompt is counted once, as OpenAI counts it, and the completions are summed; the cached
-    tokens are the fewest any choice found cached, so that they never claim a saving that some
+    Each prompt is counted once, as OpenAI counts it, and the completions are summed; a prompt's cached
+    tokens are the fewest any of its choices found cached, so that they never claim a saving that some
     choice did not make.
     """
-    prompt_tokens = lasts[0].usage.prompt_tokens
+    by_prompt: dict[int, list[generate_pb2.GenerateResponse]] = {}
+    for index, last in enumerate(lasts):
+        by_prompt.setdefault(prompt_of[index] if prompt_of is not None else 0, []).append(last)
+    prompt_tokens = sum(choices[0].usage.prompt_tokens for choices in by_prompt.values())
     completion_tokens = sum(last.usage.completion_tokens for last in lasts)
+    cached_tokens = sum(min(last.usage.cached_prompt_tokens for last in choices) for choices in by_prompt.values())
     return CompletionUsage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
         total_tokens=prompt_tokens + completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=min(last.usage.cached_prompt_tokens for last in lasts)
-        ),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 

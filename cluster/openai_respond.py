@@ -1,10 +1,12 @@
 """One OpenAI API answer: the choices' pipelines read into a whole completion, or into
 server-sent events.
 
-A request for ``n`` choices is ``n`` requests of the front end's pipeline, read
+A request for ``n`` choices is ``n`` requests of the front end's pipeline (a batch
+of prompts: ``n`` for each, choice ``k * n + i`` prompt ``k``'s ``i``-th), read
 together (``openai_choices``): a streamed answer interleaves their chunks, each
 naming its choice's ``index`` and ending with its own finish reason; the usage
-chunk comes once every choice has ended.  A client that disconnects aborts its
+chunk comes once every choice has ended.  What each choice carries of its prompt is
+its ``ChoicePrompt``.  A client that disconnects aborts its
 requests, which frees their blocks, as a cancelled gRPC call does; so does an
 error in one of its choices.  How each endpoint's answers look is its
 ``ResponseShape``.  A completion with ``echo`` puts its prompt in front of each choice
@@ -48,6 +50,17 @@ T = TypeVar("T")
 MEASURED = "measured"
 
 
+@dataclass(frozen=True, slots=True)
+class ChoicePrompt:
+    """What one choice's answer carries of its prompt: which prompt of the request it is (``index``: the usage
+    counts each prompt once), the prompt its text begins with (``echo``), and how its prompt's logprobs are
+    given (``prompt_logprobs``, when the request asks for them)."""
+
+    index: int = 0
+    echo: EchoedPrompt | None = None
+    prompt_logprobs: PromptLogprobsEncoder | None = None
+
+
 class LogprobsEncoder(Protocol):
     """One completion's logprobs in an endpoint's shape, one message after another (``None``: an echoed
     prompt's first token, which only text completions have)."""
@@ -84,20 +97,20 @@ async def respond(
     include_usage: bool,
     request: Request,
     fields: FieldNames = COMPLETION_FIELDS,
-    echo: EchoedPrompt | None = None,
-    prompt_logprobs: PromptLogprobsEncoder | None = None,
+    prompts: Sequence[ChoicePrompt] | None = None,
 ) -> Response:
     """The completion of ``generates`` (one request per choice) through the front end's pipeline, whole or as
-    server-sent events; ``request_id`` names the completion.  Measured as one request, whatever its ``n``.
-    Errors name the fields as the request did (``fields``); ``echo``: the prompt each choice begins with;
-    ``prompt_logprobs``: how the prompt's logprobs are given, when the request asks for them."""
+    server-sent events; ``request_id`` names the completion.  Measured as one request, whatever its number
+    of choices.  Errors name the fields as the request did (``fields``); ``prompts``: what each choice
+    carries of its prompt (``None``: the choices of one prompt, which carry nothing of it)."""
     setattr(request.state, MEASURED, True)
     pipelines = [frontend.responses(generate, tenant=request.state.tenant, measured=False) for generate in generates]
     choices = frontend.metrics.track_choices(interleave(pipelines), len(generates))
     kept = [kept_tokens(generate, frontend.tokenizer) for generate in generates]
+    prompts = prompts if prompts is not None else [ChoicePrompt()] * len(generates)
     if stream:
-        return await _stream(request_id, choices, kept, shape, include_usage, fields, echo, prompt_logprobs, request)
-    return await _complete(request_id, choices, kept, shape, request, fields, echo, prompt_logprobs)
+        return await _stream(request_id, choices, kept, shape, include_usage, fields, prompts, request)
+    return await _complete(request_id, choices, kept, shape, request, fields, prompts)
 
 
 def _tokens_to_send(
@@ -117,8 +130,7 @@ async def _complete(
     shape: ResponseShape,
     request: Request,
     fields: FieldNames,
-    echo: EchoedPrompt | None,
-    prompt_logprobs: PromptLogprobsEncoder | None,
+    prompts: Sequence[ChoicePrompt],
 ) -> Response:
     """The whole completion, or an error; the requests are aborted if the client leaves first."""
     watching = asyncio.ensure_future(_wait_for_disconnect(request))
@@ -134,16 +146,19 @@ async def _complete(
     except FrontendError as exc:
         return frontend_error_response(exc, fields)
     outputs = []
-    for choice, kept_of_choice in zip(collected, kept, strict=True):
+    for choice, kept_of_choice, prompt in zip(collected, kept, prompts, strict=True):
         text, token_ids, logprobs = "".join(choice.texts), choice.token_ids, choice.logprobs
-        if echo is not None:
-            text, token_ids, logprobs = echo.prepend(text, token_ids, logprobs, choice.prompt_logprobs)
+        if prompt.echo is not None:
+            text, token_ids, logprobs = prompt.echo.prepend(text, token_ids, logprobs, choice.prompt_logprobs)
         # A choice that asks for logprobs gets them, empty when a stop string cut all its text.
         asks = logprobs or kept_of_choice is not None
-        encoded = shape.logprobs_encoder(echo).encode(token_ids, logprobs) if asks else None
-        prompt = prompt_logprobs.encode(choice.prompt_logprobs) if prompt_logprobs is not None else None
-        outputs.append(ChoiceOutput(text, finish_reason(choice.last), encoded, prompt))
-    whole = shape.whole(request_id, outputs, to_usage([choice.last for choice in collected]))
+        encoded = shape.logprobs_encoder(prompt.echo).encode(token_ids, logprobs) if asks else None
+        encoded_prompt = None
+        if prompt.prompt_logprobs is not None:
+            encoded_prompt = prompt.prompt_logprobs.encode(choice.prompt_logprobs)
+        outputs.append(ChoiceOutput(text, finish_reason(choice.last), encoded, encoded_prompt))
+    usage = to_usage([choice.last for choice in collected], [prompt.index for prompt in prompts])
+    whole = shape.whole(request_id, outputs, usage)
     return Response(whole.model_dump_json(), media_type="application/json")
 
 
@@ -192,8 +207,7 @@ async def _stream(
     shape: ResponseShape,
     include_usage: bool,
     fields: FieldNames,
-    echo: EchoedPrompt | None,
-    prompt_logprobs: PromptLogprobsEncoder | None,
+    prompts: Sequence[ChoicePrompt],
     request: Request,
 ) -> Response:
     """Server-sent events; errors found before the first token are answered with their HTTP status.
@@ -217,7 +231,7 @@ async def _stream(
         # which closes them: nothing is left open.
         watching.cancel()
         raise
-    events = _events(request_id, first, choices, kept, shape, include_usage, fields, echo, prompt_logprobs)
+    events = _events(request_id, first, choices, kept, shape, include_usage, fields, prompts)
     return StreamingResponse(
         _until_the_client_leaves(events, watching),
         media_type="text/event-stream",
@@ -286,12 +300,11 @@ async def _events(
     shape: ResponseShape,
     include_usage: bool,
     fields: FieldNames,
-    echo: EchoedPrompt | None,
-    prompt_logprobs: PromptLogprobsEncoder | None,
+    prompts: Sequence[ChoicePrompt],
 ) -> AsyncIterator[str]:
     created = int(time.time())
     num_choices = len(kept)
-    encoders = [shape.logprobs_encoder(echo) for _ in range(num_choices)]
+    encoders = [shape.logprobs_encoder(prompt.echo) for prompt in prompts]
     started = [False] * num_choices
     lasts: dict[int, generate_pb2.GenerateResponse] = {}  # each ended choice's last message
     async with aclosing(choices):
@@ -300,6 +313,7 @@ async def _events(
             while True:
                 reason = finish_reason(response)
                 text, (token_ids, token_logprobs) = response.text, _tokens_to_send(response, kept[index])
+                echo, prompt_logprobs = prompts[index].echo, prompts[index].prompt_logprobs
                 if echo is not None and not started[index]:  # the prompt comes in each choice's first chunk
                     text, token_ids, token_logprobs = echo.prepend(
                         text, token_ids, token_logprobs, response.prompt_logprobs
@@ -316,7 +330,7 @@ async def _events(
                     lasts[index] = response
                     if len(lasts) == num_choices:
                         if include_usage:
-                            usage = to_usage([lasts[i] for i in range(num_choices)])
+                            usage = to_usage([lasts[i] for i in range(num_choices)], [p.index for p in prompts])
                             yield f"data: {shape.usage_chunk(request_id, created, usage).model_dump_json()}\n\n"
                         break
                 index, response = await anext(choices)

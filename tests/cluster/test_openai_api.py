@@ -1026,12 +1026,42 @@ def test_n_over_the_limit_is_a_400_in_openais_error_shape(served: Served, endpoi
     assert error["message"].startswith(f"n: must be an integer in [1, {MAX_CONCURRENT_REQUESTS}], got {n}")
 
 
-def test_a_batch_of_prompts_is_refused_with_n_too(served: Served, sdk: openai.OpenAI):
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_batch_of_prompts_gets_each_prompts_own_completion(served: Served, sdk: openai.OpenAI, stream):
+    # As OpenAI and vLLM answer it (lm-evaluation-harness batches so): choice k is prompt k's.
+    prompts = ["Once upon a time", "The cat sat on"]
+    alone = [
+        sdk.completions.create(model=served.model, prompt=prompt, max_tokens=6, temperature=0, logprobs=1)
+        for prompt in prompts
+    ]
+
+    batch = dict(model=served.model, prompt=prompts, max_tokens=6, temperature=0, logprobs=1)
+    if stream:
+        texts, tokens = ["", ""], [[], []]
+        for chunk in sdk.completions.create(**batch, stream=True):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+        assert texts == [a.choices[0].text for a in alone]
+        assert tokens == [a.choices[0].logprobs.tokens for a in alone]
+    else:
+        answer = sdk.completions.create(**batch)
+        assert [(c.index, c.text, c.logprobs.tokens) for c in answer.choices] == [
+            (k, a.choices[0].text, a.choices[0].logprobs.tokens) for k, a in enumerate(alone)
+        ]
+        assert answer.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+        assert answer.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+
+
+def test_a_batch_of_prompts_with_more_choices_than_the_server_runs_is_refused(served: Served, sdk: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model=served.model, prompt=["one", "two"], n=2, max_tokens=1)
 
     assert info.value.body["param"] == "prompt"
-    assert "one prompt per request, got a batch of 2" in info.value.body["message"]
+    assert info.value.body["message"] == (
+        f"prompt: a batch of 2 prompts with n=2 is 4 requests; this server runs at most {MAX_CONCURRENT_REQUESTS} "
+        "at a time (send smaller batches)"
+    )
 
 
 @pytest.mark.parametrize("stream", [False, True])

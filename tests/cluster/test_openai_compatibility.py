@@ -174,7 +174,7 @@ def test_an_integer_is_a_valid_float(served: Served):
     "path, fields, message",
     [
         ("/v1/completions", {"prompt": [1.5]},
-         "prompt: must be a string, a list of token ids (integers), or a list of one of those"),
+         "prompt: must be a string, a list of token ids (integers), or a list of those (a batch of prompts)"),
         ("/v1/completions", {"stop": 5}, "stop: must be a string or a list of strings"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
          'messages.0.content: must be a string or a list of {"type": "text", "text": ...} parts'),

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from kvserve.cluster.openai_errors import COMPLETION_FIELDS
-from kvserve.cluster.openai_respond import _stream, _until_the_client_leaves, _wait_for_disconnect
+from kvserve.cluster.openai_respond import ChoicePrompt, _stream, _until_the_client_leaves, _wait_for_disconnect
 
 
 class LeavingClient:
@@ -82,7 +82,7 @@ def test_a_client_that_leaves_before_its_streams_first_message_gets_its_requests
     async def scenario():  # noqa: ANN202
         client = LeavingClient()
         answer = asyncio.ensure_future(
-            _stream("cmpl-1", choices(), [None], None, False, COMPLETION_FIELDS, None, None, client)
+            _stream("cmpl-1", choices(), [None], None, False, COMPLETION_FIELDS, [ChoicePrompt()], client)
         )
         await asyncio.sleep(0.05)
         client.leave()

@@ -239,7 +239,38 @@ def test_the_chat_endpoint_has_no_echo():
     assert "unknown field" in error["message"]
 
 
-def test_echo_of_a_batch_of_prompts_is_refused_as_any_batch():
-    error = refusal(complete(prompt=["ca", "xa"], logprobs=1)[0])
+# -- a batch of prompts ----------------------------------------------------------------------------
 
-    assert error["message"] == "prompt: one prompt per request, got a batch of 2"
+
+def test_each_prompt_of_a_batch_echoes_itself_with_its_own_logprobs_and_counts_once():
+    # lm-evaluation-harness's local-completions with batch_size > 1 sends its prompts so.
+    response, specs = complete(prompt=["cax", "c"], logprobs=1, n=2)
+
+    one_token_prompt = {"tokens": ["c", "a", "b"], "token_logprobs": [None, -0.5, -0.25],
+                        "top_logprobs": [None, {"a": -0.5}, {"b": -0.25}], "text_offset": [0, 1, 2]}
+    assert [(c["index"], c["text"], c["logprobs"]) for c in choices(response)] == [
+        (0, "caxab", ECHOED_LOGPROBS), (1, "caxab", ECHOED_LOGPROBS),
+        (2, "cab", one_token_prompt), (3, "cab", one_token_prompt),
+    ]
+    assert [spec.prompt_token_ids for spec in specs] == [[2, 0, 3], [2, 0, 3], [2], [2]]
+    assert len({spec.req_id for spec in specs}) == 4
+    usage = response.json()["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (3 + 1, 4 * 2)  # each prompt once
+
+
+def test_each_streamed_choice_of_a_batch_echoes_its_own_prompt_in_its_first_chunk():
+    response, _ = complete(stream=True, prompt=[[2, 0, 3], [4, 1]], stream_options={"include_usage": True})
+
+    by_choice = {index: [c["text"] for c in chunks(response) if c["index"] == index] for index in (0, 1)}
+    assert by_choice == {0: ["caxa", "b"], 1: ["yba", "b"]}
+    usage = json.loads(response.text.split("data: ")[-2])["usage"]
+    assert usage["prompt_tokens"] == 3 + 2
+
+
+def test_a_batch_whose_choices_could_never_run_at_once_is_refused_naming_the_prompt():
+    error = refusal(complete(prompt=["ca", "xa", "cc"], n=3)[0])  # 9 requests; the app runs 8 at a time
+
+    assert error["param"] == "prompt"
+    assert error["message"] == (
+        "prompt: a batch of 3 prompts with n=3 is 9 requests; this server runs at most 8 at a time (send smaller batches)"
+    )
