@@ -64,6 +64,11 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._token_ids)
         return text[len(prefix_text) :]
 
+    def held(self) -> str:
+        """The text held back now, as ``flush`` would return it, without flushing it."""
+        prefix_text, text = self._decode_window()
+        return text[len(prefix_text) :]
+
     def flush(self) -> str:
         """Return the text still held back (an unfinished character shows as U+FFFD)."""
         prefix_text, text = self._decode_window()

@@ -72,21 +72,35 @@ class TokenNames:
 
 
 class TextOffsets:
-    """Where each of one completion's tokens begins in its text (message after message)."""
+    """Where each of one completion's tokens begins in its text (message after message).
 
-    __slots__ = ("_detokenizer", "_length")
+    A token that completes the text held back before it (the parts of a character) begins where that
+    text does, and shares its offset.  But bytes that never become a character are held back until a
+    later token shows it, and then stand in the text as U+FFFD in front of that token's own text: that
+    token begins after them (their offset once gave it theirs, and every later offset was 1 short).
+    Bytes held back together share the offset of the first (whether a later one is a character of its
+    own shows only in hindsight: a byte-fallback decoder shows each part of a character as U+FFFD).
+    """
+
+    __slots__ = ("_detokenizer", "_length", "_holding")
 
     def __init__(self, tokenizer: Any | None) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._length = 0
+        self._holding = False
 
     def of(self, token_ids: Sequence[int]) -> list[int]:
         """The offsets of ``token_ids``, which follow the tokens given before."""
+        if self._detokenizer is None:
+            return [0] * len(token_ids)
         offsets = []
         for token_id in token_ids:
-            offsets.append(self._length)
-            if self._detokenizer is not None:
-                self._length += len(self._detokenizer.add([token_id]))
+            held = self._detokenizer.held() if self._holding else ""
+            added = self._detokenizer.add([token_id])
+            after_held = held and len(added) > len(held) and added.startswith(held)
+            offsets.append(self._length + (len(held) if after_held else 0))
+            self._length += len(added)
+            self._holding = not added
         return offsets
 
 

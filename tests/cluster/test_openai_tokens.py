@@ -58,6 +58,25 @@ def test_text_offsets_follow_the_text_through_parts_of_characters_and_special_to
     assert offsets[-1] == len(text) - len(names.text(ids[-1]))
 
 
+def test_a_token_after_bytes_that_never_become_a_character_begins_after_their_replacement_character(tokenizer):
+    # A sampled byte that starts a character the next token does not finish: the text shows U+FFFD
+    # for it, in front of the next token's text, once that token comes.
+    names = TokenNames(tokenizer)
+    first_byte = next(i for i in ids_of(tokenizer, "日") if names.text(i) == REPLACEMENT)
+    ids = [*ids_of(tokenizer, " what"), first_byte, *ids_of(tokenizer, " make it"), first_byte, first_byte,
+           *ids_of(tokenizer, " is")]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == f" what{REPLACEMENT} make it{REPLACEMENT}{REPLACEMENT} is"
+
+    offsets = names.text_offsets().of(ids)
+
+    # Bytes held back together share the first's offset: whether the second is a character of its own
+    # shows only in hindsight.
+    assert offsets == [0, 5, 6, 11, 14, 14, 16]
+    for token_id, offset in zip(ids, offsets, strict=True):
+        assert text[offset:].startswith(names.text(token_id))
+
+
 def test_offsets_given_message_by_message_are_those_of_the_whole(tokenizer):
     ids = ids_of(tokenizer, "héllo wörld 日本語 🙂 done")
     whole = TokenNames(tokenizer).text_offsets().of(ids)
