@@ -13,8 +13,9 @@ from kvserve.scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from kvserve.llm import LLM, CompletionOutput, GenerationOutput
+    from kvserve.worker.multiproc_executor import WorkerProcessError
 
-__all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams", "TokenLogprobs"]
+__all__ = ["LLM", "CompletionOutput", "GenerationOutput", "SamplingParams", "TokenLogprobs", "WorkerProcessError"]
 
 
 def __getattr__(name: str):
@@ -23,5 +24,9 @@ def __getattr__(name: str):
         from kvserve import llm
 
         return getattr(llm, name)
+    if name == "WorkerProcessError":  # what generate raises once a tensor-parallel rank has died
+        from kvserve.worker.multiproc_executor import WorkerProcessError
+
+        return WorkerProcessError
     raise AttributeError(f"module 'kvserve' has no attribute {name!r}")
 __version__ = "0.1.0"

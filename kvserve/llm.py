@@ -28,27 +28,37 @@ from kvserve.worker.worker_config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
-Prompt = str | Sequence[int]
+# Text, token ids, or vLLM's prompt dicts: {"prompt": text} (TextPrompt), {"prompt_token_ids": ids} (TokensPrompt).
+Prompt = str | Sequence[int] | Mapping[str, Any]
+# The prompt dict keys this engine serves; vLLM's others (multi_modal_data, ...) ask for what it does not do.
+_PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
 @dataclass(frozen=True, slots=True)
 class CompletionOutput:
     """One of a prompt's ``n`` completions (vLLM's ``CompletionOutput``): ``index`` in ``0..n-1``,
-    and the fields :class:`GenerationOutput` describes."""
+    and the fields :class:`GenerationOutput` describes.
+
+    ``cumulative_logprob`` is the sum of the sampled tokens' logprobs (those of ``logprobs``)
+    when the request asked for logprobs, else ``None``, as vLLM's.
+    """
 
     index: int
     token_ids: list[int]
     text: str | None
     finish_reason: str
     logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationOutput:
     """The result of one prompt.
 
-    ``num_cached_tokens`` counts the prompt tokens served from the prefix
-    cache; ``text`` is ``None`` when the model directory has no tokenizer.
+    ``prompt`` is the prompt's text (a string or ``{"prompt": text}``), ``None`` for one given
+    as token ids (as vLLM's ``RequestOutput.prompt``), ``chat``'s too (rendered to token ids).
+    ``num_cached_tokens`` counts the prompt tokens served from the prefix cache; ``text`` is
+    ``None`` when the model directory has no tokenizer.
     ``logprobs`` has one entry per token of ``token_ids`` when the request
     asked for them (``SamplingParams.logprobs``), else it is ``None``; so has
     ``prompt_logprobs`` per token of ``prompt_token_ids``
@@ -71,6 +81,7 @@ class GenerationOutput:
     logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     outputs: list[CompletionOutput] = field(default_factory=list)
+    prompt: str | None = None
 
 
 class LLM:
@@ -138,6 +149,9 @@ class LLM:
         progress: bool | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids); results in prompt order.
+
+        A prompt may also be vLLM's ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``;
+        ``ValueError`` for a dict with both keys or any other (``multi_modal_data``, ...).
 
         ``progress``: requests finished and tokens per second on stderr; by default only on a
         terminal and once the call has run 2 s (``kvserve.generate_progress``); ``True``
@@ -266,9 +280,12 @@ class LLM:
         except BaseException:
             self.engine.abort_requests(requests)
             raise
-        return [self._result(prompt_requests, logprobs, stops) for prompt_requests in choices]
+        return [
+            self._result(prompt if isinstance(prompt, str) else None, prompt_requests, logprobs, stops)
+            for prompt, prompt_requests in zip(prompt_list, choices)
+        ]
 
-    def _tokenize(self, prompt: Prompt) -> list[int]:
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token ids")
@@ -281,9 +298,13 @@ class LLM:
         return token_ids
 
     def _result(
-        self, requests: list[Request], logprobs: dict[str, list[TokenLogprobs]], stops: StopWatch
+        self,
+        prompt: str | None,
+        requests: list[Request],
+        logprobs: dict[str, list[TokenLogprobs]],
+        stops: StopWatch,
     ) -> GenerationOutput:
-        """One prompt's result, from its completions' ``requests``."""
+        """One prompt's result, from its completions' ``requests``; ``prompt`` its text, if it had one."""
         completions = [self._completion(i, request, logprobs.get(request.req_id), stops)
                        for i, request in enumerate(requests)]
         first, request = completions[0], requests[0]
@@ -296,6 +317,7 @@ class LLM:
             logprobs=first.logprobs,
             prompt_logprobs=first_output_prompt_logprobs(request),
             outputs=completions,
+            prompt=prompt,
         )
 
     def _completion(
@@ -310,7 +332,8 @@ class LLM:
         text = stops.text(request.req_id)
         if text is None and self.tokenizer is not None:
             text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        return CompletionOutput(index, token_ids, text, finish_reason.value, logprobs)
+        cumulative_logprob = None if logprobs is None else sum(t.logprob for t in logprobs)
+        return CompletionOutput(index, token_ids, text, finish_reason.value, logprobs, cumulative_logprob)
 
     def shutdown(self) -> None:
         """Stop the workers and give back their memory: the weights, the KV cache, the CUDA graphs.
@@ -345,7 +368,10 @@ def _choices(params: SamplingParams) -> list[SamplingParams]:
 _NOT_TOKEN_SEQUENCES = (set, frozenset, dict, bytes, bytearray)
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:
+    """Each prompt as text or token ids: vLLM's prompt dicts unwrapped, one prompt made a list of one."""
+    if isinstance(prompts, Mapping):
+        return [_unwrap_prompt_dict(prompts)]
     if isinstance(prompts, str) or getattr(prompts, "ndim", None) == 1:
         return [prompts]  # one text, or one prompt as a 1-D array or tensor of token ids
     if isinstance(prompts, _NOT_TOKEN_SEQUENCES) or getattr(prompts, "ndim", None) == 0:
@@ -356,7 +382,33 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         raise ValueError(f"prompts must be a string, token ids or a list of them, got {prompts!r}") from None
     if prompt_list and all(_is_scalar(t) for t in prompt_list):
         return [prompt_list]  # a single prompt given as token ids (checked one by one later)
-    return prompt_list
+    return [_unwrap_prompt_dict(p) if isinstance(p, Mapping) else p for p in prompt_list]
+
+
+def _unwrap_prompt_dict(prompt: Mapping[Any, Any]) -> str | list[int]:
+    """The text of vLLM's ``{"prompt": text}`` or the token ids of ``{"prompt_token_ids": ids}``.
+
+    ``ValueError`` for any other key: ignoring ``multi_modal_data`` (or a ``prompt`` beside
+    ``prompt_token_ids``) would generate for another prompt than the caller meant.
+    """
+    other = next((key for key in prompt if key not in _PROMPT_DICT_KEYS), None)
+    if other is not None:
+        raise ValueError(
+            f"prompt dict key {other!r} is not supported: a prompt dict is {{'prompt': text}} "
+            f"or {{'prompt_token_ids': token ids}}"
+        )
+    if len(prompt) != 1:
+        given = "not both" if prompt else "got neither"
+        raise ValueError(f"a prompt dict must have the key 'prompt' or 'prompt_token_ids', {given}")
+    if "prompt" in prompt:
+        text = prompt["prompt"]
+        if not isinstance(text, str):
+            raise ValueError(f"prompt dict key 'prompt' must be a string, got {text!r}")
+        return text
+    token_ids = prompt["prompt_token_ids"]
+    if isinstance(token_ids, str):  # else read as token ids one character each
+        raise ValueError(f"prompt dict key 'prompt_token_ids' must be token ids, got the string {token_ids!r}")
+    return _token_ids(token_ids)
 
 
 def _is_scalar(value: object) -> bool:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 
 def _as_ids(value: object) -> tuple[int, ...]:
@@ -83,6 +86,12 @@ class ModelConfig:
             if max_model_len < limit:
                 cap = (f"capped to the model's sliding window of {window} tokens: attention here is full causal, "
                        "which equals a sliding window's only on sequences no longer than it")
+                # NOTE: a warning, not an error: the model serves correctly, but prompts past the window that
+                # the config's max_position_embeddings promises are refused, which should not surprise anyone.
+                logger.warning(
+                    "%s: max_model_len=%d, not max_position_embeddings=%d: context %s",
+                    model_dir, max_model_len, limit, cap,
+                )
         elif max_model_len < 1 or (limit and max_model_len > limit):
             raise ValueError(f"max_model_len must be in [1, {limit}], got {max_model_len}")
         elif window and max_model_len > window:

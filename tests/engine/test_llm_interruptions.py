@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve import LLM, SamplingParams
-from kvserve.worker.multiproc_executor import WorkerProcessError
+import kvserve
+from kvserve import LLM, SamplingParams, WorkerProcessError
 from kvserve.worker.tiny_model import create_tiny_model
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0)
@@ -55,6 +55,15 @@ def test_two_ranks_give_the_right_tokens_after_an_interrupted_generate(model_dir
                 llm.generate(LONG_PROMPTS, LONG)
             interrupter.join()
             assert [llm.generate([[5] * 10], GREEDY)[0].token_ids for _ in range(3)] == [expected] * 3
+
+
+def test_worker_process_error_is_importable_from_kvserve() -> None:
+    # generate raises it once a rank has died; it was importable only from kvserve.worker.multiproc_executor.
+    from kvserve.worker import multiproc_executor
+
+    assert kvserve.WorkerProcessError is multiproc_executor.WorkerProcessError
+    assert issubclass(kvserve.WorkerProcessError, RuntimeError)
+    assert "WorkerProcessError" in kvserve.__all__
 
 
 @pytest.mark.slow

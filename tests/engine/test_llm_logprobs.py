@@ -78,3 +78,24 @@ def test_only_the_requests_that_ask_get_logprobs(llm: LLM) -> None:
     assert [len(o.logprobs) for o in outputs[1::2]] == [MAX_TOKENS] * 2
     # Asking changes nothing about the tokens.
     assert [o.token_ids for o in outputs[1::2]] == [o.token_ids for o in llm.generate(prompts[1::2], greedy)]
+
+
+def test_each_completions_cumulative_logprob_is_the_sum_of_its_sampled_tokens_logprobs(llm: LLM, hf_model) -> None:
+    # vLLM's CompletionOutput.cumulative_logprob; kvserve's outputs had no such field.
+    prompt = random_prompts(1, seed=25)[0]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=9, ignore_eos=True, logprobs=0, n=2)
+    (output,) = llm.generate([prompt], params)
+
+    for completion in output.outputs:
+        reference = hf_log_softmax(hf_model, prompt, completion.token_ids)
+        expected = reference.gather(-1, torch.tensor(completion.token_ids)[:, None]).sum().item()
+        assert completion.cumulative_logprob == pytest.approx(expected, abs=MAX_TOKENS * TOLERANCE)
+        assert completion.cumulative_logprob == pytest.approx(sum(t.logprob for t in completion.logprobs))
+        assert completion.cumulative_logprob < 0.0
+    assert output.outputs[0].cumulative_logprob != output.outputs[1].cumulative_logprob
+
+
+def test_cumulative_logprob_is_none_when_logprobs_were_not_asked_for(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (output,) = llm.generate(random_prompts(1, seed=26), params)
+    assert output.outputs[0].cumulative_logprob is None

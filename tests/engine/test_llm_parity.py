@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -178,3 +179,18 @@ def test_a_sliding_window_model_is_served_within_its_window(tmp_path: Path) -> N
         assert llm.model_config.max_model_len == 48
         tokens = [o.token_ids for o in llm.generate(prompts, params)]
     assert tokens == hf_greedy(load_hf_model(path), prompts, 8)
+
+
+def test_loading_a_sliding_window_model_warns_once_that_its_context_is_capped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A Mistral config with max_position_embeddings=256 served 8 tokens a sequence, and said nothing.
+    path = create_tiny_model(tmp_path / "m", "mistral", seed=2, sliding_window=8, max_position_embeddings=256)
+    with caplog.at_level(logging.WARNING):
+        with LLM(path, block_size=4, num_blocks=16) as llm:
+            assert llm.model_config.max_model_len == 8
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0.0))
+    capped = [r for r in caplog.records if "sliding window" in r.getMessage()]
+    assert len(capped) == 1
+    assert capped[0].levelno == logging.WARNING
+    assert "capped to the model's sliding window of 8 tokens" in capped[0].getMessage()

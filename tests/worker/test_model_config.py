@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -100,6 +101,27 @@ def test_a_sliding_window_bounds_the_default_max_model_len(windowed_dir: Path) -
 def test_a_max_model_len_past_the_sliding_window_is_refused(windowed_dir: Path) -> None:
     with pytest.raises(ValueError, match="max_model_len must be at most the model's sliding window of 64 tokens, got 65"):
         ModelConfig.from_pretrained(windowed_dir, 65)
+
+
+def test_capping_max_model_len_to_the_sliding_window_is_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The context silently shrank from max_position_embeddings to the window.
+    path = create_tiny_model(tmp_path / "m", "mistral", seed=0, sliding_window=8, max_position_embeddings=256)
+    with caplog.at_level(logging.WARNING, logger="kvserve.worker.model_config"):
+        assert ModelConfig.from_pretrained(path).max_model_len == 8
+    (record,) = caplog.records
+    assert record.levelno == logging.WARNING
+    message = record.getMessage()
+    assert "max_model_len=8, not max_position_embeddings=256" in message
+    assert "context capped to the model's sliding window of 8 tokens: attention here is full causal" in message
+
+
+def test_no_warning_when_nothing_is_capped(windowed_dir: Path, model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvserve.worker.model_config"):
+        ModelConfig.from_pretrained(windowed_dir, 40)  # asked for: within the window
+        ModelConfig.from_pretrained(model_dir)  # no window
+    assert caplog.records == []
 
 
 @pytest.mark.parametrize("tp", [0, -2, 2.0, True])
