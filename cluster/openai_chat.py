@@ -25,7 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from kvserve.cluster.frontend import FrontendError, InvalidRequestError
 from kvserve.cluster.openai_echo import EchoedPrompt
@@ -67,12 +68,34 @@ class TextPart(BaseModel):
 Content = Annotated[str | list[TextPart], one_of('a string or a list of {"type": "text", "text": ...} parts')]
 
 
+# What a conversation with tool calls has that others lack: the calls, and the answers' roles and ids.
+_TOOL_CALLING_FIELDS = ("tool_calls", "tool_call_id", "function_call")
+_TOOL_CALLING_ROLES = ("tool", "function")
+
+
 class ChatMessage(BaseModel):
     model_config = REQUEST_CONFIG
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Content
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_calling(cls, data: Any) -> Any:
+        """A message of tool calling is refused as such (not as an unknown field or role, or for the
+        ``null`` content of an assistant message that calls tools); empty or null calls are none."""
+        if not isinstance(data, dict):
+            return data
+        data = {key: value for key, value in data.items() if key not in _TOOL_CALLING_FIELDS or value not in (None, [])}
+        used = [key for key in _TOOL_CALLING_FIELDS if key in data]
+        if data.get("role") in _TOOL_CALLING_ROLES:
+            used.insert(0, f"role {data['role']!r}")
+        if used:
+            raise PydanticCustomError(
+                "tool_calling", "{used}: kvserve does not support tool calling yet", {"used": ", ".join(used)}
+            )
+        return data
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -92,6 +115,13 @@ class ChatCompletionRequest(SamplingRequest):
         "reasoning_effort": (),
         "web_search_options": (),
         "verbosity": ("medium",),
+        # vLLM's extras of chat.
+        "add_generation_prompt": (True,),
+        "continue_final_message": (False,),
+        "chat_template_kwargs": ({},),
+        "chat_template": (),
+        "documents": (),
+        "echo": (False,),
     }
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -112,6 +142,12 @@ class ChatCompletionRequest(SamplingRequest):
     reasoning_effort: Any = None
     web_search_options: Any = None
     verbosity: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template_kwargs: Any = None
+    chat_template: Any = None
+    documents: Any = None
+    echo: Any = None
 
     @property
     def num_logprobs(self) -> int | None:

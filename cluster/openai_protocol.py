@@ -106,7 +106,16 @@ Stop = Annotated[str | list[str], one_of("a string or a list of strings")]
 class StreamOptions(BaseModel):
     model_config = REQUEST_CONFIG
 
+    # OpenAI's obfuscation of deltas and vLLM's usage in every chunk are not implemented: only their neutral
+    # values pass (``SamplingRequest.unsupported_fields``).
+    NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
+        "include_obfuscation": (False,),
+        "continuous_usage_stats": (False,),
+    }
+
     include_usage: bool = False
+    include_obfuscation: Any = None
+    continuous_usage_stats: Any = None
 
 
 class SamplingRequest(BaseModel):
@@ -122,6 +131,22 @@ class SamplingRequest(BaseModel):
     NEUTRAL_VALUES: ClassVar[dict[str, tuple[Any, ...]]] = {
         "store": (False,),
         "service_tier": ("auto", "default"),
+        # vLLM's extras that clients written for it send, often at these defaults.
+        "skip_special_tokens": (True,),
+        "spaces_between_special_tokens": (True,),
+        "include_stop_str_in_output": (False,),
+        "use_beam_search": (False,),
+        "length_penalty": (1,),
+        "priority": (0,),
+        "return_tokens_as_token_ids": (False,),
+        "truncate_prompt_tokens": (),
+        "bad_words": ([],),
+        "allowed_token_ids": (),
+        "guided_json": (),
+        "guided_regex": (),
+        "guided_choice": (),
+        "guided_grammar": (),
+        "structured_outputs": (),
     }
 
     model: str
@@ -144,6 +169,21 @@ class SamplingRequest(BaseModel):
     # Neutral values only, for now (``NEUTRAL_VALUES``).
     store: bool = False
     service_tier: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    include_stop_str_in_output: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    priority: Any = None
+    return_tokens_as_token_ids: Any = None
+    truncate_prompt_tokens: Any = None
+    bad_words: Any = None
+    allowed_token_ids: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     # kvserve's extras.
     top_k: int | None = None
     ignore_eos: bool = False
@@ -188,14 +228,22 @@ class SamplingRequest(BaseModel):
 
     def unsupported_fields(self) -> dict[str, str]:
         """Each field kvserve does not implement that this request sets to a value other than a neutral one,
-        with what to do instead (``leave it out or send "auto"``)."""
-        refused = {}
-        for name, neutral in self.NEUTRAL_VALUES.items():
-            value = getattr(self, name)
-            if value is not None and not any(_same_json(value, allowed) for allowed in neutral):
-                spelled = " or ".join(json.dumps(allowed) for allowed in neutral)
-                refused[name] = f"leave it out or send {spelled}" if spelled else "leave it out"
+        with what to do instead (``leave it out or send "auto"``); ``stream_options``' fields too."""
+        refused = _unsupported(self, self.NEUTRAL_VALUES)
+        if self.stream_options is not None:
+            for name, instead in _unsupported(self.stream_options, StreamOptions.NEUTRAL_VALUES).items():
+                refused[f"stream_options.{name}"] = instead
         return refused
+
+
+def _unsupported(model: BaseModel, neutral_values: dict[str, tuple[Any, ...]]) -> dict[str, str]:
+    refused = {}
+    for name, neutral in neutral_values.items():
+        value = getattr(model, name)
+        if value is not None and not any(_same_json(value, allowed) for allowed in neutral):
+            spelled = " or ".join(json.dumps(allowed) for allowed in neutral)
+            refused[name] = f"leave it out or send {spelled}" if spelled else "leave it out"
+    return refused
 
 
 def _same_json(value: Any, neutral: Any) -> bool:

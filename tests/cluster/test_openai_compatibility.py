@@ -201,6 +201,10 @@ def test_a_union_field_of_the_wrong_type_is_refused_in_one_sentence(served: Serv
         {"service_tier": "auto"},
         {"modalities": ["text"]},
         {"safety_identifier": "user-1"},
+        # vLLM's extras at their defaults, as clients written for vLLM send them
+        {"skip_special_tokens": True, "include_stop_str_in_output": False, "priority": 0},
+        {"add_generation_prompt": True, "continue_final_message": False, "chat_template_kwargs": {}, "echo": False},
+        {"stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}},
     ],
 )
 def test_a_neutral_value_of_an_unsupported_field_is_accepted(served: Served, fields):
@@ -220,6 +224,10 @@ def test_a_neutral_value_of_an_unsupported_field_is_accepted(served: Served, fie
         ("/v1/chat/completions", {"reasoning_effort": "low"}, "leave it out"),
         ("/v1/completions", {"suffix": "x"}, 'leave it out or send ""'),
         ("/v1/completions", {"best_of": 2}, "leave it out or send 1"),
+        ("/v1/completions", {"include_stop_str_in_output": True}, "leave it out or send false"),
+        ("/v1/completions", {"guided_json": {"type": "object"}}, "leave it out"),
+        ("/v1/chat/completions", {"add_generation_prompt": False}, "leave it out or send true"),
+        ("/v1/chat/completions", {"echo": True}, "leave it out or send false"),  # completions' only
     ],
 )
 def test_an_unsupported_field_set_to_do_something_is_a_400_that_says_so(served: Served, path, fields, instead):
@@ -230,6 +238,39 @@ def test_an_unsupported_field_set_to_do_something_is_a_400_that_says_so(served: 
     [field] = fields
     assert error["message"] == f"{field}: kvserve does not support this field yet; {instead}"
     assert error["param"] == field
+
+
+def test_an_unsupported_stream_option_is_a_400_that_says_so(served: Served):
+    error = refusal(complete(served, stream=True, stream_options={"continuous_usage_stats": True}))
+
+    assert error["message"] == (
+        "stream_options.continuous_usage_stats: kvserve does not support this field yet; leave it out or send false"
+    )
+
+
+@pytest.mark.parametrize(
+    "message, used",
+    [
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                              "function": {"name": "f", "arguments": "{}"}}]},
+         "tool_calls"),
+        ({"role": "tool", "tool_call_id": "c1", "content": "42"}, "role 'tool', tool_call_id"),
+        ({"role": "function", "name": "f", "content": "42"}, "role 'function'"),
+    ],
+)
+def test_a_conversation_with_tool_calls_is_refused_as_tool_calling(served: Served, message, used):
+    # It was refused for the null content, or as a misspelled field, or for its role.
+    error = refusal(chat(served, max_tokens=2, messages=[{"role": "user", "content": "Hi"}, message]))
+
+    assert error["message"] == f"messages.1: {used}: kvserve does not support tool calling yet"
+    assert error["param"] == "messages"
+
+
+def test_an_assistant_message_with_no_tool_calls_is_an_ordinary_one(served: Served):
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello", "tool_calls": []},
+                {"role": "user", "content": "Go on"}]
+
+    assert chat(served, max_tokens=2, messages=messages).status_code == 200
 
 
 def test_an_unknown_field_is_refused_as_unknown(served: Served):

@@ -231,14 +231,6 @@ def test_echo_with_logprobs_out_of_range_is_refused_naming_logprobs():
     assert error["message"] == "logprobs must be an integer in [0, 20] or None, got 21"
 
 
-def test_the_chat_endpoint_has_no_echo():
-    response, _ = post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True})
-
-    error = refusal(response)
-    assert error["param"] == "echo"
-    assert "unknown field" in error["message"]
-
-
 # -- a batch of prompts ----------------------------------------------------------------------------
 
 
