@@ -137,11 +137,11 @@ class SamplingParams:
             raise ValueError(f"seed must be a 64-bit signed integer, from {MIN_SEED} to {largest}; got {seed}")
         logprobs = None if self.logprobs is None else _integer("logprobs", self.logprobs)
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {logprobs}")
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs}")
         prompt_logprobs = None if self.prompt_logprobs is None else _integer("prompt_logprobs", self.prompt_logprobs)
         if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
             raise ValueError(
-                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or None, got {prompt_logprobs}"
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs}"
             )
         if not isinstance(self.ignore_eos, bool):
             # NOTE: any object is truthy or not; ignore_eos="no" ignored EOS.

@@ -129,8 +129,8 @@ def test_an_error_after_some_text_ends_the_texts_line_on_stdout(capsys, target):
         ("cache_salt: 300 bytes, over the limit of 256 (max_cache_salt_bytes)",
          "--cache-salt: 300 bytes, over the limit of 256 (the server's --max-cache-salt-bytes)"),
         ("request_id is longer than 64 characters", "request_id is longer than 64 characters"),
-        ("sampling_params.prompt_logprobs must be an integer in [0, 20] or None, got 21",
-         "--prompt-logprobs must be an integer in [0, 20] or None, got 21"),
+        ("sampling_params.prompt_logprobs must be an integer in [0, 20], got 21",
+         "--prompt-logprobs must be an integer in [0, 20], got 21"),
         ("sampling_params.prompt_logprobs: this server's replicas are simulated (no model), so it has no "
          "log-probabilities",
          "--prompt-logprobs: this server's replicas are simulated (no model), so it has no log-probabilities"),

@@ -63,7 +63,7 @@ def test_prompt_logprobs_out_of_range_is_refused_naming_the_field(k):
     with pytest.raises(InvalidRequestError) as info:
         conversion().to_sampling_params(generate_pb2.SamplingParams(prompt_logprobs=k))
 
-    assert str(info.value) == f"sampling_params.prompt_logprobs must be an integer in [0, 20] or None, got {k}"
+    assert str(info.value) == f"sampling_params.prompt_logprobs must be an integer in [0, 20], got {k}"
 
 
 def test_a_delta_with_prompt_logprobs_is_a_response_with_one_per_prompt_token_after_the_first():

@@ -228,7 +228,7 @@ def test_echo_with_logprobs_out_of_range_is_refused_naming_logprobs():
     error = refusal(complete(logprobs=21)[0])
 
     assert error["param"] == "logprobs"
-    assert error["message"] == "logprobs must be an integer in [0, 20] or None, got 21"
+    assert error["message"] == "logprobs must be an integer in [0, 20], got 21"
 
 
 # -- a batch of prompts ----------------------------------------------------------------------------

@@ -44,8 +44,8 @@ def test_logprobs_from_0_to_20_are_accepted(logprobs: int) -> None:
         # A dict's keys and a string's characters were taken as the ids.
         ({"stop_token_ids": {3: "x"}}, "stop_token_ids must be a sequence of token ids, got {3: 'x'}"),
         ({"stop_token_ids": "34"}, "stop_token_ids must be a sequence of token ids, got '34'"),
-        ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\] or None, got -1"),
-        ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\] or None, got 21"),
+        ({"logprobs": -1}, r"logprobs must be an integer in \[0, 20\], got -1"),
+        ({"logprobs": 21}, r"logprobs must be an integer in \[0, 20\], got 21"),
         ({"logprobs": True}, "logprobs must be an integer, got True"),
         ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2, 2\], got 2.5"),
         ({"frequency_penalty": math.nan}, "frequency_penalty must be in"),
