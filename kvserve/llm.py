@@ -147,6 +147,7 @@ class LLM:
         *,
         cache_salt: str | None = None,
         progress: bool | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[GenerationOutput]:
         """Generate for every prompt (text or token ids); results in prompt order.
 
@@ -155,8 +156,10 @@ class LLM:
 
         ``progress``: requests finished and tokens per second on stderr; by default only on a
         terminal and once the call has run 2 s (``kvserve.generate_progress``); ``True``
-        always, ``False`` never.  Calls from other threads wait for this one to end.
+        always, ``False`` never.  ``use_tqdm`` is vLLM's name for it.  Calls from other threads
+        wait for this one to end.
         """
+        progress = _progress_setting(progress, use_tqdm)
         with self._lock:
             return self._generate(prompts, sampling_params, cache_salt, progress)
 
@@ -168,6 +171,7 @@ class LLM:
         chat_template: str | None = None,
         cache_salt: str | None = None,
         progress: bool | None = None,
+        use_tqdm: bool | None = None,
     ) -> list[GenerationOutput]:
         """Answer conversations as vLLM's ``LLM.chat``: ``generate`` on each rendered with the chat template.
 
@@ -198,7 +202,12 @@ class LLM:
                 prompts.append(render_conversation(self.tokenizer, template, conversation_of(conversation)))
             except ValueError as exc:
                 raise ValueError(f"{where}{exc}") from None
+        progress = _progress_setting(progress, use_tqdm)
         return self.generate(prompts, sampling_params, cache_salt=cache_salt, progress=progress)
+
+    def get_tokenizer(self) -> Any | None:
+        """The model's tokenizer (``None`` without one), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
 
     def _generate(
         self,
@@ -366,6 +375,17 @@ def _choices(params: SamplingParams) -> list[SamplingParams]:
 
 # Iterables of integers that are no prompt: unordered, or text in bytes.
 _NOT_TOKEN_SEQUENCES = (set, frozenset, dict, bytes, bytearray)
+
+
+def _progress_setting(progress: bool | None, use_tqdm: bool | None) -> bool | None:
+    """``progress``, or vLLM's ``use_tqdm`` in its place; ``ValueError`` when both are given."""
+    if use_tqdm is None:
+        return progress
+    if progress is not None:
+        raise ValueError("progress and use_tqdm are one setting (use_tqdm is vLLM's name for it): give one")
+    if not isinstance(use_tqdm, bool):  # vLLM's may be a tqdm factory, which this progress line is not
+        raise ValueError(f"use_tqdm must be True or False, got {use_tqdm!r}")
+    return use_tqdm
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | Sequence[int]]:

@@ -33,6 +33,22 @@ def test_progress_true_reports_the_calls_totals_on_stderr(llm: LLM, capsys: pyte
     assert lines[-1].endswith(" tok/s)")
 
 
+def test_vllms_use_tqdm_is_progress_under_its_name(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    # Code written for vLLM passes it: it was a TypeError.
+    llm.generate([[1, 2, 3]], PARAMS, use_tqdm=True)
+    assert capsys.readouterr().err.splitlines()[-1].startswith("generate: 1/1 requests, 5 tokens in ")
+    llm.chat([{"role": "user", "content": "hi"}], PARAMS, use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    with pytest.raises(ValueError, match="progress and use_tqdm are one setting"):
+        llm.generate([[1, 2, 3]], PARAMS, progress=True, use_tqdm=True)
+    with pytest.raises(ValueError, match="use_tqdm must be True or False, got 'yes'"):
+        llm.generate([[1, 2, 3]], PARAMS, use_tqdm="yes")
+
+
+def test_get_tokenizer_is_the_models_tokenizer(llm: LLM) -> None:
+    assert llm.get_tokenizer() is llm.tokenizer is not None
+
+
 def test_by_default_a_stream_that_is_no_terminal_shows_nothing(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
     llm.generate([[1, 2, 3]], PARAMS)
     llm.generate([[1, 2, 3]], PARAMS, progress=False)
