@@ -160,8 +160,8 @@ def create_app(
     async def model(name: str) -> Model | JSONResponse:
         return unknown_model(name) or served_model
 
-    def unknown_model(name: str) -> JSONResponse | None:
-        if name in (model_name, model_dir):
+    def unknown_model(name: str | None) -> JSONResponse | None:
+        if name is None or name in (model_name, model_dir):  # None: a request that left it out
             return None
         return error_response(
             404, f"model {name!r} does not exist; this server serves {model_name!r}",

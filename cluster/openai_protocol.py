@@ -149,7 +149,8 @@ class SamplingRequest(BaseModel):
         "structured_outputs": (),
     }
 
-    model: str
+    # None (left out): the served model, as vLLM takes it; OpenAI's API requires it.
+    model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None

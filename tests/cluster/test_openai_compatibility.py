@@ -140,10 +140,6 @@ def test_a_chat_field_sent_as_null_takes_its_default(served: Served, field):
     assert response.json()["usage"]["completion_tokens"] == 2
 
 
-def test_a_null_model_is_still_refused(served: Served):
-    assert refusal(complete(served, model=None))["param"] == "model"
-
-
 # -- strict types --------------------------------------------------------------
 
 
@@ -271,6 +267,16 @@ def test_an_assistant_message_with_no_tool_calls_is_an_ordinary_one(served: Serv
                 {"role": "user", "content": "Go on"}]
 
     assert chat(served, max_tokens=2, messages=messages).status_code == 200
+
+
+@pytest.mark.parametrize("model", [None, "absent"])
+def test_a_request_without_a_model_gets_the_served_one_as_vllm_serves_it(served: Served, model):
+    body = {"prompt": "hello", "max_tokens": 2} | ({} if model == "absent" else {"model": model})
+
+    response = post(served, "/v1/completions", body)
+
+    assert response.status_code == 200, response.text
+    assert response.json()["model"] == served.model
 
 
 def test_an_unknown_field_is_refused_as_unknown(served: Served):
