@@ -10,7 +10,6 @@ raises ``ValueError`` naming the field.  Values that depend on the model
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 import math
 import os
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from kvserve.scheduler.engine_config import EngineConfig, ParallelConfig
 from kvserve.scheduler.routing.policies import DEFAULT_POLICY, make_policy, policy_factory, policy_parameters
 from kvserve.scheduler.routing.policy import RoutingPolicy
 from kvserve.scheduler.simulation.simulated_worker import SimulatedWorkerConfig, SimulationConfig
+from kvserve.worker.host_address import is_loopback
 from kvserve.worker.worker_config import WorkerConfig
 from typing import TYPE_CHECKING, Any
 
@@ -123,10 +123,7 @@ class ServerConfig:
     @property
     def is_loopback(self) -> bool:
         """Whether only this machine can reach the servers."""
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return self.host == "localhost"
+        return is_loopback(self.host)
 
     @property
     def address(self) -> str:

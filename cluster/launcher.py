@@ -32,11 +32,12 @@ from kvserve.cluster.config import ClusterConfig
 from kvserve.cluster.interrupts import interrupts_deferred
 from kvserve.cluster.messages import ModelInfo
 from kvserve.cluster.placement import DeviceKind, describe_shortfall, replica_bundles
-from kvserve.cluster.ray_address import check_gcs_reachable, is_loopback
+from kvserve.cluster.ray_address import check_gcs_reachable
 from kvserve.cluster.ray_errors import remote_error_message
 from kvserve.cluster.scheduler_actor import SCHEDULER_ACTOR_NAME, SchedulerActor
 from kvserve.cluster.ray_loopback import keep_ray_on_loopback
 from kvserve.cluster.worker_actor import RAY_NAMESPACE, WORKER_CPU_RESOURCE
+from kvserve.worker.host_address import is_loopback
 from kvserve.worker.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)

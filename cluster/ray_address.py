@@ -7,7 +7,6 @@ the head's GCS port tells the user at once.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 from kvserve.cluster.host_port import split_host_port
@@ -30,15 +29,6 @@ def parse_gcs_address(address: str) -> tuple[str, int] | None:
         return split_host_port(address)
     except ValueError:
         raise ValueError(f"expected 'auto' or HOST:PORT (the head node's GCS address), got {address!r}") from None
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_gcs_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> tuple[str, int] | None:

@@ -7,7 +7,6 @@ is a no-op, so the same model code runs on one device without torch.distributed.
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import re
@@ -17,6 +16,8 @@ from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
+from kvserve.worker.host_address import is_loopback
 
 logger = logging.getLogger(__name__)
 
@@ -120,22 +121,13 @@ def loopback_interface_settings(host: str | None, backend: str, environ) -> dict
     machine) would accept connections from the network.
     """
     variable = _INTERFACE_VARIABLES[backend]
-    if variable in environ or not host or not _is_loopback(host):
+    if variable in environ or not host or not is_loopback(host):
         return {}
     names = [name for _, name in socket.if_nameindex() if re.fullmatch(r"lo\d*", name)]
     if not names:
         return {}
     # NOTE: NCCL reads a bare name as a prefix of interface names; '=' asks for that one only.
     return {variable: names[0] if backend == "gloo" else f"={names[0]}"}
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def rendezvous_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:

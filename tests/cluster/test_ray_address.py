@@ -8,7 +8,8 @@ import time
 import pytest
 
 from kvserve.cluster.host_port import split_host_port
-from kvserve.cluster.ray_address import check_gcs_reachable, is_loopback, parse_gcs_address
+from kvserve.cluster.ray_address import check_gcs_reachable, parse_gcs_address
+from kvserve.worker.host_address import is_loopback
 
 
 @pytest.mark.parametrize(

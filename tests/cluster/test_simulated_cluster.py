@@ -174,16 +174,30 @@ def test_simulated_ranks_load_no_torch_and_serve_prompts_beyond_the_models_lengt
     assert responses[-1].usage.prompt_tokens == len(prompt)
 
 
-def test_a_stream_still_running_when_the_server_stops_is_told_so_and_its_request_aborted(ray_cluster, model_dir):
-    # After the grace, grpc cancelled it with "UNAVAILABLE: Cancelling all calls".
-    config = ClusterConfig.from_kwargs(
+def one_slow_replica(model_dir: Path) -> ClusterConfig:
+    """One simulated replica whose steps take 60 ms: a stream of 1000 tokens lasts a minute."""
+    return ClusterConfig.from_kwargs(
         str(model_dir),
         parallel=ParallelConfig(num_replicas=1),
         num_blocks=128,
         routing="round_robin",
-        simulation=SimulationConfig(cost_model=COST_MODEL, time_scale=TIME_SCALE),  # 60 ms a step
+        simulation=SimulationConfig(cost_model=COST_MODEL, time_scale=TIME_SCALE),
     )
-    handle = start_cluster(config)
+
+
+async def requests_left(handle, timeout_s: float = 10.0) -> int:  # noqa: ANN001
+    """The requests running or waiting on ``handle``'s replicas once none are, or at ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (left := sum(s.num_running + s.num_waiting for s in await handle.scheduler.get_stats.remote())):
+        if time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.1)
+    return left
+
+
+def test_a_stream_still_running_when_the_server_stops_is_told_so_and_its_request_aborted(ray_cluster, model_dir):
+    # After the grace, grpc cancelled it with "UNAVAILABLE: Cancelling all calls".
+    handle = start_cluster(one_slow_replica(model_dir))
     try:
 
         async def stopped_mid_stream() -> tuple[grpc.aio.AioRpcError, int]:
@@ -200,12 +214,7 @@ def test_a_stream_still_running_when_the_server_stops_is_told_so_and_its_request
                     while await call.read() is not grpc.aio.EOF:
                         pass
                 await stopping
-            deadline = time.monotonic() + 10.0
-            while (running := sum(s.num_running + s.num_waiting for s in await handle.scheduler.get_stats.remote())):
-                if time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            return error.value, running
+            return error.value, await requests_left(handle)
 
         error, running = asyncio.run(stopped_mid_stream())
     finally:
@@ -221,14 +230,7 @@ def test_http_answers_still_running_when_the_server_stops_are_told_so_and_their_
 ):
     # At uvicorn's own timeout the streams' tasks were cancelled: the client's connection was cut
     # mid-body with no error event, and the log had an ERROR and a traceback for each.
-    config = ClusterConfig.from_kwargs(
-        str(model_dir),
-        parallel=ParallelConfig(num_replicas=1),
-        num_blocks=128,
-        routing="round_robin",
-        simulation=SimulationConfig(cost_model=COST_MODEL, time_scale=TIME_SCALE),  # 60 ms a step
-    )
-    handle = start_cluster(config)
+    handle = start_cluster(one_slow_replica(model_dir))
     body = {"model": model_dir.name, "prompt": [5] * 20, "max_tokens": 1000, "ignore_eos": True}
     try:
 
@@ -247,12 +249,7 @@ def test_http_answers_still_running_when_the_server_stops_are_told_so_and_their_
                 await stopping
                 whole = await whole
             await server.stop(grace_s=0)
-            deadline = time.monotonic() + 10.0
-            while (running := sum(s.num_running + s.num_waiting for s in await handle.scheduler.get_stats.remote())):
-                if time.monotonic() > deadline:
-                    break
-                await asyncio.sleep(0.1)
-            return events, whole, running
+            return events, whole, await requests_left(handle)
 
         with caplog.at_level(logging.WARNING):
             events, whole, running = asyncio.run(stopped_mid_answer())
