@@ -74,6 +74,10 @@ class Scheduler:
         # Requests whose worker state must be dropped with the next plan.
         self._finished_req_ids: list[str] = []
         self._next_step_id = 0
+        # The requests of each plan with rows not applied yet (``update``, ``discard_step``), in row order.
+        # NOTE: its results go to these objects, never to whatever request holds the id by then: an
+        # aborted request's id may already name a new one (a client retrying under the same request id).
+        self._planned: dict[int, list[Request]] = {}
         # NOTE: kept incrementally so that get_load() is O(1) for a router
         # that reads the load of every replica on every request.
         self._num_queued_prefill_tokens = 0
@@ -181,6 +185,7 @@ class Scheduler:
         placeholder_rows: list[int] = []
         prompt_logprobs_rows: list[int] = []
         next_prompt_token_ids: list[int] = []
+        planned: list[Request] = []
 
         # Running requests first: decodes and unfinished prefill chunks.
         running = self.running
@@ -215,6 +220,7 @@ class Scheduler:
                 if new_blocks is None:
                     break
             req_ids.append(request.req_id)
+            planned.append(request)
             num_scheduled.append(num_new)
             num_computed.append(start)
             if num_new == 1:
@@ -266,6 +272,7 @@ class Scheduler:
             new_requests.append(NewRequestData.for_request(request))
             block_ids = kv.get_block_ids(request.req_id)
             req_ids.append(request.req_id)
+            planned.append(request)
             num_scheduled.append(num_new)
             num_computed.append(start)
             token_ids.extend(request.all_token_ids[start : start + num_new])
@@ -305,6 +312,8 @@ class Scheduler:
             next_prompt_token_ids=next_prompt_token_ids,
         )
         self._next_step_id += 1
+        if req_ids:
+            self._planned[plan.step_id] = planned
         # NOTE: only a plan with rows counts as a step (one without may never run: the simulator's).
         if self.queue_observer is not None and req_ids:
             # Rows of one token are decodes, as the step cost model counts them.
@@ -348,11 +357,12 @@ class Scheduler:
             )
         if logprobs is not None and len(logprobs) != num_sampled:
             raise ValueError(f"got {len(logprobs)} logprobs for {num_sampled} sampled tokens")
+        planned = self._take_planned(plan)
         if self.queue_observer is not None and plan.req_ids:
             self.queue_observer.step_applied()
         requests = self.requests
         if prompt_logprobs is not None:
-            record_prompt_logprobs(plan, prompt_logprobs, requests)
+            record_prompt_logprobs(plan, prompt_logprobs, self._still_current(planned))
         max_model_len = self.scheduler_config.max_model_len
         outputs: list[RequestOutput] = []
         any_finished = False
@@ -360,14 +370,14 @@ class Scheduler:
         token_logprobs = iter(logprobs) if logprobs is not None else None
         logprob: TokenLogprobs | None = None
         running_status = RequestStatus.RUNNING
-        for req_id, sampled in zip(plan.req_ids, plan.sample):
+        for request, sampled in zip(planned, plan.sample):
             if not sampled:
                 continue
             token_id = next(tokens)
             if token_logprobs is not None:
                 logprob = next(token_logprobs)
-            request = requests.get(req_id)
-            if request is None:
+            req_id = request.req_id
+            if requests.get(req_id) is not request:  # aborted while the step ran; the id may name a new one
                 continue
             request.num_pending_tokens -= 1
             if request.status is not running_status:
@@ -422,16 +432,34 @@ class Scheduler:
     def discard_step(self, plan: StepPlan) -> None:
         """The step of ``plan`` never ran (its execution failed): abort its requests, and take the
         blocks it was to fill out of the prefix cache, since their KV was never written."""
+        current = self._still_current(self._take_planned(plan))
         kv = self.kv_cache_manager
         block_size = kv.block_size
         unfilled: list[KVCacheBlock] = []
         for req_id, start, num_new in zip(plan.req_ids, plan.num_computed_tokens, plan.num_scheduled_tokens):
+            if req_id not in current:  # aborted while the step ran: its blocks are freed, or a new request's
+                continue
             blocks = kv.req_to_blocks.get(req_id, _NO_BLOCKS)
             unfilled.extend(blocks[start // block_size : -(-(start + num_new) // block_size)])
-        self.abort_requests(plan.req_ids)
+        self.abort_requests(list(current))
         kv.block_pool.uncache_blocks(unfilled)
         if self.queue_observer is not None and plan.req_ids:
             self.queue_observer.step_applied()  # it is no longer in flight
+
+    def _take_planned(self, plan: StepPlan) -> list[Request]:
+        """The requests of ``plan``'s rows, as planned; ``ValueError`` for a plan with rows that this
+        scheduler did not plan, or whose results it has applied already."""
+        planned = self._planned.pop(plan.step_id, None)
+        if planned is None:
+            if plan.req_ids:
+                raise ValueError(f"step {plan.step_id} is not a step planned here and not applied yet")
+            return []
+        return planned
+
+    def _still_current(self, planned: list[Request]) -> dict[str, Request]:
+        """Those of ``planned`` not aborted or finished since, by id."""
+        requests = self.requests
+        return {request.req_id: request for request in planned if requests.get(request.req_id) is request}
 
     def _preempt(self, request: Request) -> None:
         self._num_queued_prefill_tokens += request.num_tokens - queued_prefill_tokens(request)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvserve.scheduler.prompt_logprobs import record_prompt_logprobs
 from kvserve.scheduler.logprobs import StepPromptLogprobs, TokenLogprobs
 from kvserve.scheduler.request import Request
 from kvserve.scheduler.sampling_params import SamplingParams
@@ -53,7 +54,7 @@ def test_a_recomputed_chunk_adds_only_the_logprobs_the_request_lacks() -> None:
     scheduler.update(first, [], prompt_logprobs=step_logprobs(first))
     assert len(request.prompt_logprobs) == 4
     # The same positions again, as after a preemption: nothing is added twice.
-    scheduler.update(first, [], prompt_logprobs=step_logprobs(first))
+    record_prompt_logprobs(first, step_logprobs(first), {"a": request})
     assert [entry.logprob for entry in request.prompt_logprobs] == [-1.0, -2.0, -3.0, -4.0]
 
 

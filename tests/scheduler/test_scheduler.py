@@ -352,6 +352,48 @@ def test_abort_during_an_inflight_step_drops_its_token() -> None:
     assert [(o.req_id, o.token_id) for o in outs] == [("b", 8)]
 
 
+def test_a_request_reusing_the_id_of_one_aborted_during_an_inflight_step_gets_none_of_its_results() -> None:
+    # A client that cancels and retries under the same request id: the old request's token, when its
+    # step came back, was applied to the new one, which then counted -1 tokens on their way and was
+    # never scheduled, and held every request queued behind it.
+    scheduler = make_scheduler()
+    add(scheduler, "a", [1, 2, 3])
+    plan = scheduler.schedule()
+    scheduler.abort_requests(["a"])
+    retry = add(scheduler, "a", [4, 5, 6])
+    add(scheduler, "b", [1, 2, 3])
+
+    assert scheduler.update(plan, [7]) == []
+
+    assert (retry.num_pending_tokens, retry.output_token_ids) == (0, [])
+    next_plan = scheduler.schedule()
+    assert next_plan.req_ids == ["a", "b"] and next_plan.finished_req_ids == ["a"]
+    assert [new.req_id for new in next_plan.new_requests] == ["a", "b"]
+    assert [(o.req_id, o.token_id) for o in scheduler.update(next_plan, [8, 9])] == [("a", 8), ("b", 9)]
+    assert retry.output_token_ids == [8]
+
+
+def test_a_failed_step_leaves_a_request_that_reuses_the_id_of_one_it_held() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", [1, 2, 3])
+    plan = scheduler.schedule()
+    scheduler.abort_requests(["a"])
+    retry = add(scheduler, "a", [4, 5, 6])
+
+    scheduler.discard_step(plan)
+
+    assert scheduler.requests == {"a": retry} and retry.status is RequestStatus.WAITING
+
+
+def test_a_plan_is_applied_once() -> None:
+    scheduler = make_scheduler()
+    add(scheduler, "a", [1, 2, 3])
+    plan = scheduler.schedule()
+    scheduler.update(plan, [7])
+    with pytest.raises(ValueError, match="step 0 is not a step planned here and not applied yet"):
+        scheduler.update(plan, [7])
+
+
 # -- admission --------------------------------------------------------------------
 
 
