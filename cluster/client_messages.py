@@ -95,8 +95,8 @@ class CompletionDelta:
     """What one streamed message adds: new tokens and their text.
 
     Only the last delta of a stream has ``finish_reason`` ("stop", "length" or
-    "abort") and ``usage``; ``replica`` is the replica serving the request (``None``
-    when none did: the server lost its scheduler).
+    "abort") and ``usage``; ``replica`` is the replica that computed its tokens (the
+    server sets it on every message; ``None`` only from a server that does not).
     ``logprobs`` parallels ``token_ids`` when the request asked for them
     (``logprobs=k``), else it is ``None``.  ``prompt_logprobs`` is set on the
     first delta only, when the request asked for them (``prompt_logprobs=k``):

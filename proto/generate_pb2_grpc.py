@@ -57,9 +57,10 @@ class GenerationServicer:
         stop string, or while a character is incomplete.
 
         A failure ends the call with its status: INVALID_ARGUMENT (a bad request,
-        naming the field), RESOURCE_EXHAUSTED (too many requests in flight),
-        UNAUTHENTICATED, or UNAVAILABLE (no replica can take the request now, or
-        the replica computing it failed and no other could go on with it).
+        naming the field), ALREADY_EXISTS (its request_id is in flight),
+        RESOURCE_EXHAUSTED (too many requests in flight), UNAUTHENTICATED, or
+        UNAVAILABLE (no replica can take the request now, or the replica
+        computing it failed and no other could go on with it).
         UNAVAILABLE after some messages means the stream was cut mid-way (also
         when the server lost its scheduler or is stopping): the tokens already
         received stand, but the completion cannot be resumed.  A retry (the
@@ -67,13 +68,19 @@ class GenerationServicer:
         need not repeat those received: a client that retries must discard what
         it has shown of the cut stream, or not retry.  Before the first message,
         UNAVAILABLE may be retried as usual.
+
+        A server with an auth token file takes every call but grpc.health.v1's
+        with the metadata "authorization: Bearer <token>" only (UNAUTHENTICATED
+        without a valid one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Load and cache statistics of every replica.
+        """Load and cache statistics of every replica.  With an auth token file, only
+        the server's monitoring tenants may read them (PERMISSION_DENIED for the
+        others); UNAVAILABLE once the server lost its scheduler.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
