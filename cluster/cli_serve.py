@@ -162,7 +162,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     limits.add_argument(
         "--max-message-bytes", type=int, default=_MAX_MESSAGE_BYTES, metavar="N",
-        help="bytes of a request message or HTTP body (default: %(default)s)",
+        help="bytes of a request message or HTTP body; over it: gRPC's own RESOURCE_EXHAUSTED, "
+        "HTTP 413 (default: %(default)s)",
     )
     parser.add_argument(
         "--max-concurrent-requests", type=int, default=1024,
@@ -177,7 +178,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
         "--stream-interval", type=float, default=0.02, metavar="S", dest="stream_interval_s",
         help="at most one message per S seconds on each stream (first tokens and the end go out at once), "
         "so that the tokens of several steps travel together: fewer messages, more latency "
-        "(default: %(default)s; 0: every fetch of outputs)",
+        "(0 to 1; default: %(default)s; 0: every fetch of outputs)",
     )
     parser.add_argument(
         "--max-messages-per-s", type=int, default=1000, metavar="N",

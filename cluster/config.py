@@ -102,8 +102,8 @@ class ServerConfig:
             check_positive_ints(max_concurrent_requests_per_tenant=self.max_concurrent_requests_per_tenant)
             if self.auth_token_file is None:
                 raise ValueError(
-                    "max_concurrent_requests_per_tenant needs an auth token file (auth_token_file, "
-                    "--auth-token-file): its tokens are the tenants"
+                    "max_concurrent_requests_per_tenant needs an auth token file (auth_token_file): its "
+                    "tokens are the tenants"
                 )
         interval = self.stream_interval_s
         if isinstance(interval, bool) or not isinstance(interval, (int, float)) or not 0 <= interval <= 1:
@@ -116,8 +116,7 @@ class ServerConfig:
             raise ValueError(f"auth_token_file must be a path string, got {self.auth_token_file!r}")
         if self.monitoring_tenants and self.auth_token_file is None:
             raise ValueError(
-                "monitoring_tenants needs an auth token file (auth_token_file, --auth-token-file): its tokens "
-                "are the tenants"
+                "monitoring_tenants needs an auth token file (auth_token_file): its tokens are the tenants"
             )
 
     @property
