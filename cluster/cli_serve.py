@@ -331,15 +331,14 @@ def run_serve(args: argparse.Namespace) -> int:
             TokenTable.from_file(server_config.auth_token_file).check_tenant_names(
                 server_config.monitoring_tenants, flag="--monitoring-tenant"
             )
+        # NOTE: log records only (one line each, which --log-level governs), not progress lines as well.
         if not server_config.is_loopback and server_config.auth_token_file is None:
             logger.warning(
                 "SERVING WITHOUT AUTHENTICATION on %s: anyone who can reach this address can generate and see "
                 "the prefix cache of everyone's requests; pass --auth-token-file FILE", args.host,
             )
-            progress(f"WARNING: --host {args.host} without --auth-token-file: no authentication")
         for warning in security_warnings(server_config):
             logger.warning("%s", warning)
-            progress(f"WARNING: {warning}")
         model_dir = args.model
         if model_dir is None:
             from kvserve.worker.tiny_model import default_tiny_model_path, ensure_default_tiny_model_in_a_child

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -49,11 +50,14 @@ def test_a_token_file_or_tls_key_open_to_others_is_warned_of_by_name(tmp_path, m
     ]
 
 
-def test_serve_prints_the_warnings_before_anything_starts(tmp_path, capsys) -> None:
+def test_serve_logs_the_warnings_before_anything_starts_once_each(tmp_path, capsys, caplog) -> None:
     tokens = _secret(tmp_path / "tokens", 0o644)
     # A missing model directory ends the run before Ray starts, after the warnings.
     flags = ["--host", "0.0.0.0", "--auth-token-file", tokens, "--model", str(tmp_path / "no-model")]
-    assert main(["serve", *flags]) == 2
-    out = capsys.readouterr().out
-    assert "kvserve serve: WARNING: --host 0.0.0.0 with --auth-token-file but without --tls-cert" in out
-    assert f"kvserve serve: WARNING: --auth-token-file {tokens} is open to group or others (mode 644" in out
+    with caplog.at_level(logging.WARNING):
+        assert main(["serve", *flags]) == 2
+    warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert [w for w in warnings if w.startswith("--host 0.0.0.0 with --auth-token-file but without --tls-cert")]
+    assert [w for w in warnings if w.startswith(f"--auth-token-file {tokens} is open to group or others (mode 644")]
+    # Not printed as progress lines too: one line for each (the log's, which --log-level governs).
+    assert "WARNING" not in capsys.readouterr().out
