@@ -350,6 +350,7 @@ def run_serve(args: argparse.Namespace) -> int:
             except RuntimeError as exc:
                 print(f"kvserve serve: error: {exc}", file=sys.stderr)
                 return 1
+        _check_kv_cache_size_flags(args)
         simulation = _simulation_config(args)
         chat_template = _read_chat_template(args.chat_template)
         config = ClusterConfig(
@@ -458,6 +459,18 @@ def _read_chat_template(path: Path | None) -> str | None:
     except ValueError as exc:
         raise ValueError(f"--chat-template {path}: {exc}") from None
     return template
+
+
+def _check_kv_cache_size_flags(args: argparse.Namespace) -> None:
+    """``ValueError`` for --num-blocks with a flag that sizes the KV cache otherwise (it would do nothing)."""
+    if args.num_blocks is None:
+        return
+    given = [flag for flag, value in (("--cpu-kv-cache-bytes", args.cpu_kv_cache_bytes),
+                                      ("--gpu-memory-utilization", args.gpu_memory_utilization))
+             if value is not None]
+    if given:
+        raise ValueError(f"--num-blocks sets the KV cache's size, which {' and '.join(given)} would set otherwise: "
+                         "give one of them")
 
 
 def _simulation_config(args: argparse.Namespace) -> SimulationConfig | None:

@@ -80,6 +80,10 @@ def test_ctrl_c_before_a_command_handles_it_is_one_line(capsys, monkeypatch):
          "--max-concurrent-requests-per-tenant needs an auth token file (--auth-token-file): its tokens are the tenants"),
         (["--monitoring-tenant", "ops"], "--monitoring-tenant needs an auth token file (--auth-token-file): its tokens"),
         (["--tenant-cache-share", "0.5"], "--tenant-cache-share needs an auth token file (--auth-token-file)"),
+        # Each was silently ignored.
+        (["--num-blocks", "64", "--cpu-kv-cache-bytes", "1000"],
+         "--num-blocks sets the KV cache's size, which --cpu-kv-cache-bytes would set otherwise: give one of them"),
+        (["--num-blocks", "64", "--gpu-memory-utilization", "0.5"], "which --gpu-memory-utilization would set"),
         (["--long-prefill-token-threshold", "0"], "--long-prefill-token-threshold must be a positive integer, got 0"),
         (["--stream-interval", "-1"], "--stream-interval must be in [0, 1] seconds"),
         (["--placement-timeout", "-1"], "--placement-timeout must be a positive number of seconds, got -1.0"),
