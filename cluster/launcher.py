@@ -182,6 +182,7 @@ def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | No
     raised; ``report``, when given, is told so when the signal comes.
     """
     keep_ray_on_loopback()
+    plain_actor_logs_off_a_terminal()
     resources = {WORKER_CPU_RESOURCE: num_worker_slots} if num_worker_slots else {}
     # NOTE: an interrupt inside ray.init left Ray's dashboard and runtime-env
     # agents running after the process exited (they ignore SIGTERM).
@@ -202,6 +203,14 @@ def init_local_ray(num_worker_slots: int = 0, report: Callable[[str], None] | No
         ray.shutdown()
         raise KeyboardInterrupt
     return context.address_info["gcs_address"]
+
+
+def plain_actor_logs_off_a_terminal() -> None:
+    """Ray prints the actors' log lines in this process with colour codes around their prefix
+    (``(SchedulerActor pid=...)``): noise in a file or a journal.  Off unless both output streams are
+    terminals, or the environment chose (``RAY_COLOR_PREFIX``)."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 # What the ray CLI, in another shell, needs to reach the instance that init_local_ray started: that it
@@ -232,6 +241,7 @@ def join_ray(address: str) -> str:
         # A cluster on this machine's loopback: Ray would otherwise connect to
         # the host's routable address instead (see ray_loopback).
         keep_ray_on_loopback()
+    plain_actor_logs_off_a_terminal()
     with _sigterm_handler_kept():
         try:
             context = ray.init(address=address, namespace=RAY_NAMESPACE, logging_level=logging.WARNING)

@@ -19,7 +19,7 @@ from pathlib import Path
 from kvserve.cluster.cli_config_file import parse_args_with_config_file
 from kvserve.cluster.cli_generate import add_generate_parser
 from kvserve.cluster.cli_serve import add_serve_parser
-from kvserve.cluster.log_format import LOG_FORMAT
+from kvserve.cluster.log_format import OneLineFormatter
 from kvserve.experiments.experiment import add_experiment_parser
 
 _FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -51,7 +51,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=log_level(args), format=LOG_FORMAT)
+    stderr = logging.StreamHandler()
+    stderr.setFormatter(OneLineFormatter())
+    logging.basicConfig(level=log_level(args), handlers=[stderr])
     return args.handler(args)
 
 
