@@ -16,15 +16,27 @@ SHUTDOWN_GRACE_S = 5.0
 
 
 def check_local_gpus(config: ClusterConfig) -> None:
-    """``RuntimeError`` when ``--device cuda`` asks a local cluster for more GPUs than this machine has.
+    """``RuntimeError`` when ``--device cuda`` asks a local cluster for more GPUs than this machine has, or
+    ``--attention-backend cuda`` is given for replicas that will run on CPU.
 
     NOTE: only for the local cluster serve starts itself: a joined cluster may gain GPU
     nodes as it scales up, so there the replicas wait for their placement (and its timeout).
     """
-    if config.engine.runtime.device != "cuda" or config.simulation is not None:
+    runtime = config.engine.runtime
+    if config.simulation is not None:
         return
     import torch
 
+    if runtime.attention_backend == "cuda" and runtime.device != "cuda" and (
+        runtime.device == "cpu" or not torch.cuda.is_available()
+    ):
+        raise RuntimeError(
+            "--attention-backend cuda needs the replicas on a GPU, and they run on CPU here "
+            f"({'--device cpu' if runtime.device == 'cpu' else 'this machine has no GPU'}): leave it out, or "
+            "give --device cuda on a machine with GPUs (or --address to join a cluster with them)"
+        )
+    if runtime.device != "cuda":
+        return
     needed = config.parallel.num_workers
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible < needed:

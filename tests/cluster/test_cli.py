@@ -268,6 +268,18 @@ def test_serve_on_cuda_without_a_gpu_says_so_at_once(capsys, model_dir):
     assert "Ray" not in captured.out
 
 
+@pytest.mark.parametrize("device", [[], ["--device", "cpu"]])
+def test_serve_with_the_cuda_attention_backend_on_cpu_says_so_at_once(capsys, model_dir, device):
+    # It started Ray and the replica, and failed 20 s later with the kernel's words, naming no flag.
+    if not device and torch.cuda.is_available():
+        pytest.skip("checks a machine without a GPU")
+    args = ["serve", "--model", str(model_dir), "--port", "0", "--http-port", "0", "--attention-backend", "cuda"]
+    assert main([*args, *device]) == 1
+    captured = capsys.readouterr()
+    assert "--attention-backend cuda needs the replicas on a GPU, and they run on CPU here" in captured.err
+    assert "Ray" not in captured.out
+
+
 def test_generate_without_a_server_says_unavailable():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
