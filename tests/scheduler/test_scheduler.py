@@ -10,6 +10,7 @@ from kvserve.scheduler.config import CacheConfig, SchedulerConfig
 from kvserve.scheduler.request import FinishReason, Request, RequestStatus
 from kvserve.scheduler.sampling_params import SamplingParams
 from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.step_plan import StepPlan
 from tests.scheduler.paged_token_worker import (
     EOS_TOKEN_ID,
     PagedTokenWorker,
@@ -352,15 +353,21 @@ def test_abort_during_an_inflight_step_drops_its_token() -> None:
     assert [(o.req_id, o.token_id) for o in outs] == [("b", 8)]
 
 
+def retried_during_its_step(scheduler: Scheduler) -> tuple[StepPlan, Request]:
+    """Request "a" planned, then aborted while its step runs and added again under its id: the step's
+    plan, and the new request."""
+    add(scheduler, "a", [1, 2, 3])
+    plan = scheduler.schedule()
+    scheduler.abort_requests(["a"])
+    return plan, add(scheduler, "a", [4, 5, 6])
+
+
 def test_a_request_reusing_the_id_of_one_aborted_during_an_inflight_step_gets_none_of_its_results() -> None:
     # A client that cancels and retries under the same request id: the old request's token, when its
     # step came back, was applied to the new one, which then counted -1 tokens on their way and was
     # never scheduled, and held every request queued behind it.
     scheduler = make_scheduler()
-    add(scheduler, "a", [1, 2, 3])
-    plan = scheduler.schedule()
-    scheduler.abort_requests(["a"])
-    retry = add(scheduler, "a", [4, 5, 6])
+    plan, retry = retried_during_its_step(scheduler)
     add(scheduler, "b", [1, 2, 3])
 
     assert scheduler.update(plan, [7]) == []
@@ -375,10 +382,7 @@ def test_a_request_reusing_the_id_of_one_aborted_during_an_inflight_step_gets_no
 
 def test_a_failed_step_leaves_a_request_that_reuses_the_id_of_one_it_held() -> None:
     scheduler = make_scheduler()
-    add(scheduler, "a", [1, 2, 3])
-    plan = scheduler.schedule()
-    scheduler.abort_requests(["a"])
-    retry = add(scheduler, "a", [4, 5, 6])
+    plan, retry = retried_during_its_step(scheduler)
 
     scheduler.discard_step(plan)
 
