@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -54,6 +55,10 @@ def _main(argv: Sequence[str] | None) -> int:
     stderr = logging.StreamHandler()
     stderr.setFormatter(OneLineFormatter())
     logging.basicConfig(level=log_level(args), handlers=[stderr])
+    if log_level(args) > logging.DEBUG:
+        # NOTE: gRPC's core logs its INFO lines raw on stderr (a failed TLS handshake's, before the error
+        # that says the same); -v keeps them.
+        os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     return args.handler(args)
 
 

@@ -3,6 +3,7 @@ prints of a call, against a stand-in gRPC server that answers as a kvserve serve
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -223,6 +224,19 @@ def test_a_readable_tls_ca_file_is_used_for_the_call(capsys, ca_file, target):
     # The stand-in server speaks no TLS: the call is made, and fails as a connection does.
     assert generate("--target", target, "--timeout", "5", "hi", "--tls-ca", str(ca_file)) == 1
     assert capsys.readouterr().err.startswith("kvserve generate: error: UNAVAILABLE: ")
+
+
+def test_a_failed_tls_handshake_is_the_error_line_alone(ca_file, target):
+    # gRPC's core wrote its own raw line about the handshake first ("I1129 ... Handshake failed ...").
+    env = {key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"}
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "generate", "--target", target, "--timeout", "5", "hi",
+         "--tls-ca", str(ca_file)],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith("kvserve generate: error: UNAVAILABLE: ") and "handshake" in line.lower()
 
 
 def _written(path: Path, text: str) -> Path:
