@@ -124,6 +124,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # the paged KV cache (block id -> slot -> the token prefix it encodes).
         self.worker_tables: dict[str, list[int]] = {}
         self.worker_num_prompt_tokens: dict[str, int] = {}
+        # The request each worker table is of (an id may name a newer request once its old one is aborted).
+        self.worker_requests: dict[str, Request] = {}
         self.kv_slots: dict[int, dict[int, tuple[int, ...]]] = {}
 
     # -- rules -------------------------------------------------------------------
@@ -137,9 +139,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         for prompt, max_tokens, stops in new_requests:
             self.add_request(prompt, max_tokens, stops)
 
-    def add_request(self, prompt: list[int], max_tokens: int, stops: bool) -> None:
-        req_id = f"r{self.num_created}"
-        self.num_created += 1
+    def add_request(self, prompt: list[int], max_tokens: int, stops: bool, req_id: str | None = None) -> None:
+        if req_id is None:
+            req_id = f"r{self.num_created}"
+            self.num_created += 1
         params = SamplingParams(max_tokens=max_tokens, stop_token_ids=(STOP_TOKEN,) if stops else ())
         request = Request(req_id, prompt, params)
         # The KV it can ever need: every token but the last sampled one.
@@ -207,6 +210,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             return {req_id}
 
         self.run_one_step(abort_one)
+
+    @precondition(lambda self: self.scheduler.has_unfinished_requests())
+    @rule(data=st.data(), retry=st.tuples(PROMPTS, st.integers(1, 8), st.booleans()))
+    def step_with_an_abort_and_a_retry_under_its_id_in_flight(
+        self, data: st.DataObject, retry: tuple[list[int], int, bool]
+    ) -> None:
+        """A client that cancels and retries under the same request id while the step runs: the retry
+        gets none of the step's results (they went to it by id, and it was never scheduled)."""
+
+        def abort_and_retry(plan: StepPlan) -> set[str]:
+            if not plan.req_ids:
+                return set()
+            req_id = data.draw(st.sampled_from(plan.req_ids), label="retried_in_flight")
+            assert self.scheduler.abort_requests([req_id]) == [self.requests[req_id]]
+            self.add_request(*retry, req_id=req_id)
+            return {req_id}
+
+        self.run_one_step(abort_and_retry)
 
     # -- one step, as the engine and its workers run it -----------------------------
 
@@ -296,16 +317,18 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert waiting_ids == [*reversed(plan.preempted_req_ids), *waiting_before]
 
         # Workers drop exactly the requests they know that have finished since.
-        finished_known = {req_id for req_id in self.worker_tables if self.requests[req_id].is_finished}
+        finished_known = {req_id for req_id, request in self.worker_requests.items() if request.is_finished}
         assert sorted(plan.finished_req_ids) == sorted(finished_known)
 
     def run_plan_on_workers(self, plan: StepPlan) -> tuple[list[str], list[int]]:
         """Apply ``plan`` as a worker would; return the sampled rows and the fake model's tokens."""
         for req_id in [*plan.finished_req_ids, *plan.preempted_req_ids]:
             del self.worker_tables[req_id]
+            del self.worker_requests[req_id]
         for new in plan.new_requests:
             assert new.req_id not in self.worker_tables
             self.worker_tables[new.req_id] = []
+            self.worker_requests[new.req_id] = self.requests[new.req_id]
             self.worker_num_prompt_tokens[new.req_id] = new.num_prompt_tokens
         rows = list(plan)
         # Each layer writes the KV of every scheduled token before attention reads any.
