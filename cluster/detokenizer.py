@@ -66,6 +66,8 @@ class IncrementalDetokenizer:
 
     def held(self) -> str:
         """The text held back now, as ``flush`` would return it, without flushing it."""
+        if self._read_offset == len(self._token_ids):  # every token's text has been returned
+            return ""
         prefix_text, text = self._decode_window()
         return text[len(prefix_text) :]
 

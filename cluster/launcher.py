@@ -372,7 +372,8 @@ def local_ray_lost() -> bool:
 
     node = getattr(ray_worker, "_global_node", None)
     processes = getattr(node, "all_processes", None) or {}
-    for kind in (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_LOG_MONITOR):
+    kinds = (ray_constants.PROCESS_TYPE_GCS_SERVER, ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_LOG_MONITOR)
+    for kind in kinds:
         for info in processes.get(kind, ()):
             process = getattr(info, "process", None)
             if process is not None and process.poll() is not None:

@@ -445,17 +445,17 @@ def finish_reason(response: generate_pb2.GenerateResponse) -> str | None:
     return _FINISH_REASONS.get(response.finish_reason)
 
 
-def to_usage(lasts: Sequence[generate_pb2.GenerateResponse], prompt_of: Sequence[int] | None = None) -> CompletionUsage:
+def to_usage(lasts: Sequence[generate_pb2.GenerateResponse], prompt_of: Sequence[int]) -> CompletionUsage:
     """The usage of one request's choices, from each one's last message; ``prompt_of``: the index of each
-    choice's prompt in a batch (``None``: one prompt).
+    choice's prompt (in a batch of prompts; all 0 for one).
 
     Each prompt is counted once, as OpenAI counts it, and the completions are summed; a prompt's cached
     tokens are the fewest any of its choices found cached, so that they never claim a saving that some
     choice did not make.
     """
     by_prompt: dict[int, list[generate_pb2.GenerateResponse]] = {}
-    for index, last in enumerate(lasts):
-        by_prompt.setdefault(prompt_of[index] if prompt_of is not None else 0, []).append(last)
+    for last, prompt in zip(lasts, prompt_of, strict=True):
+        by_prompt.setdefault(prompt, []).append(last)
     prompt_tokens = sum(choices[0].usage.prompt_tokens for choices in by_prompt.values())
     completion_tokens = sum(last.usage.completion_tokens for last in lasts)
     cached_tokens = sum(min(last.usage.cached_prompt_tokens for last in choices) for choices in by_prompt.values())

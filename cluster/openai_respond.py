@@ -96,18 +96,17 @@ async def respond(
     stream: bool,
     include_usage: bool,
     request: Request,
+    prompts: Sequence[ChoicePrompt],
     fields: FieldNames = COMPLETION_FIELDS,
-    prompts: Sequence[ChoicePrompt] | None = None,
 ) -> Response:
     """The completion of ``generates`` (one request per choice) through the front end's pipeline, whole or as
     server-sent events; ``request_id`` names the completion.  Measured as one request, whatever its number
     of choices.  Errors name the fields as the request did (``fields``); ``prompts``: what each choice
-    carries of its prompt (``None``: the choices of one prompt, which carry nothing of it)."""
+    carries of its prompt."""
     setattr(request.state, MEASURED, True)
     pipelines = [frontend.responses(generate, tenant=request.state.tenant, measured=False) for generate in generates]
     choices = frontend.metrics.track_choices(interleave(pipelines), len(generates))
     kept = [kept_tokens(generate, frontend.tokenizer) for generate in generates]
-    prompts = prompts if prompts is not None else [ChoicePrompt()] * len(generates)
     if stream:
         return await _stream(request_id, choices, kept, shape, include_usage, fields, prompts, request)
     return await _complete(request_id, choices, kept, shape, request, fields, prompts)

@@ -82,12 +82,11 @@ class TextOffsets:
     own shows only in hindsight: a byte-fallback decoder shows each part of a character as U+FFFD).
     """
 
-    __slots__ = ("_detokenizer", "_length", "_holding")
+    __slots__ = ("_detokenizer", "_length")
 
     def __init__(self, tokenizer: Any | None) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self._length = 0
-        self._holding = False
 
     def of(self, token_ids: Sequence[int]) -> list[int]:
         """The offsets of ``token_ids``, which follow the tokens given before."""
@@ -95,12 +94,11 @@ class TextOffsets:
             return [0] * len(token_ids)
         offsets = []
         for token_id in token_ids:
-            held = self._detokenizer.held() if self._holding else ""
+            held = self._detokenizer.held()
             added = self._detokenizer.add([token_id])
             after_held = held and len(added) > len(held) and added.startswith(held)
             offsets.append(self._length + (len(held) if after_held else 0))
             self._length += len(added)
-            self._holding = not added
         return offsets
 
 

@@ -25,11 +25,7 @@ def check_local_gpus(config: ClusterConfig) -> None:
     runtime = config.engine.runtime
     if config.simulation is not None:
         return
-    import torch
-
-    if runtime.attention_backend == "cuda" and runtime.device != "cuda" and (
-        runtime.device == "cpu" or not torch.cuda.is_available()
-    ):
+    if runtime.attention_backend == "cuda" and _local_replicas_on_cpu(config):
         raise RuntimeError(
             "--attention-backend cuda needs the replicas on a GPU, and they run on CPU here "
             f"({'--device cpu' if runtime.device == 'cpu' else 'this machine has no GPU'}): leave it out, or "
@@ -37,6 +33,8 @@ def check_local_gpus(config: ClusterConfig) -> None:
         )
     if runtime.device != "cuda":
         return
+    import torch
+
     needed = config.parallel.num_workers
     visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if visible < needed:
@@ -46,6 +44,17 @@ def check_local_gpus(config: ClusterConfig) -> None:
             f"(torch {torch.__version__}, CUDA {torch.version.cuda}); use fewer replicas, --device cpu, "
             f"or --address to join a cluster with GPUs"
         )
+
+
+def _local_replicas_on_cpu(config: ClusterConfig) -> bool:
+    """Whether a local cluster's (unsimulated) replicas run on CPU: ``--device cpu``, or no device given
+    on a machine without a GPU."""
+    device = config.engine.runtime.device
+    if device is not None:
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
 
 
 def init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str], None]) -> None:
@@ -58,13 +67,8 @@ def init_ray(address: str | None, config: ClusterConfig, progress: Callable[[str
         return
 
     num_worker_slots = 0
-    if config.simulation is not None:
+    if config.simulation is not None or _local_replicas_on_cpu(config):
         num_worker_slots = config.parallel.num_workers
-    elif config.engine.runtime.device != "cuda":
-        import torch
-
-        if config.engine.runtime.device == "cpu" or not torch.cuda.is_available():
-            num_worker_slots = config.parallel.num_workers
     progress("starting a local Ray instance")
     gcs_address = init_local_ray(num_worker_slots, report=progress)
     progress(f"started a local Ray instance at {gcs_address} (its status: {ray_status_command(gcs_address)})")

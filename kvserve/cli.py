@@ -52,10 +52,11 @@ def _main(argv: Sequence[str] | None) -> int:
     except ValueError as exc:
         print(f"kvserve serve: error: {exc}", file=sys.stderr)
         return 2
+    level = log_level(args)
     stderr = logging.StreamHandler()
     stderr.setFormatter(OneLineFormatter())
-    logging.basicConfig(level=log_level(args), handlers=[stderr])
-    if log_level(args) > logging.DEBUG:
+    logging.basicConfig(level=level, handlers=[stderr])
+    if level > logging.DEBUG:
         # NOTE: gRPC's core logs its INFO lines raw on stderr (a failed TLS handshake's, before the error
         # that says the same); -v keeps them.
         os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

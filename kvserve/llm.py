@@ -202,8 +202,7 @@ class LLM:
                 prompts.append(render_conversation(self.tokenizer, template, conversation_of(conversation)))
             except ValueError as exc:
                 raise ValueError(f"{where}{exc}") from None
-        progress = _progress_setting(progress, use_tqdm)
-        return self.generate(prompts, sampling_params, cache_salt=cache_salt, progress=progress)
+        return self.generate(prompts, sampling_params, cache_salt=cache_salt, progress=progress, use_tqdm=use_tqdm)
 
     def get_tokenizer(self) -> Any | None:
         """The model's tokenizer (``None`` without one), as vLLM's ``LLM.get_tokenizer``."""
